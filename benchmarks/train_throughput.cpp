@@ -1,0 +1,153 @@
+// loom-bench-train: training throughput of a loom GPT-2 on the CPU, step by step.
+// benchmarks/train_throughput.py is the same model and step in PyTorch's Python API, with the
+// same flags and the same JSON line, so scripts/bench can put the two side by side.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "../examples/common/app_main.h"
+#include "loom/loom.h"
+
+namespace {
+
+struct Options {
+  std::string preset = "gpt2-mini";
+  int64_t d_model = 0, layers = 0, heads = 0;  // 0: the preset's
+  int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
+  int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
+  int threads = 2;
+  uint64_t seed = 1337;
+};
+
+loom::models::ModelConfig model_config(const Options& o) {
+  auto c = loom::models::ModelConfig::preset(o.preset);
+  LOOM_CHECK(c.family == loom::models::Family::kGpt2,
+             "--preset {} is not a GPT-2 preset; the PyTorch twin only has GPT-2", o.preset);
+  if (o.d_model > 0) c.d_model = o.d_model;
+  if (o.layers > 0) c.n_layers = o.layers;
+  if (o.heads > 0) c.n_heads = c.n_kv_heads = o.heads;
+  c.d_ff = 4 * c.d_model;  // GPT-2's MLP width, also when --d-model changes it
+  c.vocab_size = o.vocab;
+  c.validate();
+  LOOM_CHECK(o.seq_len > 0 && o.seq_len <= c.max_seq_len,
+             "--seq-len {} must be in [1, {}] (the preset's max_seq_len)", o.seq_len,
+             c.max_seq_len);
+  LOOM_CHECK(o.batch_size > 0, "--batch-size {} must be positive", o.batch_size);
+  LOOM_CHECK(o.steps > 0, "--steps {} must be positive", o.steps);
+  LOOM_CHECK(o.warmup >= 0, "--warmup {} must be >= 0", o.warmup);
+  LOOM_CHECK(o.threads > 0, "--threads {} must be positive", o.threads);
+  return c;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void run(const Options& o) {
+  const auto config = model_config(o);
+  at::set_num_threads(o.threads);
+
+  auto model = loom::models::make_model(config);
+  loom::models::init_parameters(*model, o.seed);
+  model->train();
+  loom::core::NamedTensors named;
+  std::vector<at::Tensor> params;
+  for (const auto& item : model->named_parameters()) {
+    named.emplace_back(item.key(), item.value());
+    params.push_back(item.value());
+  }
+  int64_t num_params = 0;
+  for (const auto& p : params) num_params += p.numel();
+  loom::train::AdamW optimizer(named, {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                                       .weight_decay = 0.1});
+  constexpr double kLr = 1e-3, kMaxGradNorm = 1.0;
+
+  // Every batch is drawn before the clock starts, so only the training step is timed. The
+  // generator and call match the Python twin's, so both see the same tokens.
+  const int64_t total = o.warmup + o.steps;
+  auto gen = loom::core::make_generator(o.seed);
+  const auto tokens = at::randint(o.vocab, {total, o.batch_size, o.seq_len + 1}, gen, at::kLong);
+  std::vector<at::Tensor> inputs, targets;
+  for (int64_t i = 0; i < total; ++i) {
+    inputs.push_back(tokens[i].narrow(1, 0, o.seq_len).contiguous());
+    targets.push_back(tokens[i].narrow(1, 1, o.seq_len).contiguous());
+  }
+
+  std::vector<double> step_ms;
+  std::vector<at::Tensor> losses;  // read after timing; .item() on the CPU would not sync anyway
+  for (int64_t i = 0; i < total; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    auto loss = loom::models::next_token_loss(model->forward(inputs[i]), targets[i]);
+    loss.backward();
+    loom::train::clip_grad_norm(params, kMaxGradNorm);
+    optimizer.step(kLr);
+    optimizer.zero_grad();
+    const auto stop = std::chrono::steady_clock::now();
+    losses.push_back(loss.detach());
+    if (i >= o.warmup)
+      step_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+  }
+
+  const double med = median(step_ms);
+  double sum = 0;
+  for (double ms : step_ms) sum += ms;
+  // Key order and names are shared with train_throughput.py; scripts/bench compares "config".
+  nlohmann::ordered_json out = {
+      {"impl", "loom"},
+      {"tokens_per_s", static_cast<double>(o.batch_size * o.seq_len) / (med / 1000.0)},
+      {"step_ms_median", med},
+      {"step_ms_mean", sum / static_cast<double>(step_ms.size())},
+      {"step_ms_min", *std::min_element(step_ms.begin(), step_ms.end())},
+      {"params", num_params},
+      {"loss_first", losses.front().item<double>()},
+      {"loss_last", losses.back().item<double>()},
+      {"threads_used", at::get_num_threads()},
+      {"config",
+       {{"preset", o.preset},
+        {"d_model", config.d_model},
+        {"n_layers", config.n_layers},
+        {"n_heads", config.n_heads},
+        {"d_ff", config.d_ff},
+        {"vocab_size", config.vocab_size},
+        {"max_seq_len", config.max_seq_len},
+        {"seq_len", o.seq_len},
+        {"batch_size", o.batch_size},
+        {"steps", o.steps},
+        {"warmup", o.warmup},
+        {"threads", o.threads},
+        {"seed", o.seed},
+        {"decayed_tensors", optimizer.num_decayed()},
+        {"undecayed_tensors", optimizer.num_not_decayed()}}}};
+  std::printf("%s\n", out.dump().c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Time loom GPT-2 training steps (forward, backward, clip, AdamW) on the CPU.",
+               "loom-bench-train"};
+  Options o;
+  app.add_option("--preset", o.preset, "GPT-2 shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m")
+      ->capture_default_str();
+  app.add_option("--d-model", o.d_model, "Width (0: the preset's); d_ff is 4x this")
+      ->capture_default_str();
+  app.add_option("--layers", o.layers, "Blocks (0: the preset's)")->capture_default_str();
+  app.add_option("--heads", o.heads, "Attention heads (0: the preset's)")->capture_default_str();
+  app.add_option("--vocab", o.vocab, "Vocabulary size")->capture_default_str();
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence")->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "Sequences per step")->capture_default_str();
+  app.add_option("--steps", o.steps, "Timed steps")->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Untimed steps before them")->capture_default_str();
+  app.add_option("--threads", o.threads, "Intra-op threads")->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed for initialization and the token batches")
+      ->capture_default_str();
+  return loom::apps::run_app(app, argc, argv, [&] { run(o); });
+}

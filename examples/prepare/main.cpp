@@ -1,0 +1,49 @@
+// loom-prepare: text files -> DIR/train.bin and DIR/val.bin (llm.c format) + DIR/meta.json.
+#include <spdlog/spdlog.h>
+
+#include "../common/app_main.h"
+#include "loom/loom.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tokenize text files into llm.c token shards (train.bin, val.bin) and meta.json.",
+               "loom-prepare"};
+  std::vector<std::string> inputs;
+  std::string out_dir, vocab, merges;
+  double val_fraction = 0.1;
+  app.add_option("--input", inputs, "Text files, concatenated in the order given")->required();
+  app.add_option("--out-dir", out_dir, "Directory for train.bin, val.bin, meta.json")->required();
+  app.add_option("--val-fraction", val_fraction, "Share of tokens (the end) kept for validation")
+      ->capture_default_str();
+  auto* v = app.add_option("--vocab", vocab, "GPT-2 BPE vocab.json (default: byte tokenizer)");
+  auto* m = app.add_option("--merges", merges, "GPT-2 BPE merges.txt");
+  v->needs(m);
+  m->needs(v);
+  return loom::apps::run_app(app, argc, argv, [&] {
+    loom::core::setup_logging("info");
+    LOOM_CHECK(val_fraction >= 0 && val_fraction < 1, "--val-fraction {} must be in [0, 1)",
+               val_fraction);
+    std::unique_ptr<loom::data::Tokenizer> tok;
+    if (vocab.empty())
+      tok = std::make_unique<loom::data::ByteTokenizer>();
+    else
+      tok = std::make_unique<loom::data::Gpt2BpeTokenizer>(vocab, merges);
+    LOOM_CHECK(tok->vocab_size() <= 65536,
+               "vocabulary of {} ids does not fit llm.c's uint16 tokens (at most 65536)",
+               tok->vocab_size());
+    std::string text;
+    for (const auto& file : inputs) text += loom::core::read_file(file);
+    const auto ids = tok->encode(text);
+    LOOM_CHECK(ids.size() >= 2, "the input holds {} tokens; at least 2 are needed", ids.size());
+    std::vector<uint16_t> tokens(ids.begin(), ids.end());
+    const auto n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
+    const auto n_train = tokens.size() - n_val;
+    loom::core::ensure_writable_dir(out_dir);
+    const std::filesystem::path dir(out_dir);
+    loom::data::write_llmc_shard(dir / "train.bin", {tokens.data(), n_train});
+    if (n_val > 0) loom::data::write_llmc_shard(dir / "val.bin", {tokens.data() + n_train, n_val});
+    loom::data::save_tokenizer_meta(*tok, dir, vocab, merges);
+    spdlog::info("{} bytes of text -> {} tokens ({} tokenizer, vocab {}): {} train, {} val, in {}",
+                 text.size(), tokens.size(), tok->kind(), tok->vocab_size(), n_train, n_val,
+                 out_dir);
+  });
+}

@@ -1,0 +1,70 @@
+// loom-pretrain: pretrain a GPT-2 or Llama model on token files, in one process.
+#include <ATen/Parallel.h>
+
+#include "../common/app_main.h"
+#include "loom/loom.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Pretrain a GPT-2 or Llama model with loom.", "loom-pretrain"};
+  app.set_config("--config", "", "Read flags from a TOML/INI file (keys are flag names)");
+  loom::train::TrainConfig c;
+  int threads = 0;
+  std::string log_level = "info";
+  app.add_option("--model", c.model, "Model family: gpt2 | llama")->capture_default_str();
+  app.add_option("--preset", c.preset,
+                 "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b")
+      ->capture_default_str();
+  app.add_option("--init-from-hf", c.init_from_hf,
+                 "Start from a Hugging Face directory (config.json + model.safetensors); its "
+                 "config gives the model shape");
+  app.add_option("--vocab-size", c.vocab_size,
+                 "Vocabulary size (0: from the data directory's meta.json, else 256)")
+      ->capture_default_str();
+  app.add_option("--data", c.data, "Training tokens: llm.c .bin shard or raw uint16 *.u16")
+      ->required();
+  app.add_option("--val-data", c.val_data, "Validation tokens (same formats)");
+  app.add_option("--steps", c.steps, "Optimizer steps to train to")->capture_default_str();
+  app.add_option("--batch-size", c.batch_size,
+                 "Global batch: sequences per optimizer step (before --grad-accum splits it)")
+      ->capture_default_str();
+  app.add_option("--seq-len", c.seq_len, "Tokens per sequence")->capture_default_str();
+  app.add_option("--grad-accum", c.grad_accum, "Micro-batches per optimizer step")
+      ->capture_default_str();
+  app.add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
+      ->capture_default_str();
+  app.add_option("--warmup-steps", c.warmup_steps, "Linear warmup steps")->capture_default_str();
+  app.add_option("--weight-decay", c.weight_decay,
+                 "AdamW weight decay (matrices only; not norms, biases, embeddings)")
+      ->capture_default_str();
+  app.add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
+  app.add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip (0: off)")
+      ->capture_default_str();
+  app.add_option("--precision", c.precision, "fp32 | bf16 (bf16 keeps fp32 master weights)")
+      ->capture_default_str();
+  app.add_option("--seed", c.seed, "Seed for initialization and data order")
+      ->capture_default_str();
+  app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
+  app.add_option("--save-dir", c.save_dir, "Write checkpoints here");
+  app.add_option("--save-every", c.save_every, "Checkpoint every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
+  app.add_option("--export-hf", c.export_hf, "Write a Hugging Face directory at the end");
+  app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
+  app.add_option("--eval-every", c.eval_every,
+                 "Validation loss every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--eval-batches", c.eval_batches, "Validation micro-batches per evaluation")
+      ->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")
+      ->capture_default_str();
+  return loom::apps::run_app(app, argc, argv, [&] {
+    loom::core::setup_logging(log_level);
+    if (threads > 0) at::set_num_threads(threads);
+    loom::train::Trainer trainer(c);
+    trainer.fit();
+  });
+}

@@ -1,0 +1,28 @@
+#pragma once
+// File helpers with the guarantees checkpoints and data files need: atomic replacement
+// (write to a temporary name, fsync, rename) and content checksums.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+namespace loom::core {
+
+// CRC-32 (IEEE, as zlib) of a byte range, continuing from `crc`.
+uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
+// CRC-32 of a whole file, read in chunks. Throws loom::Error if it cannot be read.
+uint32_t file_crc32(const std::filesystem::path& path);
+
+// Writes `contents` to `path` atomically: a reader sees the old file or the new one, never a
+// mix. Throws loom::Error naming the path on failure.
+void write_file_atomic(const std::filesystem::path& path, std::string_view contents);
+std::string read_file(const std::filesystem::path& path);
+
+// fsync a file or directory by path (best effort for directories).
+void fsync_path(const std::filesystem::path& path);
+
+// Creates `dir` (and parents) and proves it is writable by creating and removing a probe file.
+// Throws loom::Error naming the directory and the OS reason otherwise.
+void ensure_writable_dir(const std::filesystem::path& dir);
+
+}  // namespace loom::core

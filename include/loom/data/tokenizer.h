@@ -1,0 +1,58 @@
+#pragma once
+// Tokenizers: text <-> token ids. Torch-free on purpose (used by loom-prepare, loom-generate).
+//
+// Two kinds ship:
+//  - ByteTokenizer: one token per byte (vocab 256). The default; needs no files.
+//  - Gpt2BpeTokenizer: GPT-2's byte-level BPE, from a Hugging Face style `vocab.json`
+//    (token string -> id) and `merges.txt` (one "a b" merge per line, by rank).
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::data {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  virtual int64_t vocab_size() const = 0;
+  // Short name stored in a data directory's meta.json: "byte" or "gpt2-bpe".
+  virtual std::string kind() const = 0;
+};
+
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(const std::vector<int32_t>& ids) const override;
+  int64_t vocab_size() const override { return 256; }
+  std::string kind() const override { return "byte"; }
+};
+
+class Gpt2BpeTokenizer final : public Tokenizer {
+ public:
+  // Throws loom::Error naming the file and line when either file is missing or malformed.
+  Gpt2BpeTokenizer(const std::filesystem::path& vocab_json, const std::filesystem::path& merges_txt);
+  ~Gpt2BpeTokenizer() override;
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(const std::vector<int32_t>& ids) const override;
+  int64_t vocab_size() const override;
+  std::string kind() const override { return "gpt2-bpe"; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// Writes `dir/meta.json` ({"tokenizer": kind, "vocab_size": N}) and, for BPE, copies the
+// vocab/merges files into `dir` so the data directory is self-describing.
+void save_tokenizer_meta(const Tokenizer& tok, const std::filesystem::path& dir,
+                         const std::filesystem::path& vocab_json = {},
+                         const std::filesystem::path& merges_txt = {});
+// Reads what save_tokenizer_meta wrote. A directory without meta.json means "byte".
+std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& dir);
+
+}  // namespace loom::data

@@ -1,0 +1,44 @@
+#pragma once
+// The shape of a decoder-only language model, for both families loom ships.
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+namespace loom::models {
+
+enum class Family { kGpt2, kLlama };
+
+std::string to_string(Family family);
+Family family_from_string(const std::string& name);  // "gpt2" | "llama"
+
+struct ModelConfig {
+  Family family = Family::kGpt2;
+  int64_t vocab_size = 50257;
+  int64_t max_seq_len = 1024;  // GPT-2: learned positions; Llama: RoPE table length
+  int64_t d_model = 768;
+  int64_t n_layers = 12;
+  int64_t n_heads = 12;
+  int64_t n_kv_heads = 12;  // < n_heads: grouped-query attention (Llama only)
+  int64_t d_ff = 3072;      // MLP hidden width (SwiGLU's gate/up width for Llama)
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;  // Llama only
+  double dropout = 0.0;
+  bool tie_embeddings = true;  // GPT-2: always; Llama: usually untied
+
+  int64_t head_dim() const { return d_model / n_heads; }
+  // Throws loom::Error naming the field, its value and what would be valid.
+  void validate() const;
+  // Number of parameters (tied embeddings counted once).
+  int64_t num_parameters() const;
+
+  nlohmann::json to_json() const;
+  static ModelConfig from_json(const nlohmann::json& j);
+
+  // Presets: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b.
+  // Unknown names throw loom::Error listing the valid ones.
+  static ModelConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+};
+
+}  // namespace loom::models

@@ -1,0 +1,24 @@
+#pragma once
+// Hugging Face format: a directory with config.json and model.safetensors, using the parameter
+// names and config keys of transformers' GPT2LMHeadModel and LlamaForCausalLM, so a model
+// trained in loom loads there with from_pretrained(dir) and back.
+#include <filesystem>
+#include <memory>
+
+#include "loom/models/causal_lm.h"
+
+namespace loom::models {
+
+// Reads config.json; throws loom::Error for a missing file, an unsupported model_type, or a
+// missing key (naming it).
+ModelConfig read_hf_config(const std::filesystem::path& dir);
+
+// Builds the model that config.json describes and loads model.safetensors into it. Every
+// parameter must be present with the right shape; extra tensors are an error too.
+std::shared_ptr<CausalLM> load_hf(const std::filesystem::path& dir);
+
+// Writes config.json and model.safetensors (fp32 unless `dtype` says otherwise). Creates dir.
+void save_hf(const CausalLM& model, const std::filesystem::path& dir,
+             at::ScalarType dtype = at::kFloat);
+
+}  // namespace loom::models

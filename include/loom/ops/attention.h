@@ -1,0 +1,28 @@
+#pragma once
+// The single entry point for attention in loom. Every model calls this, so a fused kernel can
+// replace the implementation for CUDA tensors without touching model code.
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace loom::ops {
+
+struct AttentionOptions {
+  bool causal = true;
+  std::optional<double> scale;  // default 1/sqrt(head_dim)
+  double dropout = 0.0;         // applied as given: callers pass 0 outside training
+};
+
+// q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] with Hkv dividing Hq (grouped-query attention:
+// query head h reads key/value head h / (Hq / Hkv)). Causal attention needs S == T.
+// Returns [B, Hq, T, D].
+// Throws loom::Error naming the shapes when they do not fit together.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionOptions& options = {});
+
+// The plain math (scores = q k^T * scale, causal mask, softmax in fp32, times v), kept as the
+// reference the fast paths are tested against.
+at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& options = {});
+
+}  // namespace loom::ops

@@ -1,0 +1,50 @@
+#pragma once
+// Training checkpoints: model + optimizer + schedule position + data position + RNG.
+//
+// Layout of a save directory:
+//   DIR/step-00000100/model.safetensors      parameters, by fully-qualified name
+//   DIR/step-00000100/optimizer.safetensors  AdamW moments, fp32 masters, step count, RNG state
+//   DIR/step-00000100/state.json             step, configs, and the CRC-32 of every file
+//   DIR/latest                               name of the newest complete checkpoint
+// A checkpoint is written into DIR/step-N.tmp, checksummed, then renamed, and `latest` is
+// replaced atomically afterwards: a kill at any moment leaves the previous checkpoint loadable.
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "loom/core/safetensors.h"
+
+namespace loom::train {
+
+struct CheckpointContents {
+  int64_t step = 0;
+  nlohmann::json state;  // everything state.json holds (configs, step, ...)
+  std::map<std::string, at::Tensor> model;
+  std::map<std::string, at::Tensor> optimizer;
+  std::filesystem::path dir;
+};
+
+// Writes DIR/step-<step> and points DIR/latest at it. `extra_files` are copied into the
+// checkpoint (a tokenizer's meta.json, say). Keeps the newest `keep_last` checkpoints (0 = all).
+// Returns the checkpoint's directory.
+std::filesystem::path save_checkpoint(const std::filesystem::path& dir, int64_t step,
+                                      const core::NamedTensors& model,
+                                      const core::NamedTensors& optimizer, nlohmann::json state,
+                                      const std::vector<std::filesystem::path>& extra_files = {},
+                                      int keep_last = 2);
+
+// `path` is either a save directory (its `latest` is used) or one checkpoint directory.
+// Verifies every checksum; throws loom::Error naming the file that is missing or corrupt.
+CheckpointContents load_checkpoint(const std::filesystem::path& path);
+
+// A checkpoint directory as given, or the one a save directory's `latest` names. Throws
+// loom::Error when `path` is neither.
+std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
+
+// The checkpoint `latest` names, if there is one.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
+
+}  // namespace loom::train

@@ -1,0 +1,55 @@
+#pragma once
+// Everything one training run needs, in one struct: what loom-pretrain's flags fill in and what a
+// checkpoint records.
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+
+namespace loom::train {
+
+struct TrainConfig {
+  // Model: a preset of a family, or a Hugging Face directory (its config.json gives the shape).
+  std::string model = "gpt2";  // gpt2 | llama
+  std::string preset = "gpt2-tiny";
+  std::string init_from_hf;  // directory; overrides model/preset when set
+  int64_t vocab_size = 0;    // 0: the data's tokenizer vocabulary (meta.json), else 256
+  uint64_t seed = 1337;
+
+  // Data.
+  std::string data;      // training token file (llm.c .bin or *.u16)
+  std::string val_data;  // optional validation token file
+  int64_t seq_len = 128;
+
+  // Optimization. batch_size is sequences per optimizer step; grad_accum splits it into
+  // micro-batches of batch_size / grad_accum.
+  int64_t steps = 100;
+  int64_t batch_size = 16;
+  int64_t grad_accum = 1;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 10;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;  // 0 disables clipping
+  std::string precision = "fp32";  // fp32 | bf16
+
+  // Output.
+  std::string metrics_out;  // JSON lines; empty = none
+  std::string save_dir;     // checkpoints; empty = none
+  int64_t save_every = 0;   // 0 = only at the end
+  std::string resume;       // save directory or checkpoint directory
+  std::string export_hf;    // write a Hugging Face directory at the end
+  int64_t log_every = 10;
+  int64_t eval_every = 0;   // 0 = only at the end
+  int64_t eval_batches = 8;
+
+  // Throws loom::Error naming the field, its value and what would be valid.
+  void validate() const;
+  int64_t micro_batch_size() const { return batch_size / grad_accum; }
+
+  nlohmann::json to_json() const;
+  static TrainConfig from_json(const nlohmann::json& j);
+};
+
+}  // namespace loom::train

@@ -1,0 +1,71 @@
+#pragma once
+// The single-process training loop: builds the model, data and optimizer a TrainConfig
+// describes, validates all of it before the first step, then trains, evaluates, checkpoints and
+// resumes.
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+
+#include "loom/data/sampler.h"
+#include "loom/data/tokenizer.h"
+#include "loom/models/causal_lm.h"
+#include "loom/train/config.h"
+#include "loom/train/lr_schedule.h"
+#include "loom/train/metrics.h"
+#include "loom/train/optimizer.h"
+
+namespace loom::train {
+
+struct StepResult {
+  int64_t step = 0;  // optimizer steps completed, this one included
+  double loss = 0;   // mean over the whole batch (all micro-batches)
+  double grad_norm = 0;
+  double lr = 0;
+  double seconds = 0;
+};
+
+class Trainer {
+ public:
+  // Everything that can be wrong with the configuration, the data files, the HF directory, the
+  // checkpoint to resume or the save directory is reported here, as loom::Error, before any
+  // training happens.
+  explicit Trainer(TrainConfig config);
+
+  // Trains from the current step to config.steps, logging progress, evaluating and saving as
+  // configured. Returns the last step's result.
+  StepResult fit();
+  // One optimizer step over one global batch.
+  StepResult train_step();
+  // Mean next-token loss over the first `batches` micro-batches of sequential windows of
+  // `shard` (validation data by default).
+  double evaluate(int64_t batches);
+  // Writes a checkpoint of the current state into config.save_dir.
+  std::filesystem::path save_checkpoint();
+
+  int64_t step() const { return step_; }
+  models::CausalLM& model() { return *model_; }
+  const TrainConfig& config() const { return config_; }
+  const models::ModelConfig& model_config() const { return model_->config(); }
+  const data::Tokenizer& tokenizer() const { return *tokenizer_; }
+
+ private:
+  void resume_from(const std::filesystem::path& path);
+  void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
+
+  TrainConfig config_;
+  std::unique_ptr<data::Tokenizer> tokenizer_;
+  std::filesystem::path tokenizer_dir_;
+  std::shared_ptr<data::TokenShard> train_shard_, val_shard_;
+  std::unique_ptr<data::WindowSampler> train_sampler_, val_sampler_;
+  std::shared_ptr<models::CausalLM> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  LrSchedule schedule_;
+  MetricsWriter metrics_;
+  int64_t step_ = 0;
+};
+
+// Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded.
+std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const std::filesystem::path& path);
+
+}  // namespace loom::train

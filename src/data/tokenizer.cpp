@@ -1,0 +1,499 @@
+#include "loom/data/tokenizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+
+#include "loom/core/error.h"
+
+namespace loom::data {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// ByteTokenizer
+
+std::vector<int32_t> ByteTokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> ids;
+  ids.reserve(text.size());
+  for (char c : text) {
+    ids.push_back(static_cast<unsigned char>(c));
+  }
+  return ids;
+}
+
+std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) const {
+  std::string text;
+  text.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    LOOM_CHECK(ids[i] >= 0 && ids[i] <= 255,
+               "ByteTokenizer::decode: id {} at position {} is outside the byte range 0..255",
+               ids[i], i);
+    text.push_back(static_cast<char>(ids[i]));
+  }
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// UTF-8 and character classes for GPT-2's pre-tokenizer
+
+namespace {
+
+// One code point of a UTF-8 string. Bytes that do not start a valid sequence become a unit of
+// their own with cp = -1, so arbitrary bytes still split (and round-trip) one at a time.
+struct CodePoint {
+  int32_t cp;
+  size_t size;
+};
+
+CodePoint utf8_at(std::string_view s, size_t pos) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char lead = byte(pos);
+  if (lead < 0x80) {
+    return {lead, 1};
+  }
+  size_t size = 0;
+  int32_t cp = 0;
+  int32_t min_cp = 0;  // smallest value this length may encode; smaller ones are overlong
+  if ((lead & 0xE0) == 0xC0) {
+    size = 2, cp = lead & 0x1F, min_cp = 0x80;
+  } else if ((lead & 0xF0) == 0xE0) {
+    size = 3, cp = lead & 0x0F, min_cp = 0x800;
+  } else if ((lead & 0xF8) == 0xF0) {
+    size = 4, cp = lead & 0x07, min_cp = 0x10000;
+  } else {
+    return {-1, 1};
+  }
+  if (pos + size > s.size()) {
+    return {-1, 1};
+  }
+  for (size_t i = 1; i < size; ++i) {
+    if ((byte(pos + i) & 0xC0) != 0x80) {
+      return {-1, 1};
+    }
+    cp = (cp << 6) | (byte(pos + i) & 0x3F);
+  }
+  if (cp < min_cp || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
+    return {-1, 1};
+  }
+  return {cp, size};
+}
+
+void append_utf8(std::string& out, int32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+enum class CharClass { kLetter, kNumber, kSpace, kOther };
+
+// The classes GPT-2's regex distinguishes: \p{L}, \p{N}, \s and everything else.
+// ASCII is classified exactly. Without Unicode tables, a non-ASCII code point is a letter unless
+// it has the Unicode White_Space property (which is what \s means in Python's `regex` module).
+// So non-ASCII digits (e.g. "²", "٣") and punctuation or symbols (e.g. "—", "€", "«") join
+// neighbouring letters where GPT-2 would split them: ids can then differ from Hugging Face's
+// for such text, but every byte is still encoded and decode(encode(x)) == x holds.
+// Invalid UTF-8 bytes (cp == -1) count as letters too.
+CharClass classify(int32_t cp) {
+  if (cp >= 0 && cp < 0x80) {
+    if ((cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z')) {
+      return CharClass::kLetter;
+    }
+    if (cp >= '0' && cp <= '9') {
+      return CharClass::kNumber;
+    }
+    if (cp == ' ' || (cp >= '\t' && cp <= '\r')) {
+      return CharClass::kSpace;
+    }
+    return CharClass::kOther;
+  }
+  const bool white_space = cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+                           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
+                           cp == 0x202F || cp == 0x205F || cp == 0x3000;
+  return white_space ? CharClass::kSpace : CharClass::kLetter;
+}
+
+CharClass class_at(std::string_view s, size_t pos) {
+  return classify(utf8_at(s, pos).cp);
+}
+
+// Length of the contraction ('s 't 're 've 'm 'll 'd, case-sensitive like GPT-2) at the start
+// of `s`, or 0.
+size_t contraction_size(std::string_view s) {
+  if (s.size() < 2 || s[0] != '\'') {
+    return 0;
+  }
+  if (s[1] == 's' || s[1] == 't' || s[1] == 'm' || s[1] == 'd') {
+    return 2;
+  }
+  const std::string_view two = s.substr(1, 2);
+  return two == "re" || two == "ve" || two == "ll" ? 3 : 0;
+}
+
+// Splits text the way GPT-2's pattern
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// does, trying the alternatives in that order at each position.
+std::vector<std::string_view> pretokenize(std::string_view text) {
+  std::vector<std::string_view> pieces;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = pos + contraction_size(text.substr(pos));
+    if (end == pos) {
+      // " ?X+": one optional ASCII space, then a run of letters, numbers or "other".
+      size_t body = pos;
+      if (text[pos] == ' ' && pos + 1 < text.size() &&
+          class_at(text, pos + 1) != CharClass::kSpace) {
+        body = pos + 1;
+      }
+      const CharClass cls = class_at(text, body);
+      end = body;
+      size_t last = body;  // start of the run's last code point
+      while (end < text.size()) {
+        const CodePoint c = utf8_at(text, end);
+        if (classify(c.cp) != cls) {
+          break;
+        }
+        last = end;
+        end += c.size;
+      }
+      // "\s+(?!\S)" gives the last space of a run that precedes a non-space to the next
+      // piece (as its " ?" prefix); "\s+" takes the run whole when it is one space long.
+      if (cls == CharClass::kSpace && end < text.size() && last > pos) {
+        end = last;
+      }
+    }
+    pieces.push_back(text.substr(pos, end - pos));
+    pos = end;
+  }
+  return pieces;
+}
+
+// GPT-2's bytes_to_unicode(): printable Latin-1 bytes stand for themselves; the other 68 bytes
+// map, in byte order, to U+0100 onwards, so every token is a printable string without spaces.
+std::array<int32_t, 256> byte_to_code_point() {
+  std::array<int32_t, 256> table{};
+  int32_t next = 256;
+  for (int32_t b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    table[b] = printable ? b : next++;
+  }
+  return table;
+}
+
+// Reads an integer JSON value into int32 range [0, INT32_MAX]; false when it is not one.
+bool to_id(const json& value, int32_t& id) {
+  if (value.is_number_unsigned()) {
+    if (value.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)) {
+      return false;
+    }
+  } else if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+             value.get<int64_t>() > INT32_MAX) {
+    return false;
+  }
+  id = static_cast<int32_t>(value.get<int64_t>());
+  return true;
+}
+
+json read_json(const fs::path& path, std::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in.is_open(), "cannot open {} file {}", what, path.string());
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    fail("{} file {} is not valid JSON: {}", what, path.string(), e.what());
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Gpt2BpeTokenizer
+
+struct Gpt2BpeTokenizer::State {
+  // Merges work on interned symbols: symbol ids index `symbols`, and a merge of two symbols
+  // yields the symbol of their concatenated string (so "ab"+"c" and "a"+"bc" meet).
+  std::vector<std::string> symbols;
+  std::unordered_map<std::string, int32_t> symbol_ids;
+  std::array<int32_t, 256> byte_symbol{};  // symbol id of each raw byte
+  struct Merge {
+    int32_t rank;
+    int32_t result;
+  };
+  std::unordered_map<uint64_t, Merge> merges;  // key: (left symbol << 32) | right symbol
+  std::vector<int32_t> symbol_token;           // vocab id of each symbol, -1 if not in vocab
+
+  std::unordered_map<std::string, int32_t> vocab;
+  std::unordered_map<int32_t, std::string> id_to_token;
+  int64_t vocab_size = 0;
+  std::unordered_map<int32_t, uint8_t> code_point_byte;  // inverse of bytes_to_unicode
+
+  // Pre-token bytes -> token ids. Bounded so a large corpus cannot grow it without limit;
+  // the transparent hash lets encode() look pieces up without copying them.
+  struct PieceHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  static constexpr size_t kMaxCacheEntries = size_t{1} << 20;
+  mutable std::mutex cache_mutex;
+  mutable std::unordered_map<std::string, std::vector<int32_t>, PieceHash, std::equal_to<>> cache;
+
+  int32_t intern(const std::string& symbol) {
+    const auto [it, inserted] =
+        symbol_ids.try_emplace(symbol, static_cast<int32_t>(symbols.size()));
+    if (inserted) {
+      symbols.push_back(symbol);
+    }
+    return it->second;
+  }
+
+  static uint64_t pair_key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(left) << 32) | static_cast<uint32_t>(right);
+  }
+
+  // Byte-pair encoding of one pre-token, as in GPT-2's encoder.py: repeatedly merge every
+  // occurrence (left to right) of the adjacent pair with the lowest merge rank.
+  std::vector<int32_t> bpe(std::string_view piece) const {
+    std::vector<int32_t> word;
+    word.reserve(piece.size());
+    for (char c : piece) {
+      word.push_back(byte_symbol[static_cast<unsigned char>(c)]);
+    }
+    while (word.size() > 1) {
+      const Merge* best = nullptr;
+      uint64_t best_key = 0;
+      for (size_t i = 0; i + 1 < word.size(); ++i) {
+        const uint64_t key = pair_key(word[i], word[i + 1]);
+        const auto it = merges.find(key);
+        if (it != merges.end() && (best == nullptr || it->second.rank < best->rank)) {
+          best = &it->second;
+          best_key = key;
+        }
+      }
+      if (best == nullptr) {
+        break;
+      }
+      std::vector<int32_t> merged;
+      merged.reserve(word.size());
+      for (size_t i = 0; i < word.size(); ++i) {
+        if (i + 1 < word.size() && pair_key(word[i], word[i + 1]) == best_key) {
+          merged.push_back(best->result);
+          ++i;
+        } else {
+          merged.push_back(word[i]);
+        }
+      }
+      word = std::move(merged);
+    }
+    std::vector<int32_t> ids;
+    ids.reserve(word.size());
+    for (int32_t symbol : word) {
+      LOOM_CHECK(symbol_token[symbol] >= 0,
+                 "Gpt2BpeTokenizer::encode: token '{}' (after merges) is not in the vocabulary",
+                 symbols[symbol]);
+      ids.push_back(symbol_token[symbol]);
+    }
+    return ids;
+  }
+};
+
+Gpt2BpeTokenizer::Gpt2BpeTokenizer(const fs::path& vocab_json, const fs::path& merges_txt)
+    : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  const std::array<int32_t, 256> code_points = byte_to_code_point();
+  for (int b = 0; b < 256; ++b) {
+    std::string symbol;
+    append_utf8(symbol, code_points[b]);
+    s.byte_symbol[b] = s.intern(symbol);
+    s.code_point_byte[code_points[b]] = static_cast<uint8_t>(b);
+  }
+
+  const json vocab = read_json(vocab_json, "vocab");
+  LOOM_CHECK(vocab.is_object(), "vocab file {} must hold a JSON object of token -> id, not {}",
+             vocab_json.string(), vocab.type_name());
+  for (const auto& [token, value] : vocab.items()) {
+    int32_t id = 0;
+    LOOM_CHECK(to_id(value, id),
+               "vocab file {}: token '{}' has id {}, expected an integer in 0..{}",
+               vocab_json.string(), token, value.dump(), INT32_MAX);
+    const auto [it, inserted] = s.id_to_token.emplace(id, token);
+    LOOM_CHECK(inserted, "vocab file {}: tokens '{}' and '{}' share id {}", vocab_json.string(),
+               it->second, token, id);
+    s.vocab.emplace(token, id);
+    // The embedding table needs max id + 1 rows, which is the token count when ids are dense.
+    s.vocab_size = std::max<int64_t>(s.vocab_size, int64_t{id} + 1);
+  }
+
+  std::ifstream merges(merges_txt, std::ios::binary);
+  LOOM_CHECK(merges.is_open(), "cannot open merges file {}", merges_txt.string());
+  std::string line;
+  int32_t rank = 0;
+  for (size_t line_no = 1; std::getline(merges, line); ++line_no) {
+    if (!line.empty() && line.back() == '\r') {
+      line.pop_back();
+    }
+    if (line.empty() || (line_no == 1 && line.starts_with("#version"))) {
+      continue;
+    }
+    const size_t space = line.find(' ');
+    LOOM_CHECK(space != std::string::npos && space > 0 && space + 1 < line.size() &&
+                   line.find(' ', space + 1) == std::string::npos,
+               "merges file {}:{}: malformed line '{}', expected two symbols separated by one "
+               "space",
+               merges_txt.string(), line_no, line);
+    const int32_t left = s.intern(line.substr(0, space));
+    const int32_t right = s.intern(line.substr(space + 1));
+    const int32_t result = s.intern(line.substr(0, space) + line.substr(space + 1));
+    // A repeated pair takes its later rank, as in the reference's dict of merges.
+    s.merges.insert_or_assign(State::pair_key(left, right), State::Merge{rank++, result});
+  }
+  LOOM_CHECK(!merges.bad(), "error reading merges file {}", merges_txt.string());
+
+  s.symbol_token.assign(s.symbols.size(), -1);
+  for (size_t i = 0; i < s.symbols.size(); ++i) {
+    const auto it = s.vocab.find(s.symbols[i]);
+    if (it != s.vocab.end()) {
+      s.symbol_token[i] = it->second;
+    }
+  }
+}
+
+Gpt2BpeTokenizer::~Gpt2BpeTokenizer() = default;
+
+int64_t Gpt2BpeTokenizer::vocab_size() const {
+  return state_->vocab_size;
+}
+
+std::vector<int32_t> Gpt2BpeTokenizer::encode(std::string_view text) const {
+  const State& s = *state_;
+  std::vector<int32_t> ids;
+  for (const std::string_view piece : pretokenize(text)) {
+    {
+      std::lock_guard lock(s.cache_mutex);
+      const auto it = s.cache.find(piece);
+      if (it != s.cache.end()) {
+        ids.insert(ids.end(), it->second.begin(), it->second.end());
+        continue;
+      }
+    }
+    // Merge outside the lock so threads encoding different words do not wait on each other.
+    std::vector<int32_t> piece_ids = s.bpe(piece);
+    ids.insert(ids.end(), piece_ids.begin(), piece_ids.end());
+    std::lock_guard lock(s.cache_mutex);
+    if (s.cache.size() >= State::kMaxCacheEntries) {
+      s.cache.clear();
+    }
+    s.cache.emplace(piece, std::move(piece_ids));
+  }
+  return ids;
+}
+
+std::string Gpt2BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
+  const State& s = *state_;
+  std::string bytes;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto token = s.id_to_token.find(ids[i]);
+    LOOM_CHECK(token != s.id_to_token.end(),
+               "Gpt2BpeTokenizer::decode: id {} at position {} is not in the vocabulary (size {})",
+               ids[i], i, s.vocab_size);
+    const std::string& text = token->second;
+    for (size_t pos = 0; pos < text.size();) {
+      const CodePoint c = utf8_at(text, pos);
+      const auto byte = s.code_point_byte.find(c.cp);
+      LOOM_CHECK(byte != s.code_point_byte.end(),
+                 "Gpt2BpeTokenizer::decode: token '{}' (id {}) has a character outside GPT-2's "
+                 "byte alphabet",
+                 text, ids[i]);
+      bytes.push_back(static_cast<char>(byte->second));
+      pos += c.size;
+    }
+  }
+  return bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// meta.json
+
+void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir, const fs::path& vocab_json,
+                         const fs::path& merges_txt) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  LOOM_CHECK(!ec, "cannot create data directory {}: {}", dir.string(), ec.message());
+
+  if (tok.kind() == "gpt2-bpe") {
+    LOOM_CHECK(!vocab_json.empty() && !merges_txt.empty(),
+               "save_tokenizer_meta: a gpt2-bpe tokenizer needs the paths of the vocab.json and "
+               "merges.txt it was built from (got '{}' and '{}')",
+               vocab_json.string(), merges_txt.string());
+    const std::pair<fs::path, fs::path> copies[] = {{vocab_json, dir / "vocab.json"},
+                                                    {merges_txt, dir / "merges.txt"}};
+    for (const auto& [from, to] : copies) {
+      // Re-saving into the directory the tokenizer was loaded from: nothing to copy, and
+      // copy_file would refuse to overwrite a file with itself.
+      if (fs::exists(to) && fs::equivalent(from, to, ec)) {
+        continue;
+      }
+      fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+      LOOM_CHECK(!ec, "cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
+    }
+  }
+
+  const fs::path meta_path = dir / "meta.json";
+  const json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
+  std::ofstream out(meta_path, std::ios::binary | std::ios::trunc);
+  LOOM_CHECK(out.is_open(), "cannot write {}", meta_path.string());
+  out << meta.dump(2) << '\n';
+  out.close();
+  LOOM_CHECK(!out.fail(), "error writing {}", meta_path.string());
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
+  LOOM_CHECK(fs::is_directory(dir), "data directory {} does not exist", dir.string());
+  const fs::path meta_path = dir / "meta.json";
+  if (!fs::exists(meta_path)) {
+    return std::make_unique<ByteTokenizer>();
+  }
+  const json meta = read_json(meta_path, "tokenizer meta");
+  LOOM_CHECK(meta.is_object() && meta.contains("tokenizer") && meta["tokenizer"].is_string(),
+             "{}: expected an object with a string field \"tokenizer\"", meta_path.string());
+  const std::string kind = meta["tokenizer"].get<std::string>();
+
+  std::unique_ptr<Tokenizer> tok;
+  if (kind == "byte") {
+    tok = std::make_unique<ByteTokenizer>();
+  } else if (kind == "gpt2-bpe") {
+    tok = std::make_unique<Gpt2BpeTokenizer>(dir / "vocab.json", dir / "merges.txt");
+  } else {
+    fail("{}: unknown tokenizer '{}', expected \"byte\" or \"gpt2-bpe\"", meta_path.string(), kind);
+  }
+  // A vocab_size that disagrees with the files means they were swapped or edited since.
+  if (meta.contains("vocab_size")) {
+    const json& size = meta["vocab_size"];
+    LOOM_CHECK(size.is_number_integer() && size.get<int64_t>() == tok->vocab_size(),
+               "{}: vocab_size {} does not match the {} tokenizer's {}", meta_path.string(),
+               size.dump(), kind, tok->vocab_size());
+  }
+  return tok;
+}
+
+}  // namespace loom::data

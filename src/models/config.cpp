@@ -1,0 +1,143 @@
+#include "loom/models/config.h"
+
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/core/error.h"
+
+namespace loom::models {
+
+std::string to_string(Family family) { return family == Family::kGpt2 ? "gpt2" : "llama"; }
+
+Family family_from_string(const std::string& name) {
+  if (name == "gpt2") return Family::kGpt2;
+  if (name == "llama") return Family::kLlama;
+  fail("model family '{}' is not known: use gpt2 or llama", name);
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](const char* field, int64_t v) {
+    LOOM_CHECK(v > 0, "model config: {} = {} must be positive", field, v);
+  };
+  positive("vocab_size", vocab_size);
+  positive("max_seq_len", max_seq_len);
+  positive("d_model", d_model);
+  positive("n_layers", n_layers);
+  positive("n_heads", n_heads);
+  positive("n_kv_heads", n_kv_heads);
+  positive("d_ff", d_ff);
+  LOOM_CHECK(d_model % n_heads == 0,
+             "model config: n_heads = {} does not divide d_model = {} (valid n_heads: divisors "
+             "of {})",
+             n_heads, d_model, d_model);
+  LOOM_CHECK(n_heads % n_kv_heads == 0,
+             "model config: n_kv_heads = {} does not divide n_heads = {}", n_kv_heads, n_heads);
+  if (family == Family::kGpt2) {
+    LOOM_CHECK(n_kv_heads == n_heads,
+               "model config: GPT-2 has no grouped-query attention; n_kv_heads = {} must equal "
+               "n_heads = {}",
+               n_kv_heads, n_heads);
+    LOOM_CHECK(tie_embeddings, "model config: GPT-2 ties its input and output embeddings");
+  } else {
+    LOOM_CHECK(head_dim() % 2 == 0, "model config: RoPE needs an even head_dim; got {}",
+               head_dim());
+  }
+  LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
+  LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)",
+             dropout);
+}
+
+int64_t ModelConfig::num_parameters() const {
+  const int64_t d = d_model, kv = n_kv_heads * head_dim();
+  int64_t per_layer = 0, embed = vocab_size * d, extra = 0;
+  if (family == Family::kGpt2) {
+    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * d_ff + d_ff) + (d_ff * d + d) + 4 * d;
+    extra = max_seq_len * d + 2 * d;
+  } else {
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * d_ff + 2 * d;
+    extra = d + (tie_embeddings ? 0 : vocab_size * d);
+  }
+  return embed + extra + n_layers * per_layer;
+}
+
+nlohmann::json ModelConfig::to_json() const {
+  return {{"family", to_string(family)}, {"vocab_size", vocab_size},
+          {"max_seq_len", max_seq_len},  {"d_model", d_model},
+          {"n_layers", n_layers},        {"n_heads", n_heads},
+          {"n_kv_heads", n_kv_heads},    {"d_ff", d_ff},
+          {"norm_eps", norm_eps},        {"rope_theta", rope_theta},
+          {"dropout", dropout},          {"tie_embeddings", tie_embeddings}};
+}
+
+ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
+  ModelConfig c;
+  try {
+    c.family = family_from_string(j.at("family").get<std::string>());
+    c.vocab_size = j.at("vocab_size").get<int64_t>();
+    c.max_seq_len = j.at("max_seq_len").get<int64_t>();
+    c.d_model = j.at("d_model").get<int64_t>();
+    c.n_layers = j.at("n_layers").get<int64_t>();
+    c.n_heads = j.at("n_heads").get<int64_t>();
+    c.n_kv_heads = j.at("n_kv_heads").get<int64_t>();
+    c.d_ff = j.at("d_ff").get<int64_t>();
+    c.norm_eps = j.at("norm_eps").get<double>();
+    c.rope_theta = j.at("rope_theta").get<double>();
+    c.dropout = j.at("dropout").get<double>();
+    c.tie_embeddings = j.at("tie_embeddings").get<bool>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("model config JSON is missing a field or has a wrong type: {}", e.what());
+  }
+  c.validate();
+  return c;
+}
+
+namespace {
+ModelConfig gpt2(int64_t d, int64_t layers, int64_t heads, int64_t seq, int64_t vocab) {
+  ModelConfig c;
+  c.family = Family::kGpt2;
+  c.d_model = d;
+  c.n_layers = layers;
+  c.n_heads = c.n_kv_heads = heads;
+  c.d_ff = 4 * d;
+  c.max_seq_len = seq;
+  c.vocab_size = vocab;
+  return c;
+}
+ModelConfig llama(int64_t d, int64_t layers, int64_t heads, int64_t kv_heads, int64_t ff,
+                  int64_t seq, int64_t vocab) {
+  ModelConfig c;
+  c.family = Family::kLlama;
+  c.d_model = d;
+  c.n_layers = layers;
+  c.n_heads = heads;
+  c.n_kv_heads = kv_heads;
+  c.d_ff = ff;
+  c.max_seq_len = seq;
+  c.vocab_size = vocab;
+  c.tie_embeddings = false;
+  return c;
+}
+}  // namespace
+
+std::vector<std::string> ModelConfig::preset_names() {
+  return {"gpt2-tiny", "gpt2-mini", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-1b"};
+}
+
+ModelConfig ModelConfig::preset(const std::string& name) {
+  // Vocab sizes are those of the tokenizers the shapes come from; loom-pretrain replaces them
+  // with the data's tokenizer vocabulary.
+  if (name == "gpt2-tiny") return gpt2(128, 4, 4, 256, 50257);
+  if (name == "gpt2-mini") return gpt2(256, 6, 8, 512, 50257);
+  if (name == "gpt2-124m") return gpt2(768, 12, 12, 1024, 50257);
+  if (name == "gpt2-350m") return gpt2(1024, 24, 16, 1024, 50257);
+  if (name == "llama-tiny") return llama(128, 4, 4, 2, 352, 256, 32000);
+  if (name == "llama-1b") {  // TinyLlama-1.1B's shape
+    auto c = llama(2048, 22, 32, 4, 5632, 2048, 32000);
+    return c;
+  }
+  fail("model preset '{}' is not known; valid presets: {}", name,
+       fmt::join(preset_names(), ", "));
+}
+
+}  // namespace loom::models

@@ -1,0 +1,204 @@
+#include "loom/models/hf.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+#include "loom/core/files.h"
+#include "loom/core/safetensors.h"
+
+namespace loom::models {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// GPT-2's projections are Conv1D in Hugging Face: weight stored as [in, out].
+bool is_conv1d_weight(const std::string& name) {
+  for (const char* suffix : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                             "mlp.c_proj.weight"}) {
+    const std::string s(suffix);
+    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)
+      return true;
+  }
+  return false;
+}
+
+template <typename T>
+T get_key(const json& j, const char* key, const fs::path& file) {
+  LOOM_CHECK(j.contains(key) && !j[key].is_null(), "'{}' has no '{}' key", file.string(), key);
+  try {
+    return j[key].get<T>();
+  } catch (const json::exception& e) {
+    fail("'{}': key '{}' has the wrong type: {}", file.string(), key, e.what());
+  }
+}
+
+}  // namespace
+
+ModelConfig read_hf_config(const fs::path& dir) {
+  const auto file = dir / "config.json";
+  LOOM_CHECK(fs::exists(file), "'{}' does not exist: a Hugging Face model directory holds "
+             "config.json and model.safetensors", file.string());
+  json j;
+  try {
+    j = json::parse(core::read_file(file));
+  } catch (const json::exception& e) {
+    fail("'{}' is not valid JSON: {}", file.string(), e.what());
+  }
+  const auto type = get_key<std::string>(j, "model_type", file);
+  ModelConfig c;
+  if (type == "gpt2") {
+    c.family = Family::kGpt2;
+    c.vocab_size = get_key<int64_t>(j, "vocab_size", file);
+    c.max_seq_len = get_key<int64_t>(j, "n_positions", file);
+    c.d_model = get_key<int64_t>(j, "n_embd", file);
+    c.n_layers = get_key<int64_t>(j, "n_layer", file);
+    c.n_heads = c.n_kv_heads = get_key<int64_t>(j, "n_head", file);
+    c.d_ff = j.contains("n_inner") && !j["n_inner"].is_null() ? j["n_inner"].get<int64_t>()
+                                                              : 4 * c.d_model;
+    c.norm_eps = j.value("layer_norm_epsilon", 1e-5);
+    const auto act = j.value("activation_function", std::string("gelu_new"));
+    LOOM_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh",
+               "'{}': activation_function '{}' is not supported (gelu_new, gelu_pytorch_tanh)",
+               file.string(), act);
+    c.tie_embeddings = true;
+  } else if (type == "llama") {
+    c.family = Family::kLlama;
+    c.vocab_size = get_key<int64_t>(j, "vocab_size", file);
+    c.max_seq_len = get_key<int64_t>(j, "max_position_embeddings", file);
+    c.d_model = get_key<int64_t>(j, "hidden_size", file);
+    c.n_layers = get_key<int64_t>(j, "num_hidden_layers", file);
+    c.n_heads = get_key<int64_t>(j, "num_attention_heads", file);
+    c.n_kv_heads = j.value("num_key_value_heads", c.n_heads);
+    c.d_ff = get_key<int64_t>(j, "intermediate_size", file);
+    c.norm_eps = j.value("rms_norm_eps", 1e-6);
+    // transformers >= 5 keeps rope_theta inside rope_parameters; older configs at top level.
+    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+      const auto& rp = j["rope_parameters"];
+      const auto rope_type = rp.value("rope_type", std::string("default"));
+      LOOM_CHECK(rope_type == "default", "'{}': rope_type '{}' is not supported (default)",
+                 file.string(), rope_type);
+      c.rope_theta = rp.value("rope_theta", 10000.0);
+    } else {
+      LOOM_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(),
+                 "'{}': rope_scaling is not supported", file.string());
+      c.rope_theta = j.value("rope_theta", 10000.0);
+    }
+    c.tie_embeddings = j.value("tie_word_embeddings", false);
+    LOOM_CHECK(!j.value("attention_bias", false) && !j.value("mlp_bias", false),
+               "'{}': attention_bias / mlp_bias are not supported", file.string());
+    if (j.contains("head_dim") && !j["head_dim"].is_null())
+      LOOM_CHECK(j["head_dim"].get<int64_t>() == c.d_model / c.n_heads,
+                 "'{}': head_dim {} != hidden_size / num_attention_heads = {} is not supported",
+                 file.string(), j["head_dim"].get<int64_t>(), c.d_model / c.n_heads);
+  } else {
+    fail("'{}': model_type '{}' is not supported (gpt2, llama)", file.string(), type);
+  }
+  c.validate();
+  return c;
+}
+
+std::shared_ptr<CausalLM> load_hf(const fs::path& dir) {
+  const auto config = read_hf_config(dir);
+  auto model = make_model(config);
+  const auto weights_file = dir / "model.safetensors";
+  auto contents = core::load_safetensors(weights_file);
+  // GPT2Model checkpoints (e.g. the original "gpt2") lack the "transformer." prefix.
+  std::map<std::string, at::Tensor> by_name;
+  for (auto& [name, tensor] : contents.tensors) {
+    std::string key = name;
+    if (config.family == Family::kGpt2 && key.rfind("transformer.", 0) != 0 && key != "lm_head.weight")
+      key = "transformer." + key;
+    by_name[key] = tensor;
+  }
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used;
+  for (auto& item : model->named_parameters()) {
+    const auto& name = item.key();
+    auto it = by_name.find(name);
+    LOOM_CHECK(it != by_name.end(), "'{}' has no tensor '{}'", weights_file.string(), name);
+    auto t = it->second;
+    if (config.family == Family::kGpt2 && is_conv1d_weight(name)) t = t.t();
+    LOOM_CHECK(t.sizes() == item.value().sizes(),
+               "'{}': tensor '{}' has shape {} but config.json implies {}", weights_file.string(),
+               name, it->second.sizes(), item.value().sizes());
+    item.value().copy_(t);
+    used.insert(name);
+  }
+  for (const auto& [name, t] : by_name) {
+    // Tied heads may be stored too; GPT-2's attention-mask buffers are not parameters.
+    const bool ignorable = (name == "lm_head.weight" && config.tie_embeddings) ||
+                           name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") ||
+                           name.ends_with("rotary_emb.inv_freq");
+    LOOM_CHECK(used.count(name) || ignorable, "'{}': tensor '{}' does not belong to a {} model",
+               weights_file.string(), name, to_string(config.family));
+  }
+  return model;
+}
+
+void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
+  core::ensure_writable_dir(dir);
+  const auto& c = model.config();
+  const char* dtype_name = dtype == at::kBFloat16 ? "bfloat16"
+                           : dtype == at::kHalf   ? "float16"
+                                                  : "float32";
+  json j;
+  if (c.family == Family::kGpt2) {
+    j = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"vocab_size", c.vocab_size},
+         {"n_positions", c.max_seq_len},
+         {"n_ctx", c.max_seq_len},
+         {"n_embd", c.d_model},
+         {"n_layer", c.n_layers},
+         {"n_head", c.n_heads},
+         {"n_inner", c.d_ff},
+         {"activation_function", "gelu_new"},
+         {"layer_norm_epsilon", c.norm_eps},
+         {"resid_pdrop", c.dropout},
+         {"embd_pdrop", c.dropout},
+         {"attn_pdrop", c.dropout},
+         {"initializer_range", 0.02},
+         {"tie_word_embeddings", true},
+         {"use_cache", true},
+         {"torch_dtype", dtype_name}};
+  } else {
+    j = {{"architectures", {"LlamaForCausalLM"}},
+         {"model_type", "llama"},
+         {"vocab_size", c.vocab_size},
+         {"hidden_size", c.d_model},
+         {"intermediate_size", c.d_ff},
+         {"num_hidden_layers", c.n_layers},
+         {"num_attention_heads", c.n_heads},
+         {"num_key_value_heads", c.n_kv_heads},
+         {"head_dim", c.head_dim()},
+         {"max_position_embeddings", c.max_seq_len},
+         {"rms_norm_eps", c.norm_eps},
+         {"rope_theta", c.rope_theta},
+         {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+         {"hidden_act", "silu"},
+         {"attention_bias", false},
+         {"mlp_bias", false},
+         {"attention_dropout", c.dropout},
+         {"initializer_range", 0.02},
+         {"tie_word_embeddings", c.tie_embeddings},
+         {"use_cache", true},
+         {"torch_dtype", dtype_name}};
+  }
+  core::NamedTensors tensors;
+  for (const auto& item : model.named_parameters()) {
+    auto t = item.value().detach().to(at::kCPU, dtype);
+    if (c.family == Family::kGpt2 && is_conv1d_weight(item.key())) t = t.t().contiguous();
+    tensors.emplace_back(item.key(), t);
+  }
+  core::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+  core::write_file_atomic(dir / "config.json", j.dump(2) + "\n");
+}
+
+}  // namespace loom::models

@@ -1,0 +1,120 @@
+#include "loom/models/llama.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/ops/attention.h"
+
+namespace loom::models {
+
+namespace nn = torch::nn;
+
+namespace {
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+nn::Linear linear(int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions(in, out).bias(false)); }
+
+// HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of the head dimension.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // x: [B, H, T, hd]; cos/sin: [T, hd] (broadcast over batch and heads); math in fp32.
+  auto xf = x.to(at::kFloat);
+  return (xf * cos + rotate_half(xf) * sin).to(x.scalar_type());
+}
+}  // namespace
+
+RmsNorm::RmsNorm(int64_t dim, double eps) : eps_(eps) {
+  weight_ = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RmsNorm::forward(const at::Tensor& x) {
+  auto xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return weight_ * xf.to(x.scalar_type());
+}
+
+LlamaBlock::LlamaBlock(const ModelConfig& config) : config_(config) {
+  const int64_t d = config.d_model, hd = config.head_dim();
+  input_layernorm_ =
+      register_module("input_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
+  auto attn = register_module("self_attn", std::make_shared<nn::Module>());
+  q_proj_ = attn->register_module("q_proj", linear(d, config.n_heads * hd));
+  k_proj_ = attn->register_module("k_proj", linear(d, config.n_kv_heads * hd));
+  v_proj_ = attn->register_module("v_proj", linear(d, config.n_kv_heads * hd));
+  o_proj_ = attn->register_module("o_proj", linear(config.n_heads * hd, d));
+  post_attention_layernorm_ =
+      register_module("post_attention_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
+  auto mlp = register_module("mlp", std::make_shared<nn::Module>());
+  gate_proj_ = mlp->register_module("gate_proj", linear(d, config.d_ff));
+  up_proj_ = mlp->register_module("up_proj", linear(d, config.d_ff));
+  down_proj_ = mlp->register_module("down_proj", linear(config.d_ff, d));
+}
+
+at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t b = x.size(0), t = x.size(1), hd = config_.head_dim();
+  const double p = is_training() ? config_.dropout : 0.0;
+  auto hn = input_layernorm_->forward(x);
+  auto q = q_proj_->forward(hn).view({b, t, config_.n_heads, hd}).transpose(1, 2);
+  auto k = k_proj_->forward(hn).view({b, t, config_.n_kv_heads, hd}).transpose(1, 2);
+  auto v = v_proj_->forward(hn).view({b, t, config_.n_kv_heads, hd}).transpose(1, 2);
+  auto y = ops::attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                          {.causal = true, .dropout = p});
+  y = y.transpose(1, 2).reshape({b, t, config_.n_heads * hd});
+  auto out = x + at::dropout(o_proj_->forward(y), p, is_training());
+  auto m = post_attention_layernorm_->forward(out);
+  m = down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
+  return out + at::dropout(m, p, is_training());
+}
+
+Llama::Llama(const ModelConfig& config) : CausalLM(config) {
+  LOOM_CHECK(config.family == Family::kLlama, "Llama built from a {} config",
+             to_string(config.family));
+  auto body = register_module("model", std::make_shared<nn::Module>());
+  embed_tokens_ = body->register_module("embed_tokens", nn::Embedding(config.vocab_size, config.d_model));
+  layers_ = body->register_module("layers", nn::ModuleList());
+  for (int64_t i = 0; i < config.n_layers; ++i)
+    layers_->push_back(std::make_shared<LlamaBlock>(config));
+  norm_ = body->register_module("norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps));
+  if (!config.tie_embeddings)
+    lm_head_ = register_module("lm_head", linear(config.d_model, config.vocab_size));
+
+  // Rotary tables: angle(t, i) = t * theta^(-2i / hd), duplicated over both halves.
+  const int64_t hd = config.head_dim();
+  auto inv_freq =
+      at::pow(config.rope_theta, -at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd));
+  auto angles = at::outer(at::arange(config.max_seq_len, at::kDouble), inv_freq);
+  angles = at::cat({angles, angles}, -1);
+  rope_cos_ = angles.cos().to(at::kFloat);
+  rope_sin_ = angles.sin().to(at::kFloat);
+}
+
+at::Tensor Llama::forward(const at::Tensor& tokens) {
+  check_tokens(tokens);
+  const int64_t t = tokens.size(1);
+  auto cos = rope_cos_.narrow(0, 0, t).to(tokens.device());
+  auto sin = rope_sin_.narrow(0, 0, t).to(tokens.device());
+  auto x = embed_tokens_->forward(tokens);
+  x = at::dropout(x, is_training() ? config().dropout : 0.0, is_training());
+  for (const auto& block : *layers_) x = block->as<LlamaBlock>()->forward(x, cos, sin);
+  x = norm_->forward(x);
+  return lm_head_ ? lm_head_->forward(x) : at::matmul(x, embed_tokens_->weight.t());
+}
+
+ParamInit Llama::init_for(const std::string& name) const {
+  using K = ParamInit::Kind;
+  if (name.find("norm.weight") != std::string::npos) return {K::kOnes};
+  if (ends_with(name, "o_proj.weight") || ends_with(name, "down_proj.weight"))
+    return {K::kNormal, 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers))};
+  if (ends_with(name, ".weight")) return {K::kNormal, 0.02};
+  fail("Llama has no initialization rule for parameter '{}'", name);
+}
+
+}  // namespace loom::models

@@ -1,0 +1,60 @@
+#include "loom/ops/attention.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+
+namespace loom::ops {
+
+namespace {
+
+void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  LOOM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+             "attention: q, k, v must be [batch, heads, seq, head_dim]; got {}, {}, {}",
+             q.sizes(), k.sizes(), v.sizes());
+  LOOM_CHECK(k.sizes() == v.sizes(), "attention: k {} and v {} must have the same shape",
+             k.sizes(), v.sizes());
+  LOOM_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+             "attention: q {} and k {} differ in batch or head_dim", q.sizes(), k.sizes());
+  LOOM_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+             "attention: {} query heads are not a multiple of {} key/value heads", q.size(1),
+             k.size(1));
+  LOOM_CHECK(!causal || q.size(2) == k.size(2),
+             "attention: causal attention needs as many keys as queries; got {} and {}", q.size(2),
+             k.size(2));
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionOptions& options) {
+  check_shapes(q, k, v, options.causal);
+  // PyTorch's fused CPU kernel (flash-attention style, with its own backward). Grouped-query
+  // attention is handled natively by enable_gqa.
+  const bool gqa = q.size(1) != k.size(1);
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, options.dropout,
+                                          options.causal, options.scale, gqa);
+}
+
+at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& options) {
+  check_shapes(q, k, v, options.causal);
+  const int64_t group = q.size(1) / k.size(1);
+  auto kk = group > 1 ? k.repeat_interleave(group, 1) : k;
+  auto vv = group > 1 ? v.repeat_interleave(group, 1) : v;
+  const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  auto scores = at::matmul(q.to(at::kFloat), kk.to(at::kFloat).transpose(-2, -1)) * scale;
+  if (options.causal) {
+    const int64_t t = q.size(2);
+    auto mask = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);  // key j > query i
+    scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  auto probs = at::softmax(scores, -1);
+  if (options.dropout > 0) probs = at::dropout(probs, options.dropout, /*train=*/true);
+  return at::matmul(probs, vv.to(at::kFloat)).to(q.scalar_type());
+}
+
+}  // namespace loom::ops

@@ -1,0 +1,120 @@
+#include "loom/train/checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "loom/core/error.h"
+#include "loom/core/files.h"
+
+namespace loom::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+constexpr int kFormatVersion = 1;
+const char* kModelFile = "model.safetensors";
+const char* kOptimizerFile = "optimizer.safetensors";
+const char* kStateFile = "state.json";
+
+bool is_checkpoint_name(const std::string& name) {
+  return name.rfind("step-", 0) == 0 && name.find('.') == std::string::npos;
+}
+}  // namespace
+
+fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTensors& model,
+                         const core::NamedTensors& optimizer, json state,
+                         const std::vector<fs::path>& extra_files, int keep_last) {
+  core::ensure_writable_dir(dir);
+  const auto name = fmt::format("step-{:08d}", step);
+  const auto final_dir = dir / name;
+  const auto tmp_dir = dir / (name + ".tmp");
+  std::error_code ec;
+  fs::remove_all(tmp_dir, ec);  // leftovers of an earlier interrupted save
+  fs::create_directories(tmp_dir, ec);
+  LOOM_CHECK(!ec, "cannot create '{}': {}", tmp_dir.string(), ec.message());
+
+  core::save_safetensors(tmp_dir / kModelFile, model);
+  core::save_safetensors(tmp_dir / kOptimizerFile, optimizer);
+  json checksums = json::object();
+  checksums[kModelFile] = core::file_crc32(tmp_dir / kModelFile);
+  checksums[kOptimizerFile] = core::file_crc32(tmp_dir / kOptimizerFile);
+  for (const auto& file : extra_files) {
+    if (!fs::exists(file)) continue;
+    const auto target = tmp_dir / file.filename();
+    fs::copy_file(file, target, fs::copy_options::overwrite_existing, ec);
+    LOOM_CHECK(!ec, "cannot copy '{}' into the checkpoint: {}", file.string(), ec.message());
+    checksums[file.filename().string()] = core::file_crc32(target);
+  }
+  state["format_version"] = kFormatVersion;
+  state["step"] = step;
+  state["checksums"] = checksums;
+  core::write_file_atomic(tmp_dir / kStateFile, state.dump(2) + "\n");
+  core::fsync_path(tmp_dir);
+
+  fs::remove_all(final_dir, ec);
+  fs::rename(tmp_dir, final_dir, ec);
+  LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_dir.string(), final_dir.string(),
+             ec.message());
+  core::fsync_path(dir);
+  core::write_file_atomic(dir / "latest", name + "\n");
+
+  if (keep_last > 0) {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const auto n = entry.path().filename().string();
+      if (entry.is_directory() && is_checkpoint_name(n)) names.push_back(n);
+    }
+    std::sort(names.begin(), names.end());
+    for (size_t i = 0; i + keep_last < names.size(); ++i)
+      if (names[i] != name) fs::remove_all(dir / names[i], ec);
+  }
+  return final_dir;
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
+  const auto pointer = dir / "latest";
+  if (!fs::exists(pointer)) return std::nullopt;
+  auto name = core::read_file(pointer);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return dir / name;
+}
+
+fs::path resolve_checkpoint(const fs::path& path) {
+  LOOM_CHECK(fs::exists(path), "checkpoint path '{}' does not exist", path.string());
+  if (fs::exists(path / kStateFile)) return path;
+  auto latest = latest_checkpoint(path);
+  LOOM_CHECK(latest.has_value(),
+             "'{}' is neither a checkpoint (no {}) nor a save directory (no 'latest' file)",
+             path.string(), kStateFile);
+  return *latest;
+}
+
+CheckpointContents load_checkpoint(const fs::path& path) {
+  const fs::path ckpt = resolve_checkpoint(path);
+  CheckpointContents out;
+  out.dir = ckpt;
+  try {
+    out.state = json::parse(core::read_file(ckpt / kStateFile));
+  } catch (const json::exception& e) {
+    fail("checkpoint '{}': {} is not valid JSON: {}", ckpt.string(), kStateFile, e.what());
+  }
+  LOOM_CHECK(out.state.value("format_version", 0) == kFormatVersion,
+             "checkpoint '{}' has format_version {}; this loom reads version {}", ckpt.string(),
+             out.state.value("format_version", 0), kFormatVersion);
+  for (const auto& [file, crc] : out.state.at("checksums").items()) {
+    LOOM_CHECK(fs::exists(ckpt / file), "checkpoint '{}' is incomplete: '{}' is missing",
+               ckpt.string(), file);
+    const auto actual = core::file_crc32(ckpt / file);
+    LOOM_CHECK(actual == crc.get<uint32_t>(),
+               "checkpoint file '{}' is corrupt: CRC-32 {:08x}, expected {:08x}",
+               (ckpt / file).string(), actual, crc.get<uint32_t>());
+  }
+  out.step = out.state.at("step").get<int64_t>();
+  out.model = core::load_safetensors(ckpt / kModelFile).tensors;
+  out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
+  return out;
+}
+
+}  // namespace loom::train

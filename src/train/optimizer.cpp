@@ -1,0 +1,106 @@
+#include "loom/train/optimizer.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+
+namespace loom::train {
+
+bool default_decays(const std::string& name, const at::Tensor& param) {
+  if (param.dim() < 2) return false;  // biases, norm weights
+  for (const char* embedding : {"wte.", "wpe.", "embed_tokens."})
+    if (name.find(embedding) != std::string::npos) return false;
+  return true;
+}
+
+AdamW::AdamW(const core::NamedTensors& named_params, AdamWOptions options,
+             std::function<bool(const std::string&, const at::Tensor&)> decays)
+    : options_(options) {
+  LOOM_CHECK(options.beta1 >= 0 && options.beta1 < 1, "AdamW: beta1 = {} must be in [0, 1)",
+             options.beta1);
+  LOOM_CHECK(options.beta2 >= 0 && options.beta2 < 1, "AdamW: beta2 = {} must be in [0, 1)",
+             options.beta2);
+  LOOM_CHECK(options.weight_decay >= 0, "AdamW: weight_decay = {} must be >= 0",
+             options.weight_decay);
+  for (const auto& [name, param] : named_params) {
+    Slot s;
+    s.name = name;
+    s.param = param;
+    if (param.scalar_type() != at::kFloat) s.master = param.detach().to(at::kFloat).clone();
+    s.exp_avg = at::zeros(param.sizes(), param.options().dtype(at::kFloat));
+    s.exp_avg_sq = at::zeros(param.sizes(), param.options().dtype(at::kFloat));
+    s.decay = decays(name, param);
+    slots_.push_back(std::move(s));
+  }
+}
+
+int64_t AdamW::num_decayed() const {
+  return std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.decay; });
+}
+int64_t AdamW::num_not_decayed() const {
+  return static_cast<int64_t>(slots_.size()) - num_decayed();
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++steps_;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double bias1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
+  const double bias2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
+  for (auto& s : slots_) {
+    const auto& grad_any = s.param.grad();
+    if (!grad_any.defined()) continue;
+    const auto grad = grad_any.to(at::kFloat);
+    auto& w = s.master.defined() ? s.master : s.param;
+    if (s.decay && options_.weight_decay > 0) w.mul_(1.0 - lr * options_.weight_decay);
+    s.exp_avg.lerp_(grad, 1.0 - b1);
+    s.exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
+    auto denom = (s.exp_avg_sq / bias2).sqrt_().add_(options_.eps);
+    w.addcdiv_(s.exp_avg, denom, -lr / bias1);
+    if (s.master.defined()) s.param.copy_(s.master);
+  }
+}
+
+void AdamW::zero_grad() {
+  for (auto& s : slots_) {
+    auto& g = s.param.mutable_grad();
+    if (g.defined()) g = at::Tensor();
+  }
+}
+
+core::NamedTensors AdamW::state() const {
+  core::NamedTensors out;
+  out.emplace_back("step", at::tensor(steps_, at::kLong));
+  for (const auto& s : slots_) {
+    out.emplace_back(s.name + ".exp_avg", s.exp_avg);
+    out.emplace_back(s.name + ".exp_avg_sq", s.exp_avg_sq);
+    if (s.master.defined()) out.emplace_back(s.name + ".master", s.master);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::map<std::string, at::Tensor>& state) {
+  torch::NoGradGuard no_grad;
+  auto get = [&](const std::string& key, const at::Tensor& like) {
+    auto it = state.find(key);
+    LOOM_CHECK(it != state.end(), "optimizer state has no entry '{}'", key);
+    LOOM_CHECK(it->second.sizes() == like.sizes(),
+               "optimizer state '{}' has shape {}, the parameter needs {}", key,
+               it->second.sizes(), like.sizes());
+    like.copy_(it->second);
+  };
+  auto it = state.find("step");
+  LOOM_CHECK(it != state.end(), "optimizer state has no entry 'step'");
+  steps_ = it->second.item<int64_t>();
+  for (auto& s : slots_) {
+    get(s.name + ".exp_avg", s.exp_avg);
+    get(s.name + ".exp_avg_sq", s.exp_avg_sq);
+    if (s.master.defined()) get(s.name + ".master", s.master);
+  }
+}
+
+}  // namespace loom::train

@@ -1,0 +1,243 @@
+#include "loom/train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+#include "loom/core/files.h"
+#include "loom/models/hf.h"
+#include "loom/train/checkpoint.h"
+#include "loom/train/grad_clip.h"
+
+namespace loom::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}h{:02d}m", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return fmt::format("{}m{:02d}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+core::NamedTensors named_parameters(const models::CausalLM& model) {
+  core::NamedTensors out;
+  for (const auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+void load_parameters(models::CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
+                     const fs::path& from) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    auto it = tensors.find(item.key());
+    LOOM_CHECK(it != tensors.end(), "checkpoint '{}' has no parameter '{}'", from.string(),
+               item.key());
+    LOOM_CHECK(it->second.sizes() == item.value().sizes(),
+               "checkpoint '{}': parameter '{}' has shape {}, the model needs {}", from.string(),
+               item.key(), it->second.sizes(), item.value().sizes());
+    item.value().copy_(it->second);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const fs::path& path) {
+  auto ckpt = load_checkpoint(path);
+  auto config = models::ModelConfig::from_json(ckpt.state.at("model_config"));
+  auto model = models::make_model(config);
+  const auto dtype = ckpt.model.begin()->second.scalar_type();
+  model->to(dtype);
+  load_parameters(*model, ckpt.model, ckpt.dir);
+  return model;
+}
+
+Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+  config_.validate();
+  schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.steps};
+  schedule_.validate();
+
+  // Data and tokenizer: a data directory written by loom-prepare describes its tokenizer.
+  train_shard_ = std::make_shared<data::TokenShard>(config_.data);
+  tokenizer_dir_ = fs::absolute(config_.data).parent_path();
+  tokenizer_ = data::load_tokenizer(tokenizer_dir_);
+  if (!config_.val_data.empty()) val_shard_ = std::make_shared<data::TokenShard>(config_.val_data);
+
+  // Model shape: Hugging Face directory, checkpoint being resumed, or preset.
+  models::ModelConfig model_config;
+  std::optional<CheckpointContents> resume;
+  if (!config_.resume.empty()) {
+    resume = load_checkpoint(config_.resume);
+    model_config = models::ModelConfig::from_json(resume->state.at("model_config"));
+  } else if (!config_.init_from_hf.empty()) {
+    model_config = models::read_hf_config(config_.init_from_hf);
+  } else {
+    model_config = models::ModelConfig::preset(config_.preset);
+    LOOM_CHECK(models::to_string(model_config.family) == config_.model,
+               "--preset {} is a {} preset but --model is {}", config_.preset,
+               models::to_string(model_config.family), config_.model);
+    model_config.vocab_size = config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
+  }
+  model_config.validate();
+  LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
+             "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
+             model_config.max_seq_len);
+  train_shard_->check_vocab(model_config.vocab_size);
+  train_sampler_ = std::make_unique<data::WindowSampler>(train_shard_, config_.seq_len, config_.seed);
+  if (val_shard_) {
+    val_shard_->check_vocab(model_config.vocab_size);
+    val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
+  }
+  if (!config_.save_dir.empty()) core::ensure_writable_dir(config_.save_dir);
+  if (!config_.export_hf.empty()) core::ensure_writable_dir(config_.export_hf);
+
+  if (!config_.init_from_hf.empty() && !resume) {
+    model_ = models::load_hf(config_.init_from_hf);
+  } else {
+    model_ = models::make_model(model_config);
+    models::init_parameters(*model_, config_.seed);
+  }
+  if (config_.precision == "bf16") model_->to(at::kBFloat16);
+  model_->train();
+  optimizer_ = std::make_unique<AdamW>(
+      named_parameters(*model_),
+      AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
+  if (resume) {
+    load_parameters(*model_, resume->model, resume->dir);
+    optimizer_->load_state(resume->optimizer);
+    auto rng = resume->optimizer.find("rng.cpu");
+    LOOM_CHECK(rng != resume->optimizer.end(), "checkpoint '{}' has no RNG state",
+               resume->dir.string());
+    auto gen = at::detail::getDefaultCPUGenerator();
+    gen.set_state(rng->second);
+    step_ = resume->step;
+    LOOM_CHECK(step_ <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",
+               resume->dir.string(), step_, config_.steps);
+    spdlog::info("resumed from {} at step {}", resume->dir.string(), step_);
+  }
+  if (!config_.metrics_out.empty())
+    metrics_ = MetricsWriter(config_.metrics_out, resume ? step_ : -1);
+
+  spdlog::info("model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
+               models::to_string(model_config.family), model_config.num_parameters() / 1e6,
+               model_config.d_model, model_config.n_layers, model_config.n_heads,
+               model_config.n_kv_heads, model_config.vocab_size);
+  spdlog::info("data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
+               "of {}) | {} threads",
+               train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size,
+               config_.seq_len, config_.grad_accum, config_.micro_batch_size(),
+               at::get_num_threads());
+  spdlog::info("optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
+               "(warmup {}, cosine) | precision {}",
+               optimizer_->num_decayed(), config_.weight_decay, optimizer_->num_not_decayed(),
+               config_.lr, config_.min_lr, config_.warmup_steps, config_.precision);
+}
+
+StepResult Trainer::train_step() {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t micro = config_.micro_batch_size();
+  double loss_sum = 0;
+  for (int64_t k = 0; k < config_.grad_accum; ++k) {
+    auto batch = train_sampler_->random_batch(step_, k * micro, micro);
+    auto loss = models::next_token_loss(model_->forward(batch.inputs), batch.targets);
+    // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
+    (loss / static_cast<double>(config_.grad_accum)).backward();
+    loss_sum += loss.item<double>();
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : model_->parameters()) params.push_back(p);
+  StepResult r;
+  r.grad_norm = clip_grad_norm(params, config_.grad_clip);
+  r.lr = schedule_.at(step_);
+  optimizer_->step(r.lr);
+  optimizer_->zero_grad();
+  ++step_;
+  r.step = step_;
+  r.loss = loss_sum / static_cast<double>(config_.grad_accum);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+double Trainer::evaluate(int64_t batches) {
+  LOOM_CHECK(val_sampler_ != nullptr, "evaluation needs --val-data");
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  const int64_t micro = config_.micro_batch_size();
+  const int64_t windows =
+      std::min(batches * micro, val_sampler_->num_sequential_windows());
+  double sum = 0;
+  for (int64_t first = 0; first < windows; first += micro) {
+    const int64_t count = std::min(micro, windows - first);
+    auto batch = val_sampler_->sequential_batch(first, count);
+    sum += models::next_token_loss(model_->forward(batch.inputs), batch.targets).item<double>() *
+           static_cast<double>(count);
+  }
+  model_->train();
+  return sum / static_cast<double>(windows);
+}
+
+fs::path Trainer::save_checkpoint() {
+  LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
+  auto opt_state = optimizer_->state();
+  opt_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  json state = {{"model_config", model_->config().to_json()},
+                {"train_config", config_.to_json()},
+                {"tokenizer", tokenizer_->kind()}};
+  std::vector<fs::path> extras;
+  for (const char* f : {"meta.json", "vocab.json", "merges.txt"}) extras.push_back(tokenizer_dir_ / f);
+  auto dir = train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state,
+                                    state, extras);
+  spdlog::info("saved checkpoint {}", dir.string());
+  return dir;
+}
+
+void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_s) const {
+  spdlog::info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
+               r.step, config_.steps, r.loss, r.lr, r.grad_norm, tokens_per_s,
+               format_duration(eta_s));
+}
+
+StepResult Trainer::fit() {
+  const auto start = std::chrono::steady_clock::now();
+  const double tokens_per_step = static_cast<double>(config_.batch_size * config_.seq_len);
+  const int64_t first_step = step_;
+  StepResult last;
+  last.step = step_;
+  while (step_ < config_.steps) {
+    last = train_step();
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double avg_step = elapsed / static_cast<double>(step_ - first_step);
+    const double tokens_per_s = tokens_per_step / last.seconds;
+    LOOM_CHECK(std::isfinite(last.loss), "loss became {} at step {}: lower --lr or use --grad-clip",
+               last.loss, step_);
+    json record = {{"step", last.step},       {"loss", last.loss},
+                   {"lr", last.lr},           {"grad_norm", last.grad_norm},
+                   {"tokens_per_s", tokens_per_s}, {"elapsed_s", elapsed}};
+    const bool final_step = step_ == config_.steps;
+    if (val_sampler_ && ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || final_step)) {
+      const double val = evaluate(config_.eval_batches);
+      record["val_loss"] = val;
+      spdlog::info("step {:>5}/{} | validation loss {:.4f}", step_, config_.steps, val);
+    }
+    metrics_.write(record);
+    if (step_ % config_.log_every == 0 || final_step || step_ == first_step + 1)
+      log_progress(last, tokens_per_s, avg_step * static_cast<double>(config_.steps - step_));
+    if (!config_.save_dir.empty() &&
+        ((config_.save_every > 0 && step_ % config_.save_every == 0) || final_step))
+      save_checkpoint();
+  }
+  if (!config_.export_hf.empty()) {
+    models::save_hf(*model_, config_.export_hf);
+    spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+  }
+  return last;
+}
+
+}  // namespace loom::train

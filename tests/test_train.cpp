@@ -1,0 +1,370 @@
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "loom/core/files.h"
+#include "loom/data/token_shard.h"
+#include "loom/data/tokenizer.h"
+#include "loom/models/causal_lm.h"
+#include "loom/train/checkpoint.h"
+#include "loom/train/grad_clip.h"
+#include "loom/train/lr_schedule.h"
+#include "loom/train/optimizer.h"
+#include "loom/train/trainer.h"
+#include "test_util.h"
+
+using loom::testing::error_of;
+using loom::testing::TempDir;
+namespace train = loom::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Byte tokens of the shipped corpus: train.bin from the first `train_bytes`, val.bin from the
+// last `val_bytes`, plus meta.json, the way loom-prepare writes a data directory.
+void write_corpus_data(const fs::path& dir, size_t train_bytes, size_t val_bytes) {
+  const auto text = loom::core::read_file(loom::testing::corpus_path());
+  std::vector<uint16_t> train(text.begin(), text.begin() + train_bytes);
+  std::vector<uint16_t> val(text.end() - val_bytes, text.end());
+  for (auto& t : train) t &= 0xFF;
+  for (auto& t : val) t &= 0xFF;
+  loom::data::write_llmc_shard(dir / "train.bin", train);
+  loom::data::write_llmc_shard(dir / "val.bin", val);
+  loom::data::save_tokenizer_meta(loom::data::ByteTokenizer(), dir);
+}
+
+train::TrainConfig small_config(const fs::path& data_dir) {
+  train::TrainConfig c;
+  c.model = "gpt2";
+  c.preset = "gpt2-tiny";
+  c.data = (data_dir / "train.bin").string();
+  c.val_data = (data_dir / "val.bin").string();
+  c.seq_len = 32;
+  c.batch_size = 8;
+  c.steps = 6;
+  c.lr = 3e-3;
+  c.warmup_steps = 2;
+  c.log_every = 1000;
+  c.eval_batches = 2;
+  return c;
+}
+
+std::map<std::string, at::Tensor> params_of(train::Trainer& t) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : t.model().named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+std::vector<nlohmann::json> read_metrics(const fs::path& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST(LrSchedule, WarmsUpLinearlyThenFollowsCosineToMinimum) {
+  train::LrSchedule s{.max_lr = 1.0, .min_lr = 0.1, .warmup_steps = 4, .total_steps = 14};
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);
+  EXPECT_NEAR(s.at(9), 0.55, 1e-12);  // halfway through the decay
+  EXPECT_DOUBLE_EQ(s.at(14), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(100), 0.1);
+  train::LrSchedule bad{.max_lr = 1.0, .min_lr = 2.0};
+  EXPECT_TRUE(contains(error_of([&] { bad.validate(); }), "min lr 2"));
+}
+
+TEST(AdamW, MatchesTheAlgorithmStepByStep) {
+  auto w = at::tensor({1.0f, -2.0f, 0.5f, 3.0f}).view({2, 2}).requires_grad_();
+  auto bias = at::tensor({0.3f, -0.1f}).requires_grad_();
+  train::AdamWOptions o{.beta1 = 0.8, .beta2 = 0.9, .eps = 1e-8, .weight_decay = 0.5};
+  train::AdamW opt({{"layer.weight", w}, {"layer.bias", bias}}, o);
+  EXPECT_EQ(opt.num_decayed(), 1);
+  EXPECT_EQ(opt.num_not_decayed(), 1);
+  std::vector<double> p{1.0, -2.0, 0.5, 3.0}, m(4, 0), v(4, 0);
+  const std::vector<std::vector<double>> grads{{0.1, -0.2, 0.3, 0.0}, {-0.5, 0.25, 1.0, 2.0}};
+  const double lr = 0.01;
+  for (int step = 1; step <= 2; ++step) {
+    w.mutable_grad() = at::tensor(std::vector<float>(grads[step - 1].begin(), grads[step - 1].end())).view({2, 2});
+    opt.step(lr);
+    for (int i = 0; i < 4; ++i) {
+      const double g = grads[step - 1][i];
+      p[i] *= 1 - lr * 0.5;
+      m[i] = 0.8 * m[i] + 0.2 * g;
+      v[i] = 0.9 * v[i] + 0.1 * g * g;
+      const double mh = m[i] / (1 - std::pow(0.8, step)), vh = v[i] / (1 - std::pow(0.9, step));
+      p[i] -= lr * mh / (std::sqrt(vh) + 1e-8);
+    }
+    auto flat = w.detach().view({-1});
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(flat[i].item<double>(), p[i], 1e-6) << step << " " << i;
+  }
+  EXPECT_TRUE(at::equal(bias, at::tensor({0.3f, -0.1f})));  // no gradient: untouched
+}
+
+TEST(AdamW, DefaultGroupsSkipNormsBiasesAndEmbeddings) {
+  EXPECT_TRUE(train::default_decays("transformer.h.0.attn.c_attn.weight", at::zeros({4, 4})));
+  EXPECT_TRUE(train::default_decays("lm_head.weight", at::zeros({4, 4})));
+  EXPECT_FALSE(train::default_decays("transformer.wte.weight", at::zeros({4, 4})));
+  EXPECT_FALSE(train::default_decays("model.embed_tokens.weight", at::zeros({4, 4})));
+  EXPECT_FALSE(train::default_decays("transformer.h.0.ln_1.weight", at::zeros({4})));
+  EXPECT_FALSE(train::default_decays("transformer.h.0.attn.c_attn.bias", at::zeros({4})));
+}
+
+TEST(AdamW, Bf16ParametersKeepFp32MasterWeights) {
+  // 1 + 1e-3 is not representable in bf16 (spacing 2^-7 near 1): without a master copy, each
+  // small update would round away and the parameter would never move.
+  auto p = at::ones({8}, at::kBFloat16).requires_grad_();
+  train::AdamW opt({{"w", p}}, {.weight_decay = 0});
+  for (int i = 0; i < 20; ++i) {
+    p.mutable_grad() = at::full({8}, -1.0, at::kBFloat16);
+    opt.step(1e-3);
+  }
+  auto state = opt.state();
+  const auto master = std::find_if(state.begin(), state.end(), [](auto& kv) { return kv.first == "w.master"; });
+  ASSERT_NE(master, state.end());
+  EXPECT_EQ(master->second.scalar_type(), at::kFloat);
+  EXPECT_NEAR(master->second[0].item<double>(), 1.02, 1e-4);
+  EXPECT_TRUE(at::equal(p.detach(), master->second.to(at::kBFloat16)));
+}
+
+TEST(GradClip, ComputesGlobalNormAndScales) {
+  auto a = at::zeros({2}).requires_grad_(), b = at::zeros({1}).requires_grad_();
+  a.mutable_grad() = at::tensor({3.0f, 0.0f});
+  b.mutable_grad() = at::tensor({4.0f});
+  EXPECT_NEAR(train::clip_grad_norm({a, b}, 0), 5.0, 1e-6);  // 0: report only
+  EXPECT_FLOAT_EQ(a.grad()[0].item<float>(), 3.0f);
+  EXPECT_NEAR(train::clip_grad_norm({a, b}, 1.0), 5.0, 1e-6);
+  EXPECT_NEAR(a.grad()[0].item<float>(), 0.6, 1e-6);
+  EXPECT_NEAR(b.grad()[0].item<float>(), 0.8, 1e-6);
+}
+
+TEST(Training, OverfitsASingleBatchToNearZeroLoss) {
+  auto c = loom::models::ModelConfig::preset("llama-tiny");
+  c.vocab_size = 64;
+  c.d_model = 64;
+  c.n_layers = 2;
+  auto m = loom::models::make_model(c);
+  loom::models::init_parameters(*m, 3);
+  loom::core::NamedTensors named;
+  for (const auto& item : m->named_parameters()) named.emplace_back(item.key(), item.value());
+  train::AdamW opt(named, {.weight_decay = 0});
+  auto tokens = at::randint(0, 64, {4, 33}, loom::core::make_generator(1));
+  auto inputs = tokens.slice(1, 0, 32), targets = tokens.slice(1, 1);
+  double loss = 0;
+  for (int step = 0; step < 200; ++step) {
+    auto l = loom::models::next_token_loss(m->forward(inputs), targets);
+    l.backward();
+    opt.step(3e-3);
+    opt.zero_grad();
+    loss = l.item<double>();
+  }
+  EXPECT_LT(loss, 0.05) << "random tokens start at ln(64) = 4.16";
+}
+
+// Learning on real text: after a bounded number of steps the validation loss (held-out text)
+// must be below the conditional entropy of a byte given the previous byte, measured on the
+// training text itself. A model can only get there by using more context than one byte.
+TEST(Training, LossOnShippedCorpusFallsBelowBigramEntropy) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 1 << 20, 1 << 16);
+  loom::data::TokenShard shard(dir / "train.bin");
+  std::vector<double> uni(256, 0), bi(256 * 256, 0);
+  const auto tok = shard.tokens();
+  for (size_t i = 0; i + 1 < tok.size(); ++i) {
+    uni[tok[i]] += 1;
+    bi[tok[i] * 256 + tok[i + 1]] += 1;
+  }
+  double bigram_entropy = 0;
+  const double n = static_cast<double>(tok.size() - 1);
+  for (int a = 0; a < 256; ++a)
+    for (int b = 0; b < 256; ++b)
+      if (bi[a * 256 + b] > 0) bigram_entropy -= bi[a * 256 + b] / n * std::log(bi[a * 256 + b] / uni[a]);
+  ASSERT_NEAR(bigram_entropy, 2.3, 0.1);  // English bytes: about 2.3 nats
+
+  auto c = small_config(dir.path());
+  c.seq_len = 64;
+  c.batch_size = 16;
+  c.steps = 300;
+  c.lr = 3e-3;
+  c.min_lr = 3e-4;
+  c.warmup_steps = 20;
+  c.eval_batches = 16;
+  train::Trainer t(c);
+  const double initial = t.evaluate(c.eval_batches);
+  EXPECT_NEAR(initial, std::log(256.0), 0.1);
+  t.fit();
+  const double final_val = t.evaluate(c.eval_batches);
+  EXPECT_LT(final_val, bigram_entropy) << "initial " << initial;
+}
+
+TEST(Training, GradientAccumulationEqualsTheFullBatch) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.steps = 3;
+  train::Trainer full(c);
+  full.fit();
+  c.grad_accum = 4;
+  train::Trainer accumulated(c);
+  accumulated.fit();
+  auto a = params_of(full), b = params_of(accumulated);
+  for (const auto& [name, p] : a) {
+    const double rel = ((p - b[name]).abs().max() / p.abs().max()).item<double>();
+    EXPECT_LT(rel, 1e-5) << name;
+  }
+}
+
+TEST(Training, ResumeContinuesTheLossCurveBitForBit) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.model = "llama";
+  c.preset = "llama-tiny";
+  c.steps = 8;
+  c.metrics_out = (dir / "straight.jsonl").string();
+  train::Trainer straight(c);
+  straight.fit();
+  const auto expected = params_of(straight);
+
+  c.metrics_out = (dir / "resumed.jsonl").string();
+  c.save_dir = (dir / "ckpt").string();
+  {
+    train::Trainer first(c);
+    for (int i = 0; i < 5; ++i) first.train_step();
+    first.save_checkpoint();
+    first.train_step();  // progress after the checkpoint is lost, as in a crash
+  }
+  c.resume = c.save_dir;
+  train::Trainer resumed(c);
+  EXPECT_EQ(resumed.step(), 5);
+  resumed.fit();
+  const auto got = params_of(resumed);
+  for (const auto& [name, p] : expected) EXPECT_TRUE(at::equal(p, got.at(name))) << name;
+  const auto a = read_metrics(dir / "straight.jsonl");
+  const auto b = read_metrics(dir / "resumed.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 3u);  // steps 6..8: the resumed run's own file
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_EQ(b[i]["step"], a[i + 5]["step"]);
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[i + 5]["loss"].get<double>());
+  }
+  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"})
+    EXPECT_TRUE(a[0].contains(key)) << key;
+  EXPECT_TRUE(a.back().contains("val_loss"));
+}
+
+TEST(Training, Bf16TrainingLearnsWithFp32Masters) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.precision = "bf16";
+  c.steps = 30;
+  train::Trainer t(c);
+  EXPECT_EQ(t.model().parameters().front().scalar_type(), at::kBFloat16);
+  const double before = t.evaluate(2);
+  t.fit();
+  EXPECT_LT(t.evaluate(2), before - 1.0);
+}
+
+TEST(Checkpoint, CorruptOrMissingFilesAreDetected) {
+  TempDir dir;
+  const auto model = loom::core::NamedTensors{{"w", at::randn({64})}};
+  const auto opt = loom::core::NamedTensors{{"step", at::tensor(int64_t{3})}};
+  auto ckpt = train::save_checkpoint(dir.path(), 3, model, opt, {{"k", 1}});
+  EXPECT_EQ(train::load_checkpoint(dir.path()).step, 3);
+  {
+    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  auto msg = error_of([&] { train::load_checkpoint(dir.path()); });
+  EXPECT_TRUE(contains(msg, "corrupt") && contains(msg, "model.safetensors")) << msg;
+  fs::remove(ckpt / "model.safetensors");
+  msg = error_of([&] { train::load_checkpoint(ckpt); });
+  EXPECT_TRUE(contains(msg, "missing")) << msg;
+  EXPECT_TRUE(contains(error_of([&] { train::load_checkpoint(dir / "nope"); }), "does not exist"));
+}
+
+TEST(Checkpoint, AnInterruptedSaveLeavesThePreviousCheckpointLoadable) {
+  TempDir dir;
+  const auto model = loom::core::NamedTensors{{"w", at::randn({64})}};
+  const auto opt = loom::core::NamedTensors{{"step", at::tensor(int64_t{3})}};
+  train::save_checkpoint(dir.path(), 3, model, opt, {});
+  // A save of step 6 killed half-way: its temporary directory holds a partial file.
+  fs::create_directories(dir / "step-00000006.tmp");
+  std::ofstream(dir / "step-00000006.tmp" / "model.safetensors") << "partial";
+  auto loaded = train::load_checkpoint(dir.path());
+  EXPECT_EQ(loaded.step, 3);
+  EXPECT_TRUE(at::equal(loaded.model.at("w"), model[0].second));
+  // The next save replaces the leftovers; only the newest two checkpoints are kept.
+  train::save_checkpoint(dir.path(), 6, model, opt, {});
+  train::save_checkpoint(dir.path(), 9, model, opt, {});
+  EXPECT_EQ(train::load_checkpoint(dir.path()).step, 9);
+  EXPECT_FALSE(fs::exists(dir / "step-00000006.tmp"));
+  EXPECT_FALSE(fs::exists(dir / "step-00000003"));
+  EXPECT_TRUE(fs::exists(dir / "step-00000006"));
+}
+
+TEST(Trainer, BadInputIsReportedBeforeTraining) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 20000, 2000);
+  auto expect_error = [&](train::TrainConfig c, const std::string& part) {
+    const auto msg = error_of([&] { train::Trainer t(c); });
+    EXPECT_TRUE(contains(msg, part)) << "expected '" << part << "' in: " << msg;
+  };
+  auto c = small_config(dir.path());
+  {
+    auto bad = c;
+    bad.data = (dir / "missing.bin").string();
+    expect_error(bad, "missing.bin");
+  }
+  {
+    auto bad = c;
+    bad.preset = "gpt2-giant";
+    expect_error(bad, "gpt2-giant");
+  }
+  {
+    auto bad = c;
+    bad.preset = "llama-tiny";
+    expect_error(bad, "llama preset but --model is gpt2");
+  }
+  {
+    auto bad = c;
+    bad.grad_accum = 3;
+    expect_error(bad, "--batch-size 8 is not divisible by --grad-accum 3");
+  }
+  {
+    auto bad = c;
+    bad.seq_len = 1000;
+    expect_error(bad, "exceeds the model's max_seq_len 256");
+  }
+  {
+    auto bad = c;
+    bad.vocab_size = 100;  // the byte data holds ids up to 255
+    expect_error(bad, "vocabulary has 100 ids");
+  }
+  {
+    auto bad = c;
+    bad.save_dir = "/proc/loom-unwritable";
+    expect_error(bad, "/proc/loom-unwritable");
+  }
+  {
+    auto bad = c;
+    bad.precision = "fp8";
+    expect_error(bad, "--precision 'fp8'");
+  }
+  {
+    auto bad = c;
+    bad.resume = (dir / "no-checkpoint-here").string();
+    expect_error(bad, "no-checkpoint-here");
+  }
+}

@@ -1,0 +1,51 @@
+#pragma once
+// Helpers shared by the test files.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <random>
+#include <string>
+
+#include "loom/core/error.h"
+
+namespace loom::testing {
+
+// A fresh directory under the system temp dir, removed with everything in it at scope exit.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "loom_test") {
+    std::random_device rd;
+    const uint64_t id = (uint64_t{rd()} << 32) | rd();
+    path_ = std::filesystem::temp_directory_path() / fmt::format("{}_{:016x}", tag, id);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Runs f and returns the loom::Error message it throws; fails the test if it does not throw.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const loom::Error& e) {
+    return e.what();
+  }
+  return "<no loom::Error thrown>";
+}
+
+// Path of the corpus that ships in the repository.
+inline std::filesystem::path corpus_path() {
+  return std::filesystem::path(LOOM_SOURCE_DIR) / "data" / "corpus" / "kjv.txt";
+}
+
+}  // namespace loom::testing
