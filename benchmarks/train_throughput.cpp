@@ -66,8 +66,8 @@ void run(const Options& o) {
   }
   int64_t num_params = 0;
   for (const auto& p : params) num_params += p.numel();
-  loom::train::AdamW optimizer(named, {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
-                                       .weight_decay = 0.1});
+  loom::train::AdamW optimizer(named,
+                               {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
   constexpr double kLr = 1e-3, kMaxGradNorm = 1.0;
 
   // Every batch is drawn before the clock starts, so only the training step is timed. The

@@ -88,10 +88,15 @@ def decays(name, p):
     return p.dim() >= 2 and not any(e in name for e in ("wte.", "wpe.", "embed_tokens."))
 
 
+def fail(message):
+    # Exit code 2 for bad flags, as loom-bench-train and argparse.
+    print(f"train_throughput.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def model_config(args):
     if args.preset not in PRESETS:
-        sys.exit(f"train_throughput.py: error: --preset {args.preset} is not a GPT-2 preset; "
-                 f"valid: {', '.join(PRESETS)}")
+        fail(f"--preset {args.preset} is not a GPT-2 preset; valid: {', '.join(PRESETS)}")
     d, layers, heads, max_seq_len = PRESETS[args.preset]
     d = args.d_model or d
     layers = args.layers or layers
@@ -99,13 +104,14 @@ def model_config(args):
     checks = [
         (d > 0 and layers > 0 and heads > 0 and args.vocab > 0, "sizes must be positive"),
         (d % heads == 0, f"--heads {heads} does not divide --d-model {d}"),
-        (0 < args.seq_len <= max_seq_len, f"--seq-len {args.seq_len} must be in [1, {max_seq_len}]"),
+        (0 < args.seq_len <= max_seq_len,
+         f"--seq-len {args.seq_len} must be in [1, {max_seq_len}] (the preset's max_seq_len)"),
         (args.batch_size > 0 and args.steps > 0 and args.warmup >= 0 and args.threads > 0,
          "--batch-size, --steps, --threads must be positive and --warmup >= 0"),
     ]
     for ok, message in checks:
         if not ok:
-            sys.exit(f"train_throughput.py: error: {message}")
+            fail(message)
     return {"d_model": d, "n_layers": layers, "n_heads": heads, "d_ff": 4 * d,
             "vocab_size": args.vocab, "max_seq_len": max_seq_len}
 
@@ -137,9 +143,9 @@ def main():
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
     # Default implementation choice (no foreach/fused on the CPU), as a user would get it.
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS)
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY},
+              {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
 
     # Drawn before timing, with the generator and call loom-bench-train uses: the same tokens.
     total = args.warmup + args.steps

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
+#include "loom/core/rng.h"
 #include "loom/core/safetensors.h"
 #include "loom/models/causal_lm.h"
 #include "loom/models/generate.h"
@@ -55,9 +56,9 @@ TEST(Attention, MatchesReferenceForwardAndBackwardWithGqa) {
     auto v = at::randn({2, kv_heads, 13, 8}, gen).requires_grad_();
     auto w = at::randn({2, 4, 13, 8}, gen);
     auto fast = loom::ops::attention(q, k, v);
-    auto grads_fast = torch::autograd::grad({(fast * w).sum()}, {q, k, v});
+    auto grads_fast = torch::autograd::grad({(fast * w).sum()}, {q, k, v}, {}, std::nullopt);
     auto ref = loom::ops::attention_reference(q, k, v);
-    auto grads_ref = torch::autograd::grad({(ref * w).sum()}, {q, k, v});
+    auto grads_ref = torch::autograd::grad({(ref * w).sum()}, {q, k, v}, {}, std::nullopt);
     EXPECT_LT(max_rel_diff(fast, ref), 1e-5) << "kv_heads " << kv_heads;
     for (int i = 0; i < 3; ++i)
       EXPECT_LT(max_rel_diff(grads_fast[i], grads_ref[i]), 1e-5) << "grad " << i;
@@ -79,7 +80,8 @@ TEST_P(BothFamilies, ChangingTokenTNeverChangesEarlierLogits) {
   auto changed = tokens.clone();
   changed.select(1, 11).fill_(7);
   changed.select(1, 11).add_(tokens.select(1, 11).eq(7).to(at::kLong));  // really different
-  auto a = m->forward(tokens), b = m->forward(changed);
+  auto a = m->forward(tokens);
+  auto b = m->forward(changed);
   EXPECT_TRUE(at::allclose(a.slice(1, 0, 11), b.slice(1, 0, 11), 0, 1e-6));
   EXPECT_FALSE(at::allclose(a.slice(1, 11), b.slice(1, 11), 0, 1e-3));
 }
@@ -97,9 +99,10 @@ TEST_P(BothFamilies, InitializationDependsOnSeedAndNameOnly) {
     if (item.key().find("lm_head") != std::string::npos && GetParam() == models::Family::kGpt2)
       continue;
     EXPECT_TRUE(at::equal(item.value(), *in_b)) << item.key();
-    if (models::ParamInit rule = a->init_for(item.key());
-        rule.kind == models::ParamInit::Kind::kNormal && rule.std == 0.02)
+    const models::ParamInit rule = a->init_for(item.key());
+    if (rule.kind == models::ParamInit::Kind::kNormal && rule.std == 0.02) {
       EXPECT_FALSE(at::equal(item.value(), *o_params.find(item.key()))) << item.key();
+    }
   }
 }
 
@@ -176,9 +179,9 @@ TEST_P(BothFamilies, GradientsMatchFiniteDifferences) {
   loss64().backward();
   torch::NoGradGuard no_grad;
   auto gen = loom::core::make_generator(9);
-  for (auto& item : m->named_parameters()) {
-    auto p = item.value().view({-1});
-    auto g = item.value().grad().view({-1});
+  for (auto& named : m->named_parameters()) {
+    auto p = named.value().view({-1});
+    auto g = named.value().grad().view({-1});
     for (int trial = 0; trial < 3; ++trial) {
       const int64_t i = at::randint(0, p.numel(), {1}, gen).item<int64_t>();
       const double orig = p[i].item<double>(), h = 1e-6;
@@ -188,7 +191,7 @@ TEST_P(BothFamilies, GradientsMatchFiniteDifferences) {
       const double down = loss64().item<double>();
       p[i].fill_(orig);
       const double numeric = (up - down) / (2 * h), analytic = g[i].item<double>();
-      EXPECT_NEAR(analytic, numeric, 1e-6 + 1e-5 * std::abs(numeric)) << item.key() << "[" << i << "]";
+      EXPECT_NEAR(analytic, numeric, 1e-6 + 1e-5 * std::abs(numeric)) << named.key() << "[" << i << "]";
     }
   }
 }

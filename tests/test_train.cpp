@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
+#include "loom/core/rng.h"
 #include "loom/data/token_shard.h"
 #include "loom/data/tokenizer.h"
 #include "loom/models/causal_lm.h"
@@ -158,7 +159,8 @@ TEST(Training, OverfitsASingleBatchToNearZeroLoss) {
   for (const auto& item : m->named_parameters()) named.emplace_back(item.key(), item.value());
   train::AdamW opt(named, {.weight_decay = 0});
   auto tokens = at::randint(0, 64, {4, 33}, loom::core::make_generator(1));
-  auto inputs = tokens.slice(1, 0, 32), targets = tokens.slice(1, 1);
+  auto inputs = tokens.slice(1, 0, 32);
+  auto targets = tokens.slice(1, 1);
   double loss = 0;
   for (int step = 0; step < 200; ++step) {
     auto l = loom::models::next_token_loss(m->forward(inputs), targets);
