@@ -96,11 +96,14 @@ TEST_P(BothFamilies, InitializationDependsOnSeedAndNameOnly) {
   for (const auto& item : a->named_parameters()) {
     const auto* in_b = b_params.find(item.key());
     ASSERT_NE(in_b, nullptr) << item.key();
-    if (item.key().find("lm_head") != std::string::npos && GetParam() == models::Family::kGpt2)
-      continue;
-    EXPECT_TRUE(at::equal(item.value(), *in_b)) << item.key();
-    const models::ParamInit rule = a->init_for(item.key());
-    if (rule.kind == models::ParamInit::Kind::kNormal && rule.std == 0.02) {
+    const auto rule_a = a->init_for(item.key()), rule_b = b->init_for(item.key());
+    if (rule_a.std == rule_b.std) {
+      EXPECT_TRUE(at::equal(item.value(), *in_b)) << item.key();
+    } else {
+      // Residual projections scale with depth (0.02 / sqrt(2 L)); the draw underneath is the same.
+      EXPECT_TRUE(at::allclose(item.value() / rule_a.std, *in_b / rule_b.std, 1e-5, 1e-6)) << item.key();
+    }
+    if (rule_a.kind == models::ParamInit::Kind::kNormal) {
       EXPECT_FALSE(at::equal(item.value(), *o_params.find(item.key()))) << item.key();
     }
   }

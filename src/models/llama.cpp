@@ -24,9 +24,14 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// Norms and rotations run in at least fp32 (bf16 inputs are upcast; fp64 stays fp64).
+at::ScalarType compute_type(const at::Tensor& x) {
+  return at::promote_types(x.scalar_type(), at::kFloat);
+}
+
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  // x: [B, H, T, hd]; cos/sin: [T, hd] (broadcast over batch and heads); math in fp32.
-  auto xf = x.to(at::kFloat);
+  // x: [B, H, T, hd]; cos/sin: [T, hd] (broadcast over batch and heads).
+  auto xf = x.to(compute_type(x));
   return (xf * cos + rotate_half(xf) * sin).to(x.scalar_type());
 }
 }  // namespace
@@ -36,7 +41,7 @@ RmsNorm::RmsNorm(int64_t dim, double eps) : eps_(eps) {
 }
 
 at::Tensor RmsNorm::forward(const at::Tensor& x) {
-  auto xf = x.to(at::kFloat);
+  auto xf = x.to(compute_type(x));
   xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return weight_ * xf.to(x.scalar_type());
 }
