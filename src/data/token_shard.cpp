@@ -47,15 +47,16 @@ TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
     }
     if (format == ShardFormat::kLlmc) {
       const size_t header_bytes = kLlmcHeaderInts * sizeof(int32_t);
+      // The magic first: a text or foreign file is more often the problem than a cut one.
+      LOOM_CHECK(map_bytes_ < 4 || first == kLlmcMagic,
+                 "token file '{}' has the wrong magic {}: an llm.c .bin shard starts with {} "
+                 "(for headerless uint16 tokens, name the file *.u16)",
+                 path.string(), first, kLlmcMagic);
       LOOM_CHECK(map_bytes_ >= header_bytes,
                  "token file '{}' is truncated: {} bytes, shorter than the {}-byte llm.c header",
                  path.string(), map_bytes_, header_bytes);
       int32_t header[3];
       std::memcpy(header, bytes, sizeof(header));
-      LOOM_CHECK(header[0] == kLlmcMagic,
-                 "token file '{}' has the wrong magic {}: an llm.c .bin shard starts with {} "
-                 "(for headerless uint16 tokens, name the file *.u16)",
-                 path.string(), header[0], kLlmcMagic);
       LOOM_CHECK(header[1] == kLlmcVersion,
                  "token file '{}' has llm.c version {}; loom reads version {} (uint16 tokens)",
                  path.string(), header[1], kLlmcVersion);
