@@ -20,7 +20,8 @@ TEST(Core, Crc32MatchesTheStandardCheckValue) {
 }
 
 TEST(Core, StableHashAndMixSeedAreDeterministicAndSpread) {
-  EXPECT_EQ(core::stable_hash("transformer.wte.weight"), core::stable_hash("transformer.wte.weight"));
+  EXPECT_EQ(core::stable_hash("transformer.wte.weight"),
+            core::stable_hash("transformer.wte.weight"));
   EXPECT_NE(core::stable_hash("a"), core::stable_hash("b"));
   EXPECT_EQ(core::stable_hash(""), 1469598103934665603ULL);  // FNV-1a offset basis
   EXPECT_EQ(core::mix_seed({1, 2, 3}), core::mix_seed({1, 2, 3}));
@@ -39,8 +40,7 @@ TEST(Core, SafetensorsRoundTripsEveryDtype) {
   TempDir dir;
   core::NamedTensors tensors;
   for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16})
-    tensors.emplace_back(std::string("t_") + c10::toString(dtype),
-                         at::randn({3, 5}).to(dtype));
+    tensors.emplace_back(std::string("t_") + c10::toString(dtype), at::randn({3, 5}).to(dtype));
   tensors.emplace_back("ints", at::arange(10, at::kLong).view({2, 5}));
   tensors.emplace_back("i32", at::arange(7, at::kInt));
   tensors.emplace_back("bytes", at::arange(9, at::kByte));
@@ -62,18 +62,22 @@ TEST(Core, SafetensorsRoundTripsEveryDtype) {
 TEST(Core, SafetensorsReportsTruncationAndGarbage) {
   TempDir dir;
   core::save_safetensors(dir / "x.safetensors", {{"w", at::randn({100})}});
-  std::filesystem::resize_file(dir / "x.safetensors", std::filesystem::file_size(dir / "x.safetensors") - 10);
-  EXPECT_NE(error_of([&] { core::load_safetensors(dir / "x.safetensors"); }).find("outside the file"),
-            std::string::npos);
+  std::filesystem::resize_file(dir / "x.safetensors",
+                               std::filesystem::file_size(dir / "x.safetensors") - 10);
+  EXPECT_NE(
+      error_of([&] { core::load_safetensors(dir / "x.safetensors"); }).find("outside the file"),
+      std::string::npos);
   std::ofstream(dir / "bad.safetensors") << "not a safetensors file at all";
-  EXPECT_NE(error_of([&] { core::load_safetensors(dir / "bad.safetensors"); }).find("bad.safetensors"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { core::load_safetensors(dir / "bad.safetensors"); }).find("bad.safetensors"),
+      std::string::npos);
   EXPECT_NE(error_of([&] { core::load_safetensors(dir / "missing.safetensors"); }).find("missing"),
             std::string::npos);
-  EXPECT_NE(error_of([&] {
-              core::save_safetensors(dir / "dup.safetensors", {{"a", at::ones(1)}, {"a", at::ones(1)}});
-            }).find("appears twice"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        core::save_safetensors(dir / "dup.safetensors", {{"a", at::ones(1)}, {"a", at::ones(1)}});
+      }).find("appears twice"),
+      std::string::npos);
 }
 
 TEST(Core, AtomicWriteReplacesWholeFile) {
@@ -91,7 +95,8 @@ TEST(Core, EnsureWritableDirNamesTheProblem) {
   std::ofstream(dir / "file") << "x";
   EXPECT_NE(error_of([&] { core::ensure_writable_dir(dir / "file"); }).find("file"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { core::ensure_writable_dir("/proc/loom-cannot-be-here"); })
-                .find("/proc/loom-cannot-be-here"),
+  EXPECT_NE(error_of([&] {
+              core::ensure_writable_dir("/proc/loom-cannot-be-here");
+            }).find("/proc/loom-cannot-be-here"),
             std::string::npos);
 }

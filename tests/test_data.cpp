@@ -8,6 +8,7 @@
 #include "loom/data/token_shard.h"
 #include "test_util.h"
 
+using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::TempDir;
 namespace data = loom::data;
@@ -19,7 +20,6 @@ std::vector<uint16_t> iota_tokens(size_t n, uint16_t mod = 50000) {
   for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(i % mod);
   return t;
 }
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 }  // namespace
 
 TEST(Data, LlmcShardRoundTripsAndMatchesTheFormat) {

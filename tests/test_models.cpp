@@ -14,16 +14,16 @@
 #include "loom/ops/attention.h"
 #include "test_util.h"
 
+using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::TempDir;
 namespace models = loom::models;
 
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 models::ModelConfig tiny(models::Family family, int64_t vocab = 61) {
-  auto c = models::ModelConfig::preset(family == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny");
+  auto c =
+      models::ModelConfig::preset(family == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny");
   c.vocab_size = vocab;
   c.d_model = 32;
   c.n_layers = 2;
@@ -68,7 +68,9 @@ TEST(Attention, MatchesReferenceForwardAndBackwardWithGqa) {
 TEST(Attention, RejectsShapesThatDoNotFit) {
   auto q = at::randn({1, 6, 4, 8}), k = at::randn({1, 4, 4, 8});
   EXPECT_TRUE(contains(error_of([&] { loom::ops::attention(q, k, k); }), "6 query heads"));
-  EXPECT_TRUE(contains(error_of([&] { loom::ops::attention(at::randn({1, 4, 8}), k, k); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         loom::ops::attention(at::randn({1, 4, 8}), k, k);
+                       }),
                        "[batch, heads, seq, head_dim]"));
 }
 
@@ -101,7 +103,8 @@ TEST_P(BothFamilies, InitializationDependsOnSeedAndNameOnly) {
       EXPECT_TRUE(at::equal(item.value(), *in_b)) << item.key();
     } else {
       // Residual projections scale with depth (0.02 / sqrt(2 L)); the draw underneath is the same.
-      EXPECT_TRUE(at::allclose(item.value() / rule_a.std, *in_b / rule_b.std, 1e-5, 1e-6)) << item.key();
+      EXPECT_TRUE(at::allclose(item.value() / rule_a.std, *in_b / rule_b.std, 1e-5, 1e-6))
+          << item.key();
     }
     if (rule_a.kind == models::ParamInit::Kind::kNormal) {
       EXPECT_FALSE(at::equal(item.value(), *o_params.find(item.key()))) << item.key();
@@ -119,8 +122,12 @@ TEST_P(BothFamilies, InitializationFollowsTheStatedRules) {
     const auto rule = m->init_for(item.key());
     const auto& p = item.value();
     switch (rule.kind) {
-      case models::ParamInit::Kind::kZeros: EXPECT_EQ(p.abs().max().item<float>(), 0) << item.key(); break;
-      case models::ParamInit::Kind::kOnes: EXPECT_TRUE(at::equal(p, at::ones_like(p))) << item.key(); break;
+      case models::ParamInit::Kind::kZeros:
+        EXPECT_EQ(p.abs().max().item<float>(), 0) << item.key();
+        break;
+      case models::ParamInit::Kind::kOnes:
+        EXPECT_TRUE(at::equal(p, at::ones_like(p))) << item.key();
+        break;
       case models::ParamInit::Kind::kNormal:
         EXPECT_NEAR(p.std().item<double>(), rule.std, 0.1 * rule.std) << item.key();
         EXPECT_TRUE(rule.std == 0.02 || std::abs(rule.std - residual_std) < 1e-12) << item.key();
@@ -129,7 +136,9 @@ TEST_P(BothFamilies, InitializationFollowsTheStatedRules) {
 }
 
 TEST_P(BothFamilies, ParameterCountFormulaMatchesTheModel) {
-  for (auto c : {tiny(GetParam()), models::ModelConfig::preset(GetParam() == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny")}) {
+  for (auto c :
+       {tiny(GetParam()), models::ModelConfig::preset(
+                              GetParam() == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny")}) {
     auto m = models::make_model(c);
     int64_t n = 0;
     for (const auto& p : m->parameters()) n += p.numel();
@@ -160,7 +169,10 @@ TEST(Models, BadConfigsAreNamedClearly) {
   EXPECT_TRUE(contains(error_of([&] { l.validate(); }), "n_kv_heads = 3"));
   EXPECT_TRUE(contains(error_of([&] { make(l); }), "n_kv_heads = 3"));
   auto m = make(tiny(models::Family::kGpt2));
-  EXPECT_TRUE(contains(error_of([&] { m->forward(at::zeros({1, 33}, at::kLong)); }), "max_seq_len 32"));
+  EXPECT_TRUE(contains(error_of([&] {
+                         m->forward(at::zeros({1, 33}, at::kLong));
+                       }),
+                       "max_seq_len 32"));
 }
 
 // Autograd gradients of every hand-written piece (RMSNorm, RoPE, the blocks, tied heads) agree
@@ -194,7 +206,8 @@ TEST_P(BothFamilies, GradientsMatchFiniteDifferences) {
       const double down = loss64().item<double>();
       p[i].fill_(orig);
       const double numeric = (up - down) / (2 * h), analytic = g[i].item<double>();
-      EXPECT_NEAR(analytic, numeric, 1e-6 + 1e-5 * std::abs(numeric)) << named.key() << "[" << i << "]";
+      EXPECT_NEAR(analytic, numeric, 1e-6 + 1e-5 * std::abs(numeric))
+          << named.key() << "[" << i << "]";
     }
   }
 }
@@ -209,12 +222,14 @@ TEST_P(BothFamilies, HuggingFaceRoundTripKeepsEveryParameterAndLogit) {
     EXPECT_EQ(config["architectures"][0], "GPT2LMHeadModel");
     EXPECT_EQ(config["n_embd"], 32);
     // HF's Conv1D layout: [in, out].
-    EXPECT_EQ(weights.at("transformer.h.0.attn.c_attn.weight").sizes(), (std::vector<int64_t>{32, 96}));
+    EXPECT_EQ(weights.at("transformer.h.0.attn.c_attn.weight").sizes(),
+              (std::vector<int64_t>{32, 96}));
     EXPECT_EQ(weights.count("lm_head.weight"), 0u);  // tied
   } else {
     EXPECT_EQ(config["architectures"][0], "LlamaForCausalLM");
     EXPECT_EQ(config["num_key_value_heads"], 2);
-    EXPECT_EQ(weights.at("model.layers.1.self_attn.k_proj.weight").sizes(), (std::vector<int64_t>{16, 32}));
+    EXPECT_EQ(weights.at("model.layers.1.self_attn.k_proj.weight").sizes(),
+              (std::vector<int64_t>{16, 32}));
     EXPECT_EQ(weights.count("lm_head.weight"), 1u);
   }
   auto back = models::load_hf(dir.path());

@@ -14,52 +14,20 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using loom::data::ByteTokenizer;
 using loom::data::Gpt2BpeTokenizer;
+using loom::testing::contains;
+using loom::testing::error_of;
+using loom::testing::TempDir;
 
 namespace {
-
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    const uint64_t tag = (uint64_t{rd()} << 32) | rd();
-    path_ = fs::temp_directory_path() / fmt::format("loom_tokenizer_test_{:016x}", tag);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_file(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
   out << text;
-}
-
-// The message of the loom::Error that `f` throws ("" and a test failure when it throws none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-  return "";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
 }
 
 // GPT-2's symbol for byte `b`, spelled out from the definition of bytes_to_unicode() (printable

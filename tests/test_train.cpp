@@ -20,14 +20,13 @@
 #include "loom/train/trainer.h"
 #include "test_util.h"
 
+using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::TempDir;
 namespace train = loom::train;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // Byte tokens of the shipped corpus: train.bin from the first `train_bytes`, val.bin from the
 // last `val_bytes`, plus meta.json, the way loom-prepare writes a data directory.
@@ -60,7 +59,8 @@ train::TrainConfig small_config(const fs::path& data_dir) {
 
 std::map<std::string, at::Tensor> params_of(train::Trainer& t) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : t.model().named_parameters()) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : t.model().named_parameters())
+    out[item.key()] = item.value().detach().clone();
   return out;
 }
 
@@ -96,7 +96,8 @@ TEST(AdamW, MatchesTheAlgorithmStepByStep) {
   const std::vector<std::vector<double>> grads{{0.1, -0.2, 0.3, 0.0}, {-0.5, 0.25, 1.0, 2.0}};
   const double lr = 0.01;
   for (int step = 1; step <= 2; ++step) {
-    w.mutable_grad() = at::tensor(std::vector<float>(grads[step - 1].begin(), grads[step - 1].end())).view({2, 2});
+    w.mutable_grad() =
+        at::tensor(std::vector<float>(grads[step - 1].begin(), grads[step - 1].end())).view({2, 2});
     opt.step(lr);
     for (int i = 0; i < 4; ++i) {
       const double g = grads[step - 1][i];
@@ -131,7 +132,8 @@ TEST(AdamW, Bf16ParametersKeepFp32MasterWeights) {
     opt.step(1e-3);
   }
   auto state = opt.state();
-  const auto master = std::find_if(state.begin(), state.end(), [](auto& kv) { return kv.first == "w.master"; });
+  const auto master =
+      std::find_if(state.begin(), state.end(), [](auto& kv) { return kv.first == "w.master"; });
   ASSERT_NE(master, state.end());
   EXPECT_EQ(master->second.scalar_type(), at::kFloat);
   EXPECT_NEAR(master->second[0].item<double>(), 1.02, 1e-4);
@@ -190,7 +192,8 @@ TEST(Training, LossOnShippedCorpusFallsBelowBigramEntropy) {
   const double n = static_cast<double>(tok.size() - 1);
   for (int a = 0; a < 256; ++a)
     for (int b = 0; b < 256; ++b)
-      if (bi[a * 256 + b] > 0) bigram_entropy -= bi[a * 256 + b] / n * std::log(bi[a * 256 + b] / uni[a]);
+      if (bi[a * 256 + b] > 0)
+        bigram_entropy -= bi[a * 256 + b] / n * std::log(bi[a * 256 + b] / uni[a]);
   ASSERT_NEAR(bigram_entropy, 2.3, 0.1);  // English bytes: about 2.3 nats
 
   auto c = small_config(dir.path());

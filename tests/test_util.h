@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the test files.
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <filesystem>
 #include <random>
@@ -40,7 +41,12 @@ std::string error_of(F&& f) {
   } catch (const loom::Error& e) {
     return e.what();
   }
-  return "<no loom::Error thrown>";
+  ADD_FAILURE() << "expected a loom::Error";
+  return "";
+}
+
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
 }
 
 // Path of the corpus that ships in the repository.

@@ -6,10 +6,11 @@
 #include "loom/loom.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"Score a model on a token file: the mean next-token loss over the first K "
-               "windows in file order (window i: inputs tokens[i*T, i*T+T), targets shifted by "
-               "one). The last line printed is JSON: {\"loss\": ..., \"tokens\": ...}.",
-               "loom-eval"};
+  CLI::App app{
+      "Score a model on a token file: the mean next-token loss over the first K "
+      "windows in file order (window i: inputs tokens[i*T, i*T+T), targets shifted by "
+      "one). The last line printed is JSON: {\"loss\": ..., \"tokens\": ...}.",
+      "loom-eval"};
   std::string checkpoint, hf_dir, data;
   int64_t seq_len = 128, batches = 8, batch_size = 8;
   int threads = 0;

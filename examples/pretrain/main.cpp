@@ -43,8 +43,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--precision", c.precision, "fp32 | bf16 (bf16 keeps fp32 master weights)")
       ->capture_default_str();
-  app.add_option("--seed", c.seed, "Seed for initialization and data order")
-      ->capture_default_str();
+  app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
   app.add_option("--save-dir", c.save_dir, "Write checkpoints here");
   app.add_option("--save-every", c.save_every, "Checkpoint every N steps (0: only at the end)")
@@ -52,8 +51,7 @@ int main(int argc, char** argv) {
   app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
   app.add_option("--export-hf", c.export_hf, "Write a Hugging Face directory at the end");
   app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
-  app.add_option("--eval-every", c.eval_every,
-                 "Validation loss every N steps (0: only at the end)")
+  app.add_option("--eval-every", c.eval_every, "Validation loss every N steps (0: only at the end)")
       ->capture_default_str();
   app.add_option("--eval-batches", c.eval_batches, "Validation micro-batches per evaluation")
       ->capture_default_str();

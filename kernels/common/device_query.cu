@@ -5,7 +5,9 @@
 namespace loom::kernels {
 
 namespace {
-__global__ void write_answer(int* out) { *out = 42; }
+__global__ void write_answer(int* out) {
+  *out = 42;
+}
 }  // namespace
 
 int device_count() {

@@ -28,6 +28,8 @@ uint64_t mix_seed(std::initializer_list<uint64_t> values) {
   return h;
 }
 
-at::Generator make_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+at::Generator make_generator(uint64_t seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
 
 }  // namespace loom::core

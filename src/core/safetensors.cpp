@@ -33,8 +33,9 @@ const char* dtype_name(at::ScalarType t) {
 at::ScalarType dtype_from_name(const std::string& name, const std::filesystem::path& path) {
   for (const auto& d : kDtypes)
     if (name == d.name) return d.type;
-  fail("'{}': tensor dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, I16, U8, I8, BOOL)",
-       path.string(), name);
+  fail(
+      "'{}': tensor dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, I16, U8, I8, BOOL)",
+      path.string(), name);
 }
 
 }  // namespace
@@ -91,8 +92,10 @@ SafetensorsContents load_safetensors(const std::filesystem::path& path) {
   in.read(reinterpret_cast<char*>(len_bytes), 8);
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
-  LOOM_CHECK(header_len <= file_size - 8, "'{}' is truncated or not safetensors: header of {} bytes "
-             "in a file of {} bytes", path.string(), header_len, file_size);
+  LOOM_CHECK(header_len <= file_size - 8,
+             "'{}' is truncated or not safetensors: header of {} bytes "
+             "in a file of {} bytes",
+             path.string(), header_len, file_size);
   std::string text(header_len, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_len));
   nlohmann::json header;

@@ -38,7 +38,8 @@ Batch WindowSampler::random_batch(int64_t step, int64_t first, int64_t count) co
   std::vector<int64_t> starts;
   starts.reserve(count);
   for (int64_t i = first; i < first + count; ++i) {
-    const uint64_t h = core::mix_seed({seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(i)});
+    const uint64_t h =
+        core::mix_seed({seed_, static_cast<uint64_t>(step), static_cast<uint64_t>(i)});
     starts.push_back(static_cast<int64_t>(h % span));
   }
   return make_batch(starts);

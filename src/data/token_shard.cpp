@@ -27,8 +27,7 @@ TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
     map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
     const int err = errno;
     ::close(fd);
-    LOOM_CHECK(map_ != MAP_FAILED, "cannot memory-map '{}': {}", path.string(),
-               std::strerror(err));
+    LOOM_CHECK(map_ != MAP_FAILED, "cannot memory-map '{}': {}", path.string(), std::strerror(err));
   } else {
     ::close(fd);
   }
@@ -66,11 +65,12 @@ TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
                  "token file '{}' is truncated: its header promises {} tokens ({} bytes) but the "
                  "file has {} bytes",
                  path.string(), count, need, map_bytes_);
-      tokens_ = {reinterpret_cast<const uint16_t*>(bytes + header_bytes), static_cast<size_t>(count)};
+      tokens_ = {reinterpret_cast<const uint16_t*>(bytes + header_bytes),
+                 static_cast<size_t>(count)};
     } else {
       LOOM_CHECK(map_bytes_ % 2 == 0,
-                 "raw uint16 token file '{}' has an odd size ({} bytes): truncated",
-                 path.string(), map_bytes_);
+                 "raw uint16 token file '{}' has an odd size ({} bytes): truncated", path.string(),
+                 map_bytes_);
       tokens_ = {reinterpret_cast<const uint16_t*>(bytes), map_bytes_ / 2};
     }
   } catch (...) {

@@ -51,10 +51,10 @@ void init_parameters(CausalLM& model, uint64_t seed) {
 }
 
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  LOOM_CHECK(logits.dim() == 3 && targets.dim() == 2 &&
-                 logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
-             "loss: logits {} and targets {} do not match ([B, T, V] and [B, T])",
-             logits.sizes(), targets.sizes());
+  LOOM_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
+                 logits.size(1) == targets.size(1),
+             "loss: logits {} and targets {} do not match ([B, T, V] and [B, T])", logits.sizes(),
+             targets.sizes());
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(2)}).to(at::kFloat),
                                 targets.reshape({-1}));
 }

@@ -8,7 +8,9 @@
 
 namespace loom::models {
 
-std::string to_string(Family family) { return family == Family::kGpt2 ? "gpt2" : "llama"; }
+std::string to_string(Family family) {
+  return family == Family::kGpt2 ? "gpt2" : "llama";
+}
 
 Family family_from_string(const std::string& name) {
   if (name == "gpt2") return Family::kGpt2;
@@ -44,8 +46,7 @@ void ModelConfig::validate() const {
                head_dim());
   }
   LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
-  LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)",
-             dropout);
+  LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
 
 int64_t ModelConfig::num_parameters() const {
@@ -136,8 +137,7 @@ ModelConfig ModelConfig::preset(const std::string& name) {
     auto c = llama(2048, 22, 32, 4, 5632, 2048, 32000);
     return c;
   }
-  fail("model preset '{}' is not known; valid presets: {}", name,
-       fmt::join(preset_names(), ", "));
+  fail("model preset '{}' is not known; valid presets: {}", name, fmt::join(preset_names(), ", "));
 }
 
 }  // namespace loom::models

@@ -25,11 +25,13 @@ std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& promp
   const auto device = model.parameters().front().device();
   std::vector<int64_t> ids = prompt;
   for (int64_t i = 0; i < options.max_new_tokens; ++i) {
-    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - config.max_seq_len);
+    const int64_t start =
+        std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - config.max_seq_len);
     auto window = at::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()), at::kLong)
                       .unsqueeze(0)
                       .to(device);
-    auto logits = model.forward(window).select(1, window.size(1) - 1).squeeze(0).to(at::kFloat).cpu();
+    auto logits =
+        model.forward(window).select(1, window.size(1) - 1).squeeze(0).to(at::kFloat).cpu();
     int64_t next;
     if (options.temperature == 0) {
       next = logits.argmax().item<int64_t>();

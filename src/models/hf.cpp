@@ -7,8 +7,8 @@
 #include <set>
 
 #include "loom/core/error.h"
-#include "loom/core/format.h"
 #include "loom/core/files.h"
+#include "loom/core/format.h"
 #include "loom/core/safetensors.h"
 
 namespace loom::models {
@@ -20,8 +20,8 @@ namespace {
 
 // GPT-2's projections are Conv1D in Hugging Face: weight stored as [in, out].
 bool is_conv1d_weight(const std::string& name) {
-  for (const char* suffix : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                             "mlp.c_proj.weight"}) {
+  for (const char* suffix :
+       {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}) {
     const std::string s(suffix);
     if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)
       return true;
@@ -43,8 +43,10 @@ T get_key(const json& j, const char* key, const fs::path& file) {
 
 ModelConfig read_hf_config(const fs::path& dir) {
   const auto file = dir / "config.json";
-  LOOM_CHECK(fs::exists(file), "'{}' does not exist: a Hugging Face model directory holds "
-             "config.json and model.safetensors", file.string());
+  LOOM_CHECK(fs::exists(file),
+             "'{}' does not exist: a Hugging Face model directory holds "
+             "config.json and model.safetensors",
+             file.string());
   json j;
   try {
     j = json::parse(core::read_file(file));
@@ -113,7 +115,8 @@ std::shared_ptr<CausalLM> load_hf(const fs::path& dir) {
   std::map<std::string, at::Tensor> by_name;
   for (auto& [name, tensor] : contents.tensors) {
     std::string key = name;
-    if (config.family == Family::kGpt2 && key.rfind("transformer.", 0) != 0 && key != "lm_head.weight")
+    if (config.family == Family::kGpt2 && key.rfind("transformer.", 0) != 0 &&
+        key != "lm_head.weight")
       key = "transformer." + key;
     by_name[key] = tensor;
   }

@@ -13,10 +13,13 @@ namespace nn = torch::nn;
 
 namespace {
 bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-nn::Linear linear(int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions(in, out).bias(false)); }
+nn::Linear linear(int64_t in, int64_t out) {
+  return nn::Linear(nn::LinearOptions(in, out).bias(false));
+}
 
 // HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of the head dimension.
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -83,7 +86,8 @@ Llama::Llama(const ModelConfig& config) : CausalLM(config) {
   LOOM_CHECK(config.family == Family::kLlama, "Llama built from a {} config",
              to_string(config.family));
   auto body = register_module("model", std::make_shared<nn::Module>());
-  embed_tokens_ = body->register_module("embed_tokens", nn::Embedding(config.vocab_size, config.d_model));
+  embed_tokens_ =
+      body->register_module("embed_tokens", nn::Embedding(config.vocab_size, config.d_model));
   layers_ = body->register_module("layers", nn::ModuleList());
   for (int64_t i = 0; i < config.n_layers; ++i)
     layers_->push_back(std::make_shared<LlamaBlock>(config));

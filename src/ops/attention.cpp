@@ -13,10 +13,10 @@ namespace {
 
 void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   LOOM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-             "attention: q, k, v must be [batch, heads, seq, head_dim]; got {}, {}, {}",
-             q.sizes(), k.sizes(), v.sizes());
-  LOOM_CHECK(k.sizes() == v.sizes(), "attention: k {} and v {} must have the same shape",
+             "attention: q, k, v must be [batch, heads, seq, head_dim]; got {}, {}, {}", q.sizes(),
              k.sizes(), v.sizes());
+  LOOM_CHECK(k.sizes() == v.sizes(), "attention: k {} and v {} must have the same shape", k.sizes(),
+             v.sizes());
   LOOM_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
              "attention: q {} and k {} differ in batch or head_dim", q.sizes(), k.sizes());
   LOOM_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,

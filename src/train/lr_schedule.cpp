@@ -17,8 +17,7 @@ double LrSchedule::at(int64_t step) const {
 
 void LrSchedule::validate() const {
   LOOM_CHECK(max_lr > 0, "learning rate {} must be positive", max_lr);
-  LOOM_CHECK(min_lr >= 0 && min_lr <= max_lr, "min lr {} must be in [0, lr = {}]", min_lr,
-             max_lr);
+  LOOM_CHECK(min_lr >= 0 && min_lr <= max_lr, "min lr {} must be in [0, lr = {}]", min_lr, max_lr);
   LOOM_CHECK(warmup_steps >= 0, "warmup steps {} must be >= 0", warmup_steps);
   LOOM_CHECK(total_steps > 0, "total steps {} must be positive", total_steps);
 }

@@ -89,8 +89,8 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& state) {
     auto it = state.find(key);
     LOOM_CHECK(it != state.end(), "optimizer state has no entry '{}'", key);
     LOOM_CHECK(it->second.sizes() == like.sizes(),
-               "optimizer state '{}' has shape {}, the parameter needs {}", key,
-               it->second.sizes(), like.sizes());
+               "optimizer state '{}' has shape {}, the parameter needs {}", key, it->second.sizes(),
+               like.sizes());
     like.copy_(it->second);
   };
   auto it = state.find("step");

@@ -6,8 +6,8 @@
 #include <torch/torch.h>
 
 #include "loom/core/error.h"
-#include "loom/core/format.h"
 #include "loom/core/files.h"
+#include "loom/core/format.h"
 #include "loom/models/hf.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
@@ -82,14 +82,16 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     LOOM_CHECK(models::to_string(model_config.family) == config_.model,
                "--preset {} is a {} preset but --model is {}", config_.preset,
                models::to_string(model_config.family), config_.model);
-    model_config.vocab_size = config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
+    model_config.vocab_size =
+        config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
   }
   model_config.validate();
   LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
              "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
              model_config.max_seq_len);
   train_shard_->check_vocab(model_config.vocab_size);
-  train_sampler_ = std::make_unique<data::WindowSampler>(train_shard_, config_.seq_len, config_.seed);
+  train_sampler_ =
+      std::make_unique<data::WindowSampler>(train_shard_, config_.seq_len, config_.seed);
   if (val_shard_) {
     val_shard_->check_vocab(model_config.vocab_size);
     val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
@@ -124,19 +126,21 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
   if (!config_.metrics_out.empty())
     metrics_ = MetricsWriter(config_.metrics_out, resume ? step_ : -1);
 
-  spdlog::info("model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
-               models::to_string(model_config.family), model_config.num_parameters() / 1e6,
-               model_config.d_model, model_config.n_layers, model_config.n_heads,
-               model_config.n_kv_heads, model_config.vocab_size);
-  spdlog::info("data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
-               "of {}) | {} threads",
-               train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size,
-               config_.seq_len, config_.grad_accum, config_.micro_batch_size(),
-               at::get_num_threads());
-  spdlog::info("optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
-               "(warmup {}, cosine) | precision {}",
-               optimizer_->num_decayed(), config_.weight_decay, optimizer_->num_not_decayed(),
-               config_.lr, config_.min_lr, config_.warmup_steps, config_.precision);
+  spdlog::info(
+      "model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
+      models::to_string(model_config.family), model_config.num_parameters() / 1e6,
+      model_config.d_model, model_config.n_layers, model_config.n_heads, model_config.n_kv_heads,
+      model_config.vocab_size);
+  spdlog::info(
+      "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
+      "of {}) | {} threads",
+      train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size, config_.seq_len,
+      config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
+  spdlog::info(
+      "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
+      "(warmup {}, cosine) | precision {}",
+      optimizer_->num_decayed(), config_.weight_decay, optimizer_->num_not_decayed(), config_.lr,
+      config_.min_lr, config_.warmup_steps, config_.precision);
 }
 
 StepResult Trainer::train_step() {
@@ -169,8 +173,7 @@ double Trainer::evaluate(int64_t batches) {
   torch::NoGradGuard no_grad;
   model_->eval();
   const int64_t micro = config_.micro_batch_size();
-  const int64_t windows =
-      std::min(batches * micro, val_sampler_->num_sequential_windows());
+  const int64_t windows = std::min(batches * micro, val_sampler_->num_sequential_windows());
   double sum = 0;
   for (int64_t first = 0; first < windows; first += micro) {
     const int64_t count = std::min(micro, windows - first);
@@ -190,7 +193,8 @@ fs::path Trainer::save_checkpoint() {
                 {"train_config", config_.to_json()},
                 {"tokenizer", tokenizer_->kind()}};
   std::vector<fs::path> extras;
-  for (const char* f : {"meta.json", "vocab.json", "merges.txt"}) extras.push_back(tokenizer_dir_ / f);
+  for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
+    extras.push_back(tokenizer_dir_ / f);
   auto dir = train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state,
                                     state, extras);
   spdlog::info("saved checkpoint {}", dir.string());
@@ -217,11 +221,15 @@ StepResult Trainer::fit() {
     const double tokens_per_s = tokens_per_step / last.seconds;
     LOOM_CHECK(std::isfinite(last.loss), "loss became {} at step {}: lower --lr or use --grad-clip",
                last.loss, step_);
-    json record = {{"step", last.step},       {"loss", last.loss},
-                   {"lr", last.lr},           {"grad_norm", last.grad_norm},
-                   {"tokens_per_s", tokens_per_s}, {"elapsed_s", elapsed}};
+    json record = {{"step", last.step},
+                   {"loss", last.loss},
+                   {"lr", last.lr},
+                   {"grad_norm", last.grad_norm},
+                   {"tokens_per_s", tokens_per_s},
+                   {"elapsed_s", elapsed}};
     const bool final_step = step_ == config_.steps;
-    if (val_sampler_ && ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || final_step)) {
+    if (val_sampler_ &&
+        ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || final_step)) {
       const double val = evaluate(config_.eval_batches);
       record["val_loss"] = val;
       spdlog::info("step {:>5}/{} | validation loss {:.4f}", step_, config_.steps, val);

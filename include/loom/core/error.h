@@ -21,9 +21,9 @@ template <typename... Args>
 }  // namespace loom
 
 // LOOM_CHECK(cond, "fmt {}", args...): throws loom::Error with the formatted message.
-#define LOOM_CHECK(cond, ...)     \
-  do {                            \
-    if (!(cond)) {                \
-      ::loom::fail(__VA_ARGS__);  \
-    }                             \
+#define LOOM_CHECK(cond, ...)    \
+  do {                           \
+    if (!(cond)) {               \
+      ::loom::fail(__VA_ARGS__); \
+    }                            \
   } while (0)

@@ -35,7 +35,8 @@ class ByteTokenizer final : public Tokenizer {
 class Gpt2BpeTokenizer final : public Tokenizer {
  public:
   // Throws loom::Error naming the file and line when either file is missing or malformed.
-  Gpt2BpeTokenizer(const std::filesystem::path& vocab_json, const std::filesystem::path& merges_txt);
+  Gpt2BpeTokenizer(const std::filesystem::path& vocab_json,
+                   const std::filesystem::path& merges_txt);
   ~Gpt2BpeTokenizer() override;
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(const std::vector<int32_t>& ids) const override;

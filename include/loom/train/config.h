@@ -31,7 +31,7 @@ struct TrainConfig {
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
-  double grad_clip = 1.0;  // 0 disables clipping
+  double grad_clip = 1.0;          // 0 disables clipping
   std::string precision = "fp32";  // fp32 | bf16
 
   // Output.
@@ -41,7 +41,7 @@ struct TrainConfig {
   std::string resume;       // save directory or checkpoint directory
   std::string export_hf;    // write a Hugging Face directory at the end
   int64_t log_every = 10;
-  int64_t eval_every = 0;   // 0 = only at the end
+  int64_t eval_every = 0;  // 0 = only at the end
   int64_t eval_batches = 8;
 
   // Throws loom::Error naming the field, its value and what would be valid.
