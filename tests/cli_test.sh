@@ -43,8 +43,32 @@ expect "n_heads = 5 does not divide d_model = 48" "${run[@]}" --data "$work/data
 expect "/proc/loom-nope" "${run[@]}" --data "$work/data/train.bin" --save-dir /proc/loom-nope
 expect "--precision 'fp16'" "${run[@]}" --data "$work/data/train.bin" --precision fp16
 expect "does not exist" "$TOOLS/loom-eval" --checkpoint "$work/none" --data "$work/data/val.bin"
-# A save dir that is not writable leaves nothing behind.
-if ls /proc/loom-nope > /dev/null 2>&1; then echo "FAIL: something was written"; fail=1; fi
+# A run refused for bad input leaves no checkpoint behind.
+expect "missing.bin" "${run[@]}" --data "$work/missing.bin" --save-dir "$work/refused"
+if [ -e "$work/refused/latest" ]; then echo "FAIL: a refused run wrote a checkpoint"; fail=1; fi
+
+# kill -9 at random moments while a checkpoint is written every step: the save directory
+# always holds a loadable checkpoint, and the run resumes from it.
+kill_run=("$TOOLS/loom-pretrain" --model llama --preset llama-tiny --data "$work/data/train.bin"
+  --steps 1000000 --batch-size 4 --seq-len 32 --save-every 1 --save-dir "$work/killed" --log-level off)
+for i in 1 2 3 4 5; do
+  extra=()
+  [ -f "$work/killed/latest" ] && extra=(--resume "$work/killed")
+  "${kill_run[@]}" "${extra[@]}" &
+  pid=$!
+  sleep "1.$((RANDOM % 10))"
+  kill -9 $pid 2> /dev/null
+  wait $pid 2> /dev/null
+  if [ -f "$work/killed/latest" ]; then
+    if ! "$TOOLS/loom-eval" --checkpoint "$work/killed" --data "$work/data/val.bin" --seq-len 32 \
+      --batches 1 > /dev/null 2>&1; then
+      echo "FAIL: kill $i left no loadable checkpoint ($(cat "$work/killed/latest"))"
+      fail=1
+    fi
+  fi
+done
+[ -f "$work/killed/latest" ] && echo "ok: 5 kills, checkpoint $(cat "$work/killed/latest") loads" \
+  || { echo "FAIL: no checkpoint after 5 runs"; fail=1; }
 
 # The happy path through every tool: flags from a TOML config, checkpoint, resume, eval, sample.
 cat > "$work/train.toml" << TOML
@@ -53,6 +77,7 @@ preset = "llama-tiny"
 data = "$work/data/train.bin"
 val-data = "$work/data/val.bin"
 steps = 3
+lr-decay-steps = 5
 batch-size = 4
 seq-len = 32
 save-dir = "$work/ckpt"

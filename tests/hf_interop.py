@@ -1,9 +1,15 @@
 """Hugging Face interop, checked by transformers itself, both ways.
 
-loom -> HF: loom-pretrain trains a few steps and --export-hf writes a directory; transformers'
-from_pretrained loads it and its loss on the same windows must equal loom-eval's.
-HF -> loom: transformers builds a randomly initialised model and save_pretrained()s it;
-loom-eval --init-from-hf scores it and must agree with transformers' own loss.
+Tokenizer: loom-prepare --vocab/--merges must produce exactly the ids of transformers'
+GPT2Tokenizer for the same vocab.json/merges.txt (a small BPE learned here on the corpus).
+
+loom -> HF: loom-pretrain trains (60 steps, so attention is far from uniform) and --export-hf
+writes a directory; transformers' from_pretrained loads it, and its logits on the same windows
+must equal loom-eval's.
+HF -> loom: transformers builds a randomly initialised model (initializer_range 0.2, ten times
+the usual, so that every weight matters) and save_pretrained()s it; loom-eval --init-from-hf
+must produce the same logits.
+Both compare every logit: max |difference| <= 1e-4 x max(1, max |logit|).
 """
 import argparse
 import json
@@ -13,10 +19,11 @@ import subprocess
 import sys
 
 import numpy as np
+import safetensors.torch
 import torch
 import transformers
 
-TOL = 2e-5  # fp32 on CPU: different kernels, same math
+TOL = 1e-4  # fp32 on CPU: different kernels, same math
 
 
 def run(cmd):
@@ -30,27 +37,96 @@ def read_llmc(path):
     return np.fromfile(path, dtype=np.uint16, offset=1024, count=int(header[2])).astype(np.int64)
 
 
-def hf_loss(model_dir, tokens, seq_len, batches):
+def hf_logits(model_dir, tokens, seq_len, batches):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    total = 0.0
+    windows = torch.tensor(tokens[: batches * seq_len]).view(batches, seq_len)
     with torch.no_grad():
-        for i in range(batches):
-            window = torch.tensor(tokens[i * seq_len: i * seq_len + seq_len + 1]).unsqueeze(0)
-            logits = model(window[:, :-1]).logits
-            total += torch.nn.functional.cross_entropy(logits[0], window[0, 1:]).item()
-    return total / batches
+        return model(windows).logits
 
 
-def loom_loss(tools, model_dir, data, seq_len, batches):
-    out = run([os.path.join(tools, "loom-eval"), "--init-from-hf", model_dir, "--data", data,
-               "--seq-len", str(seq_len), "--batches", str(batches), "--threads", "2"])
-    return json.loads(out.strip().splitlines()[-1])["loss"]
+def loom_logits(tools, model_dir, data, seq_len, batches, out_file):
+    run([os.path.join(tools, "loom-eval"), "--init-from-hf", model_dir, "--data", data,
+         "--seq-len", str(seq_len), "--batches", str(batches), "--threads", "1",
+         "--logits-out", out_file])
+    return safetensors.torch.load_file(out_file)["logits"]
 
 
-def compare(name, a, b):
-    ok = abs(a - b) <= TOL * max(1.0, abs(b))
-    print(f"{'ok' if ok else 'FAIL'}: {name}: loom {a:.7f} transformers {b:.7f}")
+def byte_symbols():
+    """GPT-2's printable stand-in for every byte (bytes_to_unicode)."""
+    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def learn_bpe(text, merges_wanted):
+    """A small byte-level BPE learned greedily on words of `text` (enough to exercise merges)."""
+    sym = byte_symbols()
+    words = {}
+    for w in text.split(" ")[:20000]:
+        key = tuple(sym[b] for b in (" " + w).encode())
+        words[key] = words.get(key, 0) + 1
+    merges = []
+    for _ in range(merges_wanted):
+        pairs = {}
+        for w, n in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + n
+        if not pairs:
+            break
+        best = max(pairs, key=lambda p: (pairs[p], p))
+        merges.append(best)
+        merged = {}
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    vocab = {s: i for i, s in enumerate(sym[b] for b in range(256))}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab, merges
+
+
+def check_tokenizer(tools, work, text_file):
+    with open(text_file, encoding="utf-8") as f:
+        text = f.read()
+    vocab, merges = learn_bpe(text, 300)
+    vocab_file, merges_file = os.path.join(work, "vocab.json"), os.path.join(work, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merges_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    out = os.path.join(work, "bpe-data")
+    run([os.path.join(tools, "loom-prepare"), "--input", text_file, "--out-dir", out,
+         "--val-fraction", "0", "--vocab", vocab_file, "--merges", merges_file])
+    ours = read_llmc(os.path.join(out, "train.bin"))
+    theirs = transformers.GPT2Tokenizer(vocab_file, merges_file)(text)["input_ids"]
+    ok = len(ours) == len(theirs) and bool(np.all(ours == np.asarray(theirs)))
+    print(f"{'ok' if ok else 'FAIL'}: GPT-2 BPE ({len(merges)} merges): loom-prepare gave "
+          f"{len(ours)} ids, transformers' GPT2Tokenizer {len(theirs)}, identical: {ok}")
+    return ok
+
+
+def compare(name, ours, theirs):
+    ok = ours.shape == theirs.shape
+    diff = (ours - theirs).abs().max().item() if ok else float("inf")
+    scale = max(1.0, theirs.abs().max().item())
+    ok = ok and diff <= TOL * scale
+    print(f"{'ok' if ok else 'FAIL'}: {name}: {tuple(theirs.shape)} logits, max |diff| "
+          f"{diff:.2e} (max |logit| {theirs.abs().max().item():.2f}, bound {TOL * scale:.1e})")
     return ok
 
 
@@ -59,7 +135,7 @@ def main():
     p.add_argument("--tools", required=True)
     p.add_argument("--work", required=True)
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     text = os.path.join(os.path.dirname(__file__), "..", "data", "corpus", "kjv.txt")
@@ -71,36 +147,38 @@ def main():
     val = os.path.join(data_dir, "val.bin")
     tokens = read_llmc(val)
     seq_len, batches = 64, 4
-    ok = True
+    ok = check_tokenizer(args.tools, args.work, os.path.join(args.work, "small.txt"))
 
     # loom -> transformers
     for model, preset in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")):
         out_dir = os.path.join(args.work, f"loom-{model}")
         run([os.path.join(args.tools, "loom-pretrain"), "--model", model, "--preset", preset,
-             "--data", os.path.join(data_dir, "train.bin"), "--steps", "5", "--batch-size", "4",
-             "--seq-len", "64", "--lr", "3e-3", "--export-hf", out_dir, "--threads", "2",
+             "--data", os.path.join(data_dir, "train.bin"), "--steps", "60", "--batch-size", "8",
+             "--seq-len", "64", "--lr", "3e-3", "--export-hf", out_dir, "--threads", "1",
              "--log-level", "warn"])
         ok &= compare(f"{model} trained in loom, loaded by transformers",
-                      loom_loss(args.tools, out_dir, val, seq_len, batches),
-                      hf_loss(out_dir, tokens, seq_len, batches))
+                      loom_logits(args.tools, out_dir, val, seq_len, batches,
+                                  os.path.join(args.work, f"{model}-loom.safetensors")),
+                      hf_logits(out_dir, tokens, seq_len, batches))
 
     # transformers -> loom (random init by transformers; GQA for Llama)
     torch.manual_seed(0)
     configs = {
         "gpt2": transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2,
-                                        n_head=4),
+                                        n_head=4, initializer_range=0.2),
         "llama": transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
                                           num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, max_position_embeddings=128,
-                                          rope_theta=10000.0),
+                                          rope_theta=10000.0, initializer_range=0.2),
     }
     for name, config in configs.items():
         model = transformers.AutoModelForCausalLM.from_config(config)
         out_dir = os.path.join(args.work, f"hf-{name}")
         model.save_pretrained(out_dir, safe_serialization=True)
         ok &= compare(f"{name} made by transformers, loaded by loom",
-                      loom_loss(args.tools, out_dir, val, seq_len, batches),
-                      hf_loss(out_dir, tokens, seq_len, batches))
+                      loom_logits(args.tools, out_dir, val, seq_len, batches,
+                                  os.path.join(args.work, f"hf-{name}.safetensors")),
+                      hf_logits(out_dir, tokens, seq_len, batches))
     return 0 if ok else 1
 
 

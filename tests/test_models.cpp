@@ -12,6 +12,7 @@
 #include "loom/models/generate.h"
 #include "loom/models/hf.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/cuda.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -276,3 +277,10 @@ TEST(Models, GenerationIsDeterministicAndGreedyFollowsArgmax) {
 INSTANTIATE_TEST_SUITE_P(Models, BothFamilies,
                          ::testing::Values(models::Family::kGpt2, models::Family::kLlama),
                          [](const auto& info) { return models::to_string(info.param); });
+
+// GPU-only: skipped with a message where no CUDA device exists (CI and the dev machines).
+TEST(Cuda, KernelsLaunchWhereADeviceExists) {
+  if (!loom::ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  EXPECT_TRUE(loom::ops::cuda_smoke_test(0));
+}

@@ -254,13 +254,50 @@ TEST(Training, GradientAccumulationEqualsTheFullBatch) {
   }
 }
 
-TEST(Training, ResumeContinuesTheLossCurveBitForBit) {
+// bf16: parameters stay fp32 (the master weights), the computation runs in bf16 (so the loss
+// differs from the fp32 run's in the low digits), and the model learns.
+TEST(Training, Bf16TrainingLearnsWithFp32Masters) {
   TempDir dir;
   write_corpus_data(dir.path(), 50000, 5000);
   auto c = small_config(dir.path());
-  c.model = "llama";
-  c.preset = "llama-tiny";
+  c.steps = 30;
+  train::Trainer fp32(c);
+  c.precision = "bf16";
+  train::Trainer t(c);
+  EXPECT_EQ(t.model().parameters().front().scalar_type(), at::kFloat);
+  const double before = t.evaluate(2), reference_before = fp32.evaluate(2);
+  EXPECT_NE(before, reference_before);
+  EXPECT_NEAR(before, reference_before, 0.05);
+  const double first = t.train_step().loss, reference = fp32.train_step().loss;
+  EXPECT_NE(first, reference);
+  EXPECT_NEAR(first, reference, 0.05);
+  t.fit();
+  EXPECT_LT(t.evaluate(2), before - 1.0);
+}
+
+struct ResumeCase {
+  std::string name, model, preset, precision;
+  int64_t grad_accum;
+  double dropout;  // > 0 exercises the saved RNG state
+};
+
+class Resume : public ::testing::TestWithParam<ResumeCase> {};
+
+// A run interrupted after a checkpoint (and after more steps that are lost, as in a crash) and
+// resumed ends with the same parameters, bit for bit, and the same metrics file, as a run that
+// never stopped.
+TEST_P(Resume, ContinuesTheLossCurveBitForBit) {
+  const auto& rc = GetParam();
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.model = rc.model;
+  c.preset = rc.preset;
+  c.precision = rc.precision;
+  c.grad_accum = rc.grad_accum;
+  c.dropout = rc.dropout;
   c.steps = 8;
+  c.eval_every = 3;
   c.metrics_out = (dir / "straight.jsonl").string();
   train::Trainer straight(c);
   straight.fit();
@@ -268,42 +305,81 @@ TEST(Training, ResumeContinuesTheLossCurveBitForBit) {
 
   c.metrics_out = (dir / "resumed.jsonl").string();
   c.save_dir = (dir / "ckpt").string();
-  {
-    train::Trainer first(c);
-    for (int i = 0; i < 5; ++i) first.train_step();
-    first.save_checkpoint();
-    first.train_step();  // progress after the checkpoint is lost, as in a crash
-  }
+  c.save_every = 5;
+  c.lr_decay_steps = 8;
+  c.steps = 6;  // the "crash": one step after the checkpoint at 5, then the process is gone
+  { train::Trainer(c).fit(); }
+  EXPECT_EQ(read_metrics(dir / "resumed.jsonl").size(), 6u);
+  c.steps = 8;
   c.resume = c.save_dir;
+  // The crashed run saved step 6 at its end; resume from the checkpoint at 5 explicitly.
+  c.resume = (dir / "ckpt" / "step-00000005").string();
   train::Trainer resumed(c);
   EXPECT_EQ(resumed.step(), 5);
   resumed.fit();
   const auto got = params_of(resumed);
   for (const auto& [name, p] : expected) EXPECT_TRUE(at::equal(p, got.at(name))) << name;
+
   const auto a = read_metrics(dir / "straight.jsonl");
   const auto b = read_metrics(dir / "resumed.jsonl");
   ASSERT_EQ(a.size(), 8u);
-  ASSERT_EQ(b.size(), 3u);  // steps 6..8: the resumed run's own file
-  for (size_t i = 0; i < b.size(); ++i) {
-    EXPECT_EQ(b[i]["step"], a[i + 5]["step"]);
-    EXPECT_EQ(b[i]["loss"].get<double>(), a[i + 5]["loss"].get<double>());
+  ASSERT_EQ(b.size(), 8u);  // step 6 of the first run was dropped, then written again
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i]["step"], a[i]["step"]);
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(b[i].contains("val_loss"), a[i].contains("val_loss"));
+    if (a[i].contains("val_loss")) {
+      EXPECT_EQ(b[i]["val_loss"], a[i]["val_loss"]);
+    }
   }
   for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"})
     EXPECT_TRUE(a[0].contains(key)) << key;
-  EXPECT_TRUE(a.back().contains("val_loss"));
 }
 
-TEST(Training, Bf16TrainingLearnsWithFp32Masters) {
+INSTANTIATE_TEST_SUITE_P(
+    Training, Resume,
+    ::testing::Values(ResumeCase{"llama_fp32", "llama", "llama-tiny", "fp32", 1, 0.0},
+                      ResumeCase{"gpt2_bf16_accum2_dropout", "gpt2", "gpt2-tiny", "bf16", 2, 0.1}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(Training, ResumeRefusesChangesThatBreakExactness) {
   TempDir dir;
   write_corpus_data(dir.path(), 50000, 5000);
   auto c = small_config(dir.path());
-  c.precision = "bf16";
-  c.steps = 30;
+  c.steps = 2;
+  c.save_dir = (dir / "ckpt").string();
+  { train::Trainer(c).fit(); }
+  // Starting afresh into a directory with checkpoints would mix two runs.
+  auto msg = error_of([&] { train::Trainer t(c); });
+  EXPECT_TRUE(contains(msg, "already holds checkpoints")) << msg;
+  c.resume = c.save_dir;
+  auto changed = c;
+  changed.lr = 1e-3;
+  msg = error_of([&] { train::Trainer t(changed); });
+  EXPECT_TRUE(contains(msg, "--lr was 0.003")) << msg;
+  changed = c;
+  changed.steps = 4;  // a longer cosine: a different schedule from step 0 on
+  msg = error_of([&] { train::Trainer t(changed); });
+  EXPECT_TRUE(contains(msg, "--lr-decay-steps 2")) << msg;
+  changed.lr_decay_steps = 2;  // same schedule, extended run: allowed
+  train::Trainer extended(changed);
+  EXPECT_EQ(extended.step(), 2);
+}
+
+TEST(Training, NonFiniteGradientsStopBeforeTheUpdate) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.lr = 1e30;  // the first update blows the weights up; the next gradients are not finite
+  c.warmup_steps = 0;
+  c.grad_clip = 0;
   train::Trainer t(c);
-  EXPECT_EQ(t.model().parameters().front().scalar_type(), at::kBFloat16);
-  const double before = t.evaluate(2);
-  t.fit();
-  EXPECT_LT(t.evaluate(2), before - 1.0);
+  t.train_step();
+  const auto before = params_of(t);
+  const auto msg = error_of([&] { t.train_step(); });
+  EXPECT_TRUE(contains(msg, "gradient norm is")) << msg;
+  const auto after = params_of(t);
+  for (const auto& [name, p] : before) EXPECT_TRUE(at::equal(p, after.at(name))) << name;
 }
 
 TEST(Checkpoint, CorruptOrMissingFilesAreDetected) {

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
       "loom-eval"};
   std::string checkpoint, hf_dir, data;
   int64_t seq_len = 128, batches = 8, batch_size = 8;
+  std::string logits_out;
   int threads = 0;
   auto* source = app.add_option_group("model", "Where the model comes from");
   source->add_option("--checkpoint", checkpoint, "loom checkpoint or save directory");
@@ -23,6 +24,9 @@ int main(int argc, char** argv) {
   app.add_option("--batches", batches, "Number of windows K to score")->capture_default_str();
   app.add_option("--batch-size", batch_size, "Windows per forward pass")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)");
+  app.add_option("--logits-out", logits_out,
+                 "Also write the logits of the scored windows ([K, T, vocab], fp32) to this "
+                 "safetensors file");
   return loom::apps::run_app(app, argc, argv, [&] {
     if (threads > 0) at::set_num_threads(threads);
     LOOM_CHECK(batches > 0 && batch_size > 0, "--batches {} and --batch-size {} must be positive",
@@ -38,12 +42,17 @@ int main(int argc, char** argv) {
     torch::NoGradGuard no_grad;
     model->eval();
     double sum = 0;
+    std::vector<at::Tensor> all_logits;
     for (int64_t first = 0; first < batches; first += batch_size) {
       const int64_t count = std::min(batch_size, batches - first);
       auto b = windows.sequential_batch(first, count);
-      sum += loom::models::next_token_loss(model->forward(b.inputs), b.targets).item<double>() *
+      auto logits = model->forward(b.inputs);
+      sum += loom::models::next_token_loss(logits, b.targets).item<double>() *
              static_cast<double>(count);
+      if (!logits_out.empty()) all_logits.push_back(logits.to(at::kFloat));
     }
+    if (!logits_out.empty())
+      loom::core::save_safetensors(logits_out, {{"logits", at::cat(all_logits, 0)}});
     const nlohmann::json result = {{"loss", sum / static_cast<double>(batches)},
                                    {"tokens", batches * seq_len}};
     std::printf("%s\n", result.dump().c_str());

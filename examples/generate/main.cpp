@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
     const auto ids32 = tokenizer->encode(prompt);
     std::vector<int64_t> ids(ids32.begin(), ids32.end());
     auto out = loom::models::generate(*model, ids, options);
-    std::printf("%s\n", tokenizer->decode(std::vector<int32_t>(out.begin(), out.end())).c_str());
+    const auto text = tokenizer->decode(std::vector<int32_t>(out.begin(), out.end()));
+    std::fwrite(text.data(), 1, text.size(), stdout);  // the text may hold NUL bytes
+    std::fputc('\n', stdout);
   });
 }

@@ -41,6 +41,12 @@ int main(int argc, char** argv) {
     const std::filesystem::path dir(out_dir);
     loom::data::write_llmc_shard(dir / "train.bin", {tokens.data(), n_train});
     if (n_val > 0) loom::data::write_llmc_shard(dir / "val.bin", {tokens.data() + n_train, n_val});
+    // Nothing stale from an earlier run in the same directory may describe this data.
+    if (n_val == 0) std::filesystem::remove(dir / "val.bin");
+    if (vocab.empty()) {
+      std::filesystem::remove(dir / "vocab.json");
+      std::filesystem::remove(dir / "merges.txt");
+    }
     loom::data::save_tokenizer_meta(*tok, dir, vocab, merges);
     spdlog::info("{} bytes of text -> {} tokens ({} tokenizer, vocab {}): {} train, {} val, in {}",
                  text.size(), tokens.size(), tok->kind(), tok->vocab_size(), n_train, n_val,

@@ -34,6 +34,12 @@ int main(int argc, char** argv) {
   app.add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
       ->capture_default_str();
   app.add_option("--warmup-steps", c.warmup_steps, "Linear warmup steps")->capture_default_str();
+  app.add_option("--lr-decay-steps", c.lr_decay_steps,
+                 "Step at which the cosine decay reaches --min-lr (0: --steps); keep it fixed "
+                 "when a resumed run extends --steps")
+      ->capture_default_str();
+  app.add_option("--dropout", c.dropout, "Dropout probability (attention and residual)")
+      ->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")
       ->capture_default_str();
@@ -41,7 +47,8 @@ int main(int argc, char** argv) {
   app.add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
   app.add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str();
-  app.add_option("--precision", c.precision, "fp32 | bf16 (bf16 keeps fp32 master weights)")
+  app.add_option("--precision", c.precision,
+                 "fp32 | bf16 (bf16: compute under autocast, fp32 master weights and gradients)")
       ->capture_default_str();
   app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
@@ -53,7 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
   app.add_option("--eval-every", c.eval_every, "Validation loss every N steps (0: only at the end)")
       ->capture_default_str();
-  app.add_option("--eval-batches", c.eval_batches, "Validation micro-batches per evaluation")
+  app.add_option("--eval-batches", c.eval_batches,
+                 "Validation batches (of --batch-size sequences, in file order) per evaluation")
       ->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)")
       ->capture_default_str();

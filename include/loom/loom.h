@@ -15,6 +15,7 @@
 #include "loom/models/hf.h"
 #include "loom/models/llama.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/cuda.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/grad_clip.h"

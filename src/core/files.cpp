@@ -52,12 +52,13 @@ void fsync_path(const std::filesystem::path& path) {
   ::close(fd);
 }
 
-void write_file_atomic(const std::filesystem::path& path, std::string_view contents) {
+void write_file_atomic(const std::filesystem::path& path,
+                       const std::function<void(std::ostream& out)>& write) {
   const auto tmp = std::filesystem::path(path.string() + ".tmp");
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     LOOM_CHECK(out.good(), "cannot write '{}': {}", tmp.string(), std::strerror(errno));
-    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    write(out);
     out.flush();
     LOOM_CHECK(out.good(), "writing '{}' failed: {}", tmp.string(), std::strerror(errno));
   }
@@ -66,6 +67,12 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
   std::filesystem::rename(tmp, path, ec);
   LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
   fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::string_view contents) {
+  write_file_atomic(path, [&](std::ostream& out) {
+    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  });
 }
 
 std::string read_file(const std::filesystem::path& path) {

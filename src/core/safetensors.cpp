@@ -62,10 +62,7 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const uint64_t header_len = text.size();
 
-  const auto tmp = std::filesystem::path(path.string() + ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    LOOM_CHECK(out.good(), "cannot write '{}': {}", tmp.string(), std::strerror(errno));
+  write_file_atomic(path, [&](std::ostream& out) {
     char len_bytes[8];
     for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((header_len >> (8 * i)) & 0xFF);
     out.write(len_bytes, 8);
@@ -73,18 +70,13 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
     for (const auto& t : contiguous)
       out.write(static_cast<const char*>(t.data_ptr()),
                 static_cast<std::streamsize>(t.numel() * t.element_size()));
-    out.flush();
-    LOOM_CHECK(out.good(), "writing '{}' failed: {}", tmp.string(), std::strerror(errno));
-  }
-  fsync_path(tmp);
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
+  });
 }
 
 SafetensorsContents load_safetensors(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in.good(), "cannot open safetensors file '{}'", path.string());
+  LOOM_CHECK(in.good() && std::filesystem::is_regular_file(path),
+             "cannot open safetensors file '{}'", path.string());
   const auto file_size = std::filesystem::file_size(path);
   LOOM_CHECK(file_size >= 8, "'{}' is truncated: {} bytes, a safetensors file has at least 8",
              path.string(), file_size);
@@ -111,11 +103,11 @@ SafetensorsContents load_safetensors(const std::filesystem::path& path) {
 
   SafetensorsContents out;
   for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      for (const auto& [k, v] : entry.items()) out.metadata[k] = v.get<std::string>();
-      continue;
-    }
     try {
+      if (name == "__metadata__") {
+        for (const auto& [k, v] : entry.items()) out.metadata[k] = v.get<std::string>();
+        continue;
+      }
       const auto dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path);
       const auto shape = entry.at("shape").get<std::vector<int64_t>>();
       const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();

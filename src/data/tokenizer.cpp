@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 
 namespace loom::data {
 
@@ -460,11 +461,7 @@ void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir, const fs::pa
 
   const fs::path meta_path = dir / "meta.json";
   const json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
-  std::ofstream out(meta_path, std::ios::binary | std::ios::trunc);
-  LOOM_CHECK(out.is_open(), "cannot write {}", meta_path.string());
-  out << meta.dump(2) << '\n';
-  out.close();
-  LOOM_CHECK(!out.fail(), "error writing {}", meta_path.string());
+  core::write_file_atomic(meta_path, meta.dump(2) + "\n");
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {

@@ -11,13 +11,6 @@ namespace loom::models {
 
 namespace nn = torch::nn;
 
-namespace {
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-}  // namespace
-
 Gpt2Block::Gpt2Block(const ModelConfig& config) : config_(config) {
   const int64_t d = config.d_model;
   auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({d}).eps(config.norm_eps)); };
@@ -68,12 +61,12 @@ at::Tensor Gpt2::forward(const at::Tensor& tokens) {
 ParamInit Gpt2::init_for(const std::string& name) const {
   using K = ParamInit::Kind;
   const bool is_norm = name.find(".ln_") != std::string::npos;
-  if (ends_with(name, ".bias")) return {K::kZeros};
-  if (is_norm && ends_with(name, ".weight")) return {K::kOnes};
+  if (name.ends_with(".bias")) return {K::kZeros};
+  if (is_norm && name.ends_with(".weight")) return {K::kOnes};
   // GPT-2's scaled init of the projections that write into the residual stream.
-  if (ends_with(name, "c_proj.weight"))
+  if (name.ends_with("c_proj.weight"))
     return {K::kNormal, 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers))};
-  if (ends_with(name, ".weight")) return {K::kNormal, 0.02};
+  if (name.ends_with(".weight")) return {K::kNormal, 0.02};
   fail("GPT-2 has no initialization rule for parameter '{}'", name);
 }
 

@@ -12,10 +12,6 @@ namespace loom::models {
 namespace nn = torch::nn;
 
 namespace {
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 nn::Linear linear(int64_t in, int64_t out) {
   return nn::Linear(nn::LinearOptions(in, out).bias(false));
@@ -76,10 +72,10 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   auto y = ops::attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
                           {.causal = true, .dropout = p});
   y = y.transpose(1, 2).reshape({b, t, config_.n_heads * hd});
-  auto out = x + at::dropout(o_proj_->forward(y), p, is_training());
+  // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
+  auto out = x + o_proj_->forward(y);
   auto m = post_attention_layernorm_->forward(out);
-  m = down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
-  return out + at::dropout(m, p, is_training());
+  return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
 }
 
 Llama::Llama(const ModelConfig& config) : CausalLM(config) {
@@ -111,7 +107,6 @@ at::Tensor Llama::forward(const at::Tensor& tokens) {
   auto cos = rope_cos_.narrow(0, 0, t).to(tokens.device());
   auto sin = rope_sin_.narrow(0, 0, t).to(tokens.device());
   auto x = embed_tokens_->forward(tokens);
-  x = at::dropout(x, is_training() ? config().dropout : 0.0, is_training());
   for (const auto& block : *layers_) x = block->as<LlamaBlock>()->forward(x, cos, sin);
   x = norm_->forward(x);
   return lm_head_ ? lm_head_->forward(x) : at::matmul(x, embed_tokens_->weight.t());
@@ -120,9 +115,9 @@ at::Tensor Llama::forward(const at::Tensor& tokens) {
 ParamInit Llama::init_for(const std::string& name) const {
   using K = ParamInit::Kind;
   if (name.find("norm.weight") != std::string::npos) return {K::kOnes};
-  if (ends_with(name, "o_proj.weight") || ends_with(name, "down_proj.weight"))
+  if (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight"))
     return {K::kNormal, 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers))};
-  if (ends_with(name, ".weight")) return {K::kNormal, 0.02};
+  if (name.ends_with(".weight")) return {K::kNormal, 0.02};
   fail("Llama has no initialization rule for parameter '{}'", name);
 }
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
@@ -45,6 +46,7 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
     const auto target = tmp_dir / file.filename();
     fs::copy_file(file, target, fs::copy_options::overwrite_existing, ec);
     LOOM_CHECK(!ec, "cannot copy '{}' into the checkpoint: {}", file.string(), ec.message());
+    core::fsync_path(target);
     checksums[file.filename().string()] = core::file_crc32(target);
   }
   state["format_version"] = kFormatVersion;
@@ -53,22 +55,32 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
   core::write_file_atomic(tmp_dir / kStateFile, state.dump(2) + "\n");
   core::fsync_path(tmp_dir);
 
-  fs::remove_all(final_dir, ec);
+  // Re-saving a step that exists (a resumed run passing it again): move the old copy aside
+  // first, so a valid checkpoint exists under one of the two names at every moment.
+  const auto old_dir = dir / (name + ".old");
+  fs::remove_all(old_dir, ec);
+  if (fs::exists(final_dir)) {
+    fs::rename(final_dir, old_dir, ec);
+    LOOM_CHECK(!ec, "cannot move '{}' aside: {}", final_dir.string(), ec.message());
+  }
   fs::rename(tmp_dir, final_dir, ec);
   LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_dir.string(), final_dir.string(),
              ec.message());
   core::fsync_path(dir);
   core::write_file_atomic(dir / "latest", name + "\n");
+  fs::remove_all(old_dir, ec);
 
   if (keep_last > 0) {
-    std::vector<std::string> names;
+    // Older steps of this run only, by number; never the one just written.
+    std::vector<std::pair<int64_t, fs::path>> older;
     for (const auto& entry : fs::directory_iterator(dir)) {
       const auto n = entry.path().filename().string();
-      if (entry.is_directory() && is_checkpoint_name(n)) names.push_back(n);
+      if (!entry.is_directory() || !is_checkpoint_name(n)) continue;
+      const int64_t s = std::strtoll(n.c_str() + 5, nullptr, 10);
+      if (s < step) older.emplace_back(s, entry.path());
     }
-    std::sort(names.begin(), names.end());
-    for (size_t i = 0; i + keep_last < names.size(); ++i)
-      if (names[i] != name) fs::remove_all(dir / names[i], ec);
+    std::sort(older.begin(), older.end());
+    for (size_t i = 0; i + keep_last - 1 < older.size(); ++i) fs::remove_all(older[i].second, ec);
   }
   return final_dir;
 }
@@ -103,15 +115,20 @@ CheckpointContents load_checkpoint(const fs::path& path) {
   LOOM_CHECK(out.state.value("format_version", 0) == kFormatVersion,
              "checkpoint '{}' has format_version {}; this loom reads version {}", ckpt.string(),
              out.state.value("format_version", 0), kFormatVersion);
-  for (const auto& [file, crc] : out.state.at("checksums").items()) {
+  const auto& checksums = out.state.value("checksums", json::object());
+  LOOM_CHECK(checksums.is_object() && checksums.contains(kModelFile) &&
+                 checksums.contains(kOptimizerFile) && out.state.value("step", int64_t{-1}) >= 0,
+             "checkpoint '{}': {} lacks its step or checksums", ckpt.string(), kStateFile);
+  for (const auto& [file, crc] : checksums.items()) {
     LOOM_CHECK(fs::exists(ckpt / file), "checkpoint '{}' is incomplete: '{}' is missing",
                ckpt.string(), file);
     const auto actual = core::file_crc32(ckpt / file);
-    LOOM_CHECK(actual == crc.get<uint32_t>(),
+    const auto expected = crc.is_number_unsigned() ? crc.get<uint32_t>() : ~actual;
+    LOOM_CHECK(actual == expected,
                "checkpoint file '{}' is corrupt: CRC-32 {:08x}, expected {:08x}",
-               (ckpt / file).string(), actual, crc.get<uint32_t>());
+               (ckpt / file).string(), actual, expected);
   }
-  out.step = out.state.at("step").get<int64_t>();
+  out.step = out.state.value("step", int64_t{0});
   out.model = core::load_safetensors(ckpt / kModelFile).tensors;
   out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
   return out;

@@ -8,7 +8,12 @@
 namespace loom::train {
 
 MetricsWriter::MetricsWriter(const std::filesystem::path& path, int64_t keep_through_step) {
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  if (path.has_parent_path()) {
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    LOOM_CHECK(!ec, "cannot create the directory of metrics file '{}': {}", path.string(),
+               ec.message());
+  }
   std::string kept;
   if (keep_through_step >= 0 && std::filesystem::exists(path)) {
     std::ifstream in(path);

@@ -1,12 +1,17 @@
 #include "loom/train/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <mutex>
+
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/core/rng.h"
 #include "loom/core/format.h"
 #include "loom/models/hf.h"
 #include "loom/train/checkpoint.h"
@@ -32,6 +37,36 @@ core::NamedTensors named_parameters(const models::CausalLM& model) {
   return out;
 }
 
+std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters()) out.emplace(item.key(), item.value());
+  return out;
+}
+
+// Enables CPU autocast to bf16 for its lifetime (and restores the previous state).
+class Bf16Autocast {
+ public:
+  explicit Bf16Autocast(bool enabled)
+      : enabled_(enabled), was_enabled_(at::autocast::is_autocast_enabled(at::kCPU)) {
+    if (!enabled_) return;
+    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+  }
+  ~Bf16Autocast() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(at::kCPU, was_enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, previous_dtype_);
+    at::autocast::clear_cache();
+  }
+  Bf16Autocast(const Bf16Autocast&) = delete;
+  Bf16Autocast& operator=(const Bf16Autocast&) = delete;
+
+ private:
+  bool enabled_, was_enabled_;
+  at::ScalarType previous_dtype_ = at::kBFloat16;
+};
+
 void load_parameters(models::CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const fs::path& from) {
   torch::NoGradGuard no_grad;
@@ -50,17 +85,15 @@ void load_parameters(models::CausalLM& model, const std::map<std::string, at::Te
 
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const fs::path& path) {
   auto ckpt = load_checkpoint(path);
-  auto config = models::ModelConfig::from_json(ckpt.state.at("model_config"));
+  auto config = models::ModelConfig::from_json(ckpt.state.value("model_config", json()));
   auto model = models::make_model(config);
-  const auto dtype = ckpt.model.begin()->second.scalar_type();
-  model->to(dtype);
   load_parameters(*model, ckpt.model, ckpt.dir);
   return model;
 }
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
   config_.validate();
-  schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.steps};
+  schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
 
   // Data and tokenizer: a data directory written by loom-prepare describes its tokenizer.
@@ -74,7 +107,14 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
   std::optional<CheckpointContents> resume;
   if (!config_.resume.empty()) {
     resume = load_checkpoint(config_.resume);
-    model_config = models::ModelConfig::from_json(resume->state.at("model_config"));
+    model_config = models::ModelConfig::from_json(resume->state.value("model_config", json()));
+    config_.check_resumable_from(
+        TrainConfig::from_json(resume->state.value("train_config", json())));
+    const auto saved_tokens = resume->state.value("data_tokens", int64_t{-1});
+    LOOM_CHECK(saved_tokens == train_shard_->size(),
+               "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
+               "--data '{}' holds {}",
+               saved_tokens, config_.data, train_shard_->size());
   } else if (!config_.init_from_hf.empty()) {
     model_config = models::read_hf_config(config_.init_from_hf);
   } else {
@@ -85,6 +125,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     model_config.vocab_size =
         config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
   }
+  if (!resume) model_config.dropout = config_.dropout;
   model_config.validate();
   LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
              "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
@@ -96,20 +137,35 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     val_shard_->check_vocab(model_config.vocab_size);
     val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
   }
-  if (!config_.save_dir.empty()) core::ensure_writable_dir(config_.save_dir);
+  if (!config_.save_dir.empty()) {
+    core::ensure_writable_dir(config_.save_dir);
+    // Starting afresh in a directory that holds another run's checkpoints would mix the two.
+    const auto previous = latest_checkpoint(config_.save_dir);
+    LOOM_CHECK(resume || !previous,
+               "--save-dir '{}' already holds checkpoints (latest: {}); pass --resume {} to "
+               "continue that run, or choose an empty directory",
+               config_.save_dir, previous ? previous->filename().string() : "", config_.save_dir);
+  }
   if (!config_.export_hf.empty()) core::ensure_writable_dir(config_.export_hf);
 
-  if (!config_.init_from_hf.empty() && !resume) {
-    model_ = models::load_hf(config_.init_from_hf);
-  } else {
-    model_ = models::make_model(model_config);
+  model_ = models::make_model(model_config);
+  if (!config_.init_from_hf.empty() && !resume)
+    load_parameters(*model_, tensor_map(*models::load_hf(config_.init_from_hf)),
+                    config_.init_from_hf);
+  else
     models::init_parameters(*model_, config_.seed);
-  }
-  if (config_.precision == "bf16") model_->to(at::kBFloat16);
+  // bf16 runs keep fp32 parameters (the master weights) and compute under autocast.
   model_->train();
   optimizer_ = std::make_unique<AdamW>(
       named_parameters(*model_),
       AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
+  if (!resume) {
+    // Dropout draws from the process-wide CPU generator: seed it, so that two runs with the
+    // same flags are the same run (a resume restores its saved state instead).
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(core::mix_seed({config_.seed, core::stable_hash("dropout")}));
+  }
   if (resume) {
     load_parameters(*model_, resume->model, resume->dir);
     optimizer_->load_state(resume->optimizer);
@@ -117,6 +173,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     LOOM_CHECK(rng != resume->optimizer.end(), "checkpoint '{}' has no RNG state",
                resume->dir.string());
     auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(rng->second);
     step_ = resume->step;
     LOOM_CHECK(step_ <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",
@@ -149,7 +206,11 @@ StepResult Trainer::train_step() {
   double loss_sum = 0;
   for (int64_t k = 0; k < config_.grad_accum; ++k) {
     auto batch = train_sampler_->random_batch(step_, k * micro, micro);
-    auto loss = models::next_token_loss(model_->forward(batch.inputs), batch.targets);
+    at::Tensor loss;
+    {
+      Bf16Autocast autocast(config_.precision == "bf16");
+      loss = models::next_token_loss(model_->forward(batch.inputs), batch.targets);
+    }
     // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
     (loss / static_cast<double>(config_.grad_accum)).backward();
     loss_sum += loss.item<double>();
@@ -158,6 +219,11 @@ StepResult Trainer::train_step() {
   for (const auto& p : model_->parameters()) params.push_back(p);
   StepResult r;
   r.grad_norm = clip_grad_norm(params, config_.grad_clip);
+  // A non-finite gradient would poison the weights and moments: stop before the update.
+  LOOM_CHECK(std::isfinite(r.grad_norm),
+             "gradient norm is {} at step {} (loss {}): lower --lr or use --grad-clip; the "
+             "parameters were not updated",
+             r.grad_norm, step_ + 1, loss_sum / static_cast<double>(config_.grad_accum));
   r.lr = schedule_.at(step_);
   optimizer_->step(r.lr);
   optimizer_->zero_grad();
@@ -172,8 +238,12 @@ double Trainer::evaluate(int64_t batches) {
   LOOM_CHECK(val_sampler_ != nullptr, "evaluation needs --val-data");
   torch::NoGradGuard no_grad;
   model_->eval();
+  // Whole batches of batch_size windows (the same windows whatever --grad-accum is), run in
+  // micro-batches to bound memory.
   const int64_t micro = config_.micro_batch_size();
-  const int64_t windows = std::min(batches * micro, val_sampler_->num_sequential_windows());
+  const int64_t windows =
+      std::min(batches * config_.batch_size, val_sampler_->num_sequential_windows());
+  Bf16Autocast autocast(config_.precision == "bf16");
   double sum = 0;
   for (int64_t first = 0; first < windows; first += micro) {
     const int64_t count = std::min(micro, windows - first);
@@ -188,9 +258,14 @@ double Trainer::evaluate(int64_t batches) {
 fs::path Trainer::save_checkpoint() {
   LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
   auto opt_state = optimizer_->state();
-  opt_state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    opt_state.emplace_back("rng.cpu", gen.get_state());
+  }
   json state = {{"model_config", model_->config().to_json()},
                 {"train_config", config_.to_json()},
+                {"data_tokens", train_shard_->size()},
                 {"tokenizer", tokenizer_->kind()}};
   std::vector<fs::path> extras;
   for (const char* f : {"meta.json", "vocab.json", "merges.txt"})

@@ -3,6 +3,8 @@
 // (write to a temporary name, fsync, rename) and content checksums.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <ostream>
 #include <string>
 #include <string_view>
 
@@ -16,6 +18,9 @@ uint32_t file_crc32(const std::filesystem::path& path);
 // Writes `contents` to `path` atomically: a reader sees the old file or the new one, never a
 // mix. Throws loom::Error naming the path on failure.
 void write_file_atomic(const std::filesystem::path& path, std::string_view contents);
+// The same, for contents too large to hold at once: `write` streams them into `out`.
+void write_file_atomic(const std::filesystem::path& path,
+                       const std::function<void(std::ostream& out)>& write);
 std::string read_file(const std::filesystem::path& path);
 
 // fsync a file or directory by path (best effort for directories).

@@ -36,7 +36,8 @@ class CausalLM : public torch::nn::Module {
   ModelConfig config_;
 };
 
-// GPT-2 or Llama, by config.family. Parameters are left uninitialized: call init_parameters.
+// GPT-2 or Llama, by config.family. Parameters hold LibTorch's default initialization, which
+// depends on construction order: call init_parameters for loom's layout-invariant values.
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config);
 
 // Layout-invariant initialization: each parameter is drawn from its own generator seeded by

@@ -14,6 +14,7 @@ struct TrainConfig {
   std::string init_from_hf;  // directory; overrides model/preset when set
   int64_t vocab_size = 0;    // 0: the data's tokenizer vocabulary (meta.json), else 256
   uint64_t seed = 1337;
+  double dropout = 0.0;  // overrides the preset's (0 by default)
 
   // Data.
   std::string data;      // training token file (llm.c .bin or *.u16)
@@ -28,6 +29,7 @@ struct TrainConfig {
   double lr = 1e-3;
   double min_lr = 1e-4;
   int64_t warmup_steps = 10;
+  int64_t lr_decay_steps = 0;  // cosine reaches min_lr here; 0 = steps
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
@@ -41,12 +43,17 @@ struct TrainConfig {
   std::string resume;       // save directory or checkpoint directory
   std::string export_hf;    // write a Hugging Face directory at the end
   int64_t log_every = 10;
-  int64_t eval_every = 0;  // 0 = only at the end
-  int64_t eval_batches = 8;
+  int64_t eval_every = 0;    // 0 = only at the end
+  int64_t eval_batches = 8;  // validation batches of batch_size sequences
 
   // Throws loom::Error naming the field, its value and what would be valid.
   void validate() const;
   int64_t micro_batch_size() const { return batch_size / grad_accum; }
+  int64_t schedule_steps() const { return lr_decay_steps > 0 ? lr_decay_steps : steps; }
+
+  // Resuming is bit-exact only when everything that shapes the computation is unchanged.
+  // Throws loom::Error naming the first flag whose value differs from `saved`'s.
+  void check_resumable_from(const TrainConfig& saved) const;
 
   nlohmann::json to_json() const;
   static TrainConfig from_json(const nlohmann::json& j);

@@ -37,8 +37,8 @@ class Trainer {
   StepResult fit();
   // One optimizer step over one global batch.
   StepResult train_step();
-  // Mean next-token loss over the first `batches` micro-batches of sequential windows of
-  // `shard` (validation data by default).
+  // Mean next-token loss over the first `batches` x batch_size sequential windows of the
+  // validation data (fewer if it is shorter).
   double evaluate(int64_t batches);
   // Writes a checkpoint of the current state into config.save_dir.
   std::filesystem::path save_checkpoint();

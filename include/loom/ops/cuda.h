@@ -1,0 +1,16 @@
+#pragma once
+// What the CUDA side of this build can do. In a build without LOOM_WITH_CUDA both report
+// that there is nothing.
+
+namespace loom::ops {
+
+// True when loom was compiled with its CUDA kernels (LOOM_WITH_CUDA=ON).
+bool built_with_cuda();
+
+// CUDA devices visible to this process (0 without a driver, a device, or a CUDA build).
+int cuda_device_count();
+
+// Launches one of loom's own kernels on `device` and checks its result: the CUDA build works.
+bool cuda_smoke_test(int device = 0);
+
+}  // namespace loom::ops
