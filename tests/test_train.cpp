@@ -85,6 +85,21 @@ TEST(LrSchedule, WarmsUpLinearlyThenFollowsCosineToMinimum) {
   EXPECT_TRUE(contains(error_of([&] { bad.validate(); }), "min lr 2"));
 }
 
+TEST(TrainConfig, JsonRoundTripsAndOlderFilesKeepDefaults) {
+  train::TrainConfig c;
+  c.seed = 7;
+  c.lr_decay_steps = 123;
+  c.precision = "bf16";
+  c.data = "x.bin";
+  const auto j = c.to_json();
+  EXPECT_EQ(train::TrainConfig::from_json(j).to_json(), j);
+  auto older = j;
+  older.erase("lr_decay_steps");
+  EXPECT_EQ(train::TrainConfig::from_json(older).lr_decay_steps, 0);
+  older["seed"] = "seven";
+  EXPECT_TRUE(contains(error_of([&] { train::TrainConfig::from_json(older); }), "wrong type"));
+}
+
 TEST(AdamW, MatchesTheAlgorithmStepByStep) {
   auto w = at::tensor({1.0f, -2.0f, 0.5f, 3.0f}).view({2, 2}).requires_grad_();
   auto bias = at::tensor({0.3f, -0.1f}).requires_grad_();

@@ -32,36 +32,17 @@ void TrainConfig::validate() const {
              vocab_size);
 }
 
+// One list of fields for both directions; keys missing from older checkpoints keep defaults.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TrainConfig, model, preset, init_from_hf,
+                                                vocab_size, seed, dropout, data, val_data, seq_len,
+                                                steps, batch_size, grad_accum, lr, min_lr,
+                                                warmup_steps, lr_decay_steps, weight_decay, beta1,
+                                                beta2, grad_clip, precision, metrics_out, save_dir,
+                                                save_every, resume, export_hf, log_every,
+                                                eval_every, eval_batches)
+
 nlohmann::json TrainConfig::to_json() const {
-  return {{"model", model},
-          {"preset", preset},
-          {"init_from_hf", init_from_hf},
-          {"vocab_size", vocab_size},
-          {"seed", seed},
-          {"dropout", dropout},
-          {"data", data},
-          {"val_data", val_data},
-          {"seq_len", seq_len},
-          {"steps", steps},
-          {"batch_size", batch_size},
-          {"grad_accum", grad_accum},
-          {"lr", lr},
-          {"min_lr", min_lr},
-          {"warmup_steps", warmup_steps},
-          {"lr_decay_steps", lr_decay_steps},
-          {"weight_decay", weight_decay},
-          {"beta1", beta1},
-          {"beta2", beta2},
-          {"grad_clip", grad_clip},
-          {"precision", precision},
-          {"metrics_out", metrics_out},
-          {"save_dir", save_dir},
-          {"save_every", save_every},
-          {"resume", resume},
-          {"export_hf", export_hf},
-          {"log_every", log_every},
-          {"eval_every", eval_every},
-          {"eval_batches", eval_batches}};
+  return *this;
 }
 
 void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
@@ -92,38 +73,11 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
 }
 
 TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
-  TrainConfig c;
-  // Missing keys keep their defaults, so older checkpoints stay readable.
-  c.model = j.value("model", c.model);
-  c.preset = j.value("preset", c.preset);
-  c.init_from_hf = j.value("init_from_hf", c.init_from_hf);
-  c.vocab_size = j.value("vocab_size", c.vocab_size);
-  c.seed = j.value("seed", c.seed);
-  c.dropout = j.value("dropout", c.dropout);
-  c.data = j.value("data", c.data);
-  c.val_data = j.value("val_data", c.val_data);
-  c.seq_len = j.value("seq_len", c.seq_len);
-  c.steps = j.value("steps", c.steps);
-  c.batch_size = j.value("batch_size", c.batch_size);
-  c.grad_accum = j.value("grad_accum", c.grad_accum);
-  c.lr = j.value("lr", c.lr);
-  c.min_lr = j.value("min_lr", c.min_lr);
-  c.warmup_steps = j.value("warmup_steps", c.warmup_steps);
-  c.lr_decay_steps = j.value("lr_decay_steps", c.lr_decay_steps);
-  c.weight_decay = j.value("weight_decay", c.weight_decay);
-  c.beta1 = j.value("beta1", c.beta1);
-  c.beta2 = j.value("beta2", c.beta2);
-  c.grad_clip = j.value("grad_clip", c.grad_clip);
-  c.precision = j.value("precision", c.precision);
-  c.metrics_out = j.value("metrics_out", c.metrics_out);
-  c.save_dir = j.value("save_dir", c.save_dir);
-  c.save_every = j.value("save_every", c.save_every);
-  c.resume = j.value("resume", c.resume);
-  c.export_hf = j.value("export_hf", c.export_hf);
-  c.log_every = j.value("log_every", c.log_every);
-  c.eval_every = j.value("eval_every", c.eval_every);
-  c.eval_batches = j.value("eval_batches", c.eval_batches);
-  return c;
+  try {
+    return j.get<TrainConfig>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("training config JSON has a field of the wrong type: {}", e.what());
+  }
 }
 
 }  // namespace loom::train
