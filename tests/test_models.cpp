@@ -272,6 +272,14 @@ TEST(Models, GenerationIsDeterministicAndGreedyFollowsArgmax) {
   auto logits = m->forward(at::tensor(std::vector<int64_t>{1, 2, 3}).unsqueeze(0));
   EXPECT_EQ(greedy[3], logits[0][2].argmax().item<int64_t>());
   EXPECT_TRUE(contains(error_of([&] { models::generate(*m, {99}, opt); }), "token 99"));
+  // With a context of 8, the next token depends on the last 8 tokens only.
+  opt.max_new_tokens = 1;
+  opt.context = 8;
+  std::vector<int64_t> long_prompt(a.begin(), a.begin() + 20);
+  std::vector<int64_t> tail(long_prompt.end() - 8, long_prompt.end());
+  EXPECT_EQ(models::generate(*m, long_prompt, opt).back(), models::generate(*m, tail, opt).back());
+  opt.context = 33;
+  EXPECT_TRUE(contains(error_of([&] { models::generate(*m, tail, opt); }), "context 33"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, BothFamilies,

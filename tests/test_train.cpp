@@ -349,6 +349,9 @@ TEST_P(Resume, ContinuesTheLossCurveBitForBit) {
   }
   for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"})
     EXPECT_TRUE(a[0].contains(key)) << key;
+  // elapsed_s counts the whole run's time: it keeps growing across the resume.
+  for (size_t i = 1; i < b.size(); ++i)
+    EXPECT_GE(b[i]["elapsed_s"].get<double>(), b[i - 1]["elapsed_s"].get<double>()) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(

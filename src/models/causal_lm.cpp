@@ -50,6 +50,19 @@ void init_parameters(CausalLM& model, uint64_t seed) {
   }
 }
 
+void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
+                     const std::string& source) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    auto it = tensors.find(item.key());
+    LOOM_CHECK(it != tensors.end(), "'{}' has no tensor '{}'", source, item.key());
+    LOOM_CHECK(it->second.sizes() == item.value().sizes(),
+               "'{}': tensor '{}' has shape {} but the model needs {}", source, item.key(),
+               it->second.sizes(), item.value().sizes());
+    item.value().copy_(it->second);
+  }
+}
+
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   LOOM_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
                  logits.size(1) == targets.size(1),

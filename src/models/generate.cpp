@@ -15,6 +15,10 @@ std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& promp
   LOOM_CHECK(options.temperature >= 0, "generate: temperature {} must be >= 0",
              options.temperature);
   LOOM_CHECK(options.top_k >= 0, "generate: top_k {} must be >= 0", options.top_k);
+  LOOM_CHECK(options.context >= 0 && options.context <= config.max_seq_len,
+             "generate: context {} must be in [0, max_seq_len = {}]", options.context,
+             config.max_seq_len);
+  const int64_t context = options.context > 0 ? options.context : config.max_seq_len;
   for (auto id : prompt)
     LOOM_CHECK(id >= 0 && id < config.vocab_size,
                "generate: prompt token {} is outside the vocabulary [0, {})", id,
@@ -25,8 +29,7 @@ std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& promp
   const auto device = model.parameters().front().device();
   std::vector<int64_t> ids = prompt;
   for (int64_t i = 0; i < options.max_new_tokens; ++i) {
-    const int64_t start =
-        std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - config.max_seq_len);
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
     auto window = at::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()), at::kLong)
                       .unsqueeze(0)
                       .to(device);

@@ -11,8 +11,8 @@
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
-#include "loom/core/rng.h"
 #include "loom/core/format.h"
+#include "loom/core/rng.h"
 #include "loom/models/hf.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
@@ -67,27 +67,16 @@ class Bf16Autocast {
   at::ScalarType previous_dtype_ = at::kBFloat16;
 };
 
-void load_parameters(models::CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
-                     const fs::path& from) {
-  torch::NoGradGuard no_grad;
-  for (auto& item : model.named_parameters()) {
-    auto it = tensors.find(item.key());
-    LOOM_CHECK(it != tensors.end(), "checkpoint '{}' has no parameter '{}'", from.string(),
-               item.key());
-    LOOM_CHECK(it->second.sizes() == item.value().sizes(),
-               "checkpoint '{}': parameter '{}' has shape {}, the model needs {}", from.string(),
-               item.key(), it->second.sizes(), item.value().sizes());
-    item.value().copy_(it->second);
-  }
-}
-
 }  // namespace
 
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const fs::path& path) {
-  auto ckpt = load_checkpoint(path);
+  return load_model_from_checkpoint(load_checkpoint(path));
+}
+
+std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt) {
   auto config = models::ModelConfig::from_json(ckpt.state.value("model_config", json()));
   auto model = models::make_model(config);
-  load_parameters(*model, ckpt.model, ckpt.dir);
+  models::load_parameters(*model, ckpt.model, ckpt.dir.string());
   return model;
 }
 
@@ -150,8 +139,8 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
 
   model_ = models::make_model(model_config);
   if (!config_.init_from_hf.empty() && !resume)
-    load_parameters(*model_, tensor_map(*models::load_hf(config_.init_from_hf)),
-                    config_.init_from_hf);
+    models::load_parameters(*model_, tensor_map(*models::load_hf(config_.init_from_hf)),
+                            config_.init_from_hf);
   else
     models::init_parameters(*model_, config_.seed);
   // bf16 runs keep fp32 parameters (the master weights) and compute under autocast.
@@ -167,7 +156,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     gen.set_current_seed(core::mix_seed({config_.seed, core::stable_hash("dropout")}));
   }
   if (resume) {
-    load_parameters(*model_, resume->model, resume->dir);
+    models::load_parameters(*model_, resume->model, resume->dir.string());
     optimizer_->load_state(resume->optimizer);
     auto rng = resume->optimizer.find("rng.cpu");
     LOOM_CHECK(rng != resume->optimizer.end(), "checkpoint '{}' has no RNG state",
@@ -176,6 +165,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(rng->second);
     step_ = resume->step;
+    elapsed_before_ = resume->state.value("elapsed_s", 0.0);
     LOOM_CHECK(step_ <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",
                resume->dir.string(), step_, config_.steps);
     spdlog::info("resumed from {} at step {}", resume->dir.string(), step_);
@@ -266,6 +256,7 @@ fs::path Trainer::save_checkpoint() {
   json state = {{"model_config", model_->config().to_json()},
                 {"train_config", config_.to_json()},
                 {"data_tokens", train_shard_->size()},
+                {"elapsed_s", elapsed_s()},
                 {"tokenizer", tokenizer_->kind()}};
   std::vector<fs::path> extras;
   for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
@@ -280,6 +271,11 @@ void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_
   spdlog::info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
                r.step, config_.steps, r.loss, r.lr, r.grad_norm, tokens_per_s,
                format_duration(eta_s));
+}
+
+double Trainer::elapsed_s() const {
+  return elapsed_before_ +
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
 }
 
 StepResult Trainer::fit() {
@@ -301,7 +297,7 @@ StepResult Trainer::fit() {
                    {"lr", last.lr},
                    {"grad_norm", last.grad_norm},
                    {"tokens_per_s", tokens_per_s},
-                   {"elapsed_s", elapsed}};
+                   {"elapsed_s", elapsed_s()}};
     const bool final_step = step_ == config_.steps;
     if (val_sampler_ &&
         ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || final_step)) {

@@ -3,6 +3,7 @@
 // construction from a config, layout-invariant initialization, and the next-token loss.
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -44,6 +45,11 @@ std::shared_ptr<CausalLM> make_model(const ModelConfig& config);
 // (seed, fully-qualified name), so its values never depend on how the model is split or on
 // the order in which parameters were created.
 void init_parameters(CausalLM& model, uint64_t seed);
+
+// Copies tensors[name] into every parameter (cast to its dtype). A missing name or a shape
+// that differs is a loom::Error naming `source` (the file or directory they came from).
+void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
+                     const std::string& source);
 
 // Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32.
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);

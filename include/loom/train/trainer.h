@@ -10,6 +10,7 @@
 #include "loom/data/sampler.h"
 #include "loom/data/tokenizer.h"
 #include "loom/models/causal_lm.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
 #include "loom/train/metrics.h"
@@ -63,9 +64,15 @@ class Trainer {
   LrSchedule schedule_;
   MetricsWriter metrics_;
   int64_t step_ = 0;
+  // Wall time of the run so far: what earlier processes spent (from the checkpoint) plus this
+  // one's since construction, so elapsed_s keeps counting across a resume.
+  double elapsed_before_ = 0;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  double elapsed_s() const;
 };
 
 // Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded.
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const std::filesystem::path& path);
+std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt);
 
 }  // namespace loom::train
