@@ -117,7 +117,21 @@ def check_tokenizer(tools, work, text_file):
     ok = len(ours) == len(theirs) and bool(np.all(ours == np.asarray(theirs)))
     print(f"{'ok' if ok else 'FAIL'}: GPT-2 BPE ({len(merges)} merges): loom-prepare gave "
           f"{len(ours)} ids, transformers' GPT2Tokenizer {len(theirs)}, identical: {ok}")
-    return ok
+    # Beyond ASCII: letters, numbers, symbols and spaces of other scripts split like GPT-2's.
+    other = os.path.join(work, "unicode.txt")
+    sample = ("naïve café — «quoted» costs 5€; x² + y³ = z¹⁰ ١٢٣ ४५६ 中文字符、日本語テキスト\n"
+              "Ünïcödé's résumé: 50 km² in 3½ hours…\u00a0no-break\u2003em space "
+              "Ελληνικά Русский текст ½ ⅓ Ⅻ 🙂 emoji\n")
+    with open(other, "w", encoding="utf-8") as f:
+        f.write(sample * 3)
+    run([os.path.join(tools, "loom-prepare"), "--input", other, "--out-dir", out,
+         "--val-fraction", "0", "--vocab", vocab_file, "--merges", merges_file])
+    ours = read_llmc(os.path.join(out, "train.bin"))
+    theirs = transformers.GPT2Tokenizer(vocab_file, merges_file)(sample * 3)["input_ids"]
+    same = len(ours) == len(theirs) and bool(np.all(ours == np.asarray(theirs)))
+    print(f"{'ok' if same else 'FAIL'}: GPT-2 BPE on non-ASCII text: {len(ours)} ids vs "
+          f"{len(theirs)}, identical: {same}")
+    return ok and same
 
 
 def compare(name, ours, theirs):

@@ -138,7 +138,7 @@ TEST(Tokenizer, BpeEncodesExactIds) {
   EXPECT_EQ(tok.decode(expected), text);
 }
 
-TEST(Tokenizer, BpeTreatsNonAsciiAsLettersAndUnicodeSpacesAsSpaces) {
+TEST(Tokenizer, BpeClassifiesUnicodeLikeGpt2) {
   TempDir dir;
   write_test_bpe(dir.path());
   Gpt2BpeTokenizer tok(dir.path() / "vocab.json", dir.path() / "merges.txt");
@@ -148,6 +148,10 @@ TEST(Tokenizer, BpeTreatsNonAsciiAsLettersAndUnicodeSpacesAsSpaces) {
   EXPECT_EQ(tok.encode("naïve café"), cafe);
   // A no-break space (C2 A0) is whitespace, so "a Â" cannot merge across it.
   EXPECT_EQ(tok.encode("a\u00A0b"), (std::vector<int32_t>{'a', 0xC2, 0xA0, 'b'}));
+  // "²" (C2 B2) is a number (\p{N}), not a letter: "a" and "²" are separate words, so the
+  // merge "a Â" does not apply either. "ª" (C2 AA) is a letter: the merge applies.
+  EXPECT_EQ(tok.encode("a\u00B2"), (std::vector<int32_t>{'a', 0xC2, 0xB2}));
+  EXPECT_EQ(tok.encode("a\u00AA"), (std::vector<int32_t>{merged_id("a Â"), 0xAA}));
 }
 
 TEST(Tokenizer, BpeRoundTripsArbitraryText) {

@@ -109,13 +109,20 @@ void append_utf8(std::string& out, int32_t cp) {
 
 enum class CharClass { kLetter, kNumber, kSpace, kOther };
 
+struct CodePointRange {
+  int32_t first, last;
+  CharClass cls;
+};
+
+// Non-ASCII ranges of \p{L}, \p{N} and \s, generated from the `regex` module that GPT-2 and
+// Hugging Face use (scripts/gen-unicode-classes), so pre-tokenization matches theirs exactly.
+constexpr CodePointRange kUnicodeClasses[] = {
+#include "unicode_classes.inc"
+};
+
 // The classes GPT-2's regex distinguishes: \p{L}, \p{N}, \s and everything else.
-// ASCII is classified exactly. Without Unicode tables, a non-ASCII code point is a letter unless
-// it has the Unicode White_Space property (which is what \s means in Python's `regex` module).
-// So non-ASCII digits (e.g. "²", "٣") and punctuation or symbols (e.g. "—", "€", "«") join
-// neighbouring letters where GPT-2 would split them: ids can then differ from Hugging Face's
-// for such text, but every byte is still encoded and decode(encode(x)) == x holds.
-// Invalid UTF-8 bytes (cp == -1) count as letters too.
+// Invalid UTF-8 bytes (cp == -1) count as letters: they cannot occur in GPT-2's (Unicode) input,
+// and this keeps each one inside a word, where the byte-level vocabulary encodes it.
 CharClass classify(int32_t cp) {
   if (cp >= 0 && cp < 0x80) {
     if ((cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z')) {
@@ -129,10 +136,13 @@ CharClass classify(int32_t cp) {
     }
     return CharClass::kOther;
   }
-  const bool white_space = cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-                           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
-                           cp == 0x202F || cp == 0x205F || cp == 0x3000;
-  return white_space ? CharClass::kSpace : CharClass::kLetter;
+  if (cp < 0) return CharClass::kLetter;
+  const auto* end = std::end(kUnicodeClasses);
+  const auto* it = std::upper_bound(std::begin(kUnicodeClasses), end, cp,
+                                    [](int32_t c, const CodePointRange& r) { return c < r.first; });
+  if (it == std::begin(kUnicodeClasses)) return CharClass::kOther;
+  --it;
+  return cp <= it->last ? it->cls : CharClass::kOther;
 }
 
 CharClass class_at(std::string_view s, size_t pos) {
