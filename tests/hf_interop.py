@@ -97,6 +97,7 @@ def learn_bpe(text, merges_wanted):
     vocab = {s: i for i, s in enumerate(sym[b] for b in range(256))}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
+    vocab["<|endoftext|>"] = len(vocab)
     return vocab, merges
 
 
@@ -113,7 +114,8 @@ def check_tokenizer(tools, work, text_file):
     run([os.path.join(tools, "loom-prepare"), "--input", text_file, "--out-dir", out,
          "--val-fraction", "0", "--vocab", vocab_file, "--merges", merges_file])
     ours = read_llmc(os.path.join(out, "train.bin"))
-    theirs = transformers.GPT2Tokenizer(vocab_file, merges_file)(text)["input_ids"]
+    eot = vocab["<|endoftext|>"]  # loom-prepare starts every document with it
+    theirs = [eot] + transformers.GPT2Tokenizer(vocab_file, merges_file)(text)["input_ids"]
     ok = len(ours) == len(theirs) and bool(np.all(ours == np.asarray(theirs)))
     print(f"{'ok' if ok else 'FAIL'}: GPT-2 BPE ({len(merges)} merges): loom-prepare gave "
           f"{len(ours)} ids, transformers' GPT2Tokenizer {len(theirs)}, identical: {ok}")
@@ -127,11 +129,26 @@ def check_tokenizer(tools, work, text_file):
     run([os.path.join(tools, "loom-prepare"), "--input", other, "--out-dir", out,
          "--val-fraction", "0", "--vocab", vocab_file, "--merges", merges_file])
     ours = read_llmc(os.path.join(out, "train.bin"))
-    theirs = transformers.GPT2Tokenizer(vocab_file, merges_file)(sample * 3)["input_ids"]
+    theirs = [eot] + transformers.GPT2Tokenizer(vocab_file, merges_file)(sample * 3)["input_ids"]
     same = len(ours) == len(theirs) and bool(np.all(ours == np.asarray(theirs)))
     print(f"{'ok' if same else 'FAIL'}: GPT-2 BPE on non-ASCII text: {len(ours)} ids vs "
           f"{len(theirs)}, identical: {same}")
-    return ok and same
+    # Two documents: <|endoftext|> before each (as llm.c prepares data), and the special token
+    # inside a text stays one token.
+    hf = transformers.GPT2Tokenizer(vocab_file, merges_file)
+    doc1, doc2 = "first doc<|endoftext|>inner", "second doc\n"
+    for name, text_ in (("d1.txt", doc1), ("d2.txt", doc2)):
+        with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+            f.write(text_)
+    run([os.path.join(tools, "loom-prepare"), "--input", os.path.join(work, "d1.txt"),
+         os.path.join(work, "d2.txt"), "--out-dir", out, "--val-fraction", "0",
+         "--vocab", vocab_file, "--merges", merges_file])
+    want = [eot] + hf(doc1)["input_ids"] + [eot] + hf(doc2)["input_ids"]
+    got = read_llmc(os.path.join(out, "train.bin")).tolist()
+    docs = got == want and want.count(eot) == 3
+    print(f"{'ok' if docs else 'FAIL'}: documents delimited by <|endoftext|> ({want.count(eot)} "
+          f"in {len(want)} ids), identical: {docs}")
+    return ok and same and docs
 
 
 def compare(name, ours, theirs):

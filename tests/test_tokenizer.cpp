@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -136,6 +137,24 @@ TEST(Tokenizer, BpeEncodesExactIds) {
   }
   EXPECT_EQ(tok.encode(text), expected);
   EXPECT_EQ(tok.decode(expected), text);
+}
+
+TEST(Tokenizer, EndOfTextIsOneSpecialTokenWhenTheVocabularyHasIt) {
+  TempDir dir;
+  write_test_bpe(dir.path());
+  Gpt2BpeTokenizer plain(dir.path() / "vocab.json", dir.path() / "merges.txt");
+  EXPECT_FALSE(plain.end_of_text().has_value());
+  EXPECT_GT(plain.encode("a<|endoftext|>b").size(), 3u);  // just characters here
+  auto vocab = nlohmann::json::parse(loom::core::read_file(dir / "vocab.json"));
+  const int32_t eot = static_cast<int32_t>(vocab.size());
+  vocab["<|endoftext|>"] = eot;
+  write_file(dir / "vocab.json", vocab.dump());
+  Gpt2BpeTokenizer tok(dir.path() / "vocab.json", dir.path() / "merges.txt");
+  ASSERT_EQ(tok.end_of_text(), eot);
+  const auto ids = tok.encode("a<|endoftext|>b<|endoftext|>");
+  EXPECT_EQ(ids, (std::vector<int32_t>{'a', eot, 'b', eot}));
+  EXPECT_EQ(tok.decode(ids), "a<|endoftext|>b<|endoftext|>");
+  EXPECT_FALSE(ByteTokenizer().end_of_text().has_value());
 }
 
 TEST(Tokenizer, BpeClassifiesUnicodeLikeGpt2) {

@@ -10,7 +10,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> inputs;
   std::string out_dir, vocab, merges;
   double val_fraction = 0.1;
-  app.add_option("--input", inputs, "Text files, concatenated in the order given")->required();
+  app.add_option("--input", inputs,
+                 "Text files, one document each, in the order given (GPT-2 BPE puts "
+                 "<|endoftext|> before each document when its vocabulary has it)")
+      ->required();
   app.add_option("--out-dir", out_dir, "Directory for train.bin, val.bin, meta.json")->required();
   app.add_option("--val-fraction", val_fraction, "Share of tokens (the end) kept for validation")
       ->capture_default_str();
@@ -30,9 +33,17 @@ int main(int argc, char** argv) {
     LOOM_CHECK(tok->vocab_size() <= 65536,
                "vocabulary of {} ids does not fit llm.c's uint16 tokens (at most 65536)",
                tok->vocab_size());
-    std::string text;
-    for (const auto& file : inputs) text += loom::core::read_file(file);
-    const auto ids = tok->encode(text);
+    // Each file is a document. With an end-of-text token (GPT-2's vocabulary), it goes before
+    // every document, as llm.c's data preparation does.
+    size_t text_bytes = 0;
+    std::vector<int32_t> ids;
+    for (const auto& file : inputs) {
+      const auto text = loom::core::read_file(file);
+      text_bytes += text.size();
+      if (const auto eot = tok->end_of_text()) ids.push_back(*eot);
+      const auto doc = tok->encode(text);
+      ids.insert(ids.end(), doc.begin(), doc.end());
+    }
     LOOM_CHECK(ids.size() >= 2, "the input holds {} tokens; at least 2 are needed", ids.size());
     std::vector<uint16_t> tokens(ids.begin(), ids.end());
     const auto n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
@@ -49,7 +60,7 @@ int main(int argc, char** argv) {
     }
     loom::data::save_tokenizer_meta(*tok, dir, vocab, merges);
     spdlog::info("{} bytes of text -> {} tokens ({} tokenizer, vocab {}): {} train, {} val, in {}",
-                 text.size(), tokens.size(), tok->kind(), tok->vocab_size(), n_train, n_val,
+                 text_bytes, tokens.size(), tok->kind(), tok->vocab_size(), n_train, n_val,
                  out_dir);
   });
 }

@@ -395,9 +395,29 @@ int64_t Gpt2BpeTokenizer::vocab_size() const {
   return state_->vocab_size;
 }
 
+std::optional<int32_t> Gpt2BpeTokenizer::end_of_text() const {
+  const auto it = state_->vocab.find(std::string(kEndOfText));
+  if (it == state_->vocab.end()) return std::nullopt;
+  return it->second;
+}
+
 std::vector<int32_t> Gpt2BpeTokenizer::encode(std::string_view text) const {
-  const State& s = *state_;
+  // "<|endoftext|>" in the text is the special token (as in Hugging Face's GPT2Tokenizer),
+  // not characters to merge, when the vocabulary has it.
+  const auto eot = end_of_text();
   std::vector<int32_t> ids;
+  while (true) {
+    const size_t at = eot ? text.find(kEndOfText) : std::string_view::npos;
+    encode_ordinary(text.substr(0, at), ids);
+    if (at == std::string_view::npos) break;
+    ids.push_back(*eot);
+    text.remove_prefix(at + kEndOfText.size());
+  }
+  return ids;
+}
+
+void Gpt2BpeTokenizer::encode_ordinary(std::string_view text, std::vector<int32_t>& ids) const {
+  const State& s = *state_;
   for (const std::string_view piece : pretokenize(text)) {
     {
       std::lock_guard lock(s.cache_mutex);
@@ -416,7 +436,6 @@ std::vector<int32_t> Gpt2BpeTokenizer::encode(std::string_view text) const {
     }
     s.cache.emplace(piece, std::move(piece_ids));
   }
-  return ids;
 }
 
 std::string Gpt2BpeTokenizer::decode(const std::vector<int32_t>& ids) const {

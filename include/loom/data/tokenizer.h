@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,6 +23,8 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   // Short name stored in a data directory's meta.json: "byte" or "gpt2-bpe".
   virtual std::string kind() const = 0;
+  // The id that separates documents, if the vocabulary has one.
+  virtual std::optional<int32_t> end_of_text() const { return std::nullopt; }
 };
 
 class ByteTokenizer final : public Tokenizer {
@@ -42,8 +45,13 @@ class Gpt2BpeTokenizer final : public Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const override;
   int64_t vocab_size() const override;
   std::string kind() const override { return "gpt2-bpe"; }
+  // The id of "<|endoftext|>" when the vocabulary has it.
+  std::optional<int32_t> end_of_text() const override;
+
+  static constexpr std::string_view kEndOfText = "<|endoftext|>";
 
  private:
+  void encode_ordinary(std::string_view text, std::vector<int32_t>& ids) const;
   struct State;
   std::unique_ptr<State> state_;
 };
