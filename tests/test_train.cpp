@@ -408,8 +408,10 @@ TEST(Checkpoint, CorruptOrMissingFilesAreDetected) {
   EXPECT_EQ(train::load_checkpoint(dir.path()).step, 3);
   {
     std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    const char byte = static_cast<char>(f.get());
     f.seekp(-3, std::ios::end);
-    f.put('\x7f');
+    f.put(static_cast<char>(~byte));  // always a different byte
   }
   auto msg = error_of([&] { train::load_checkpoint(dir.path()); });
   EXPECT_TRUE(contains(msg, "corrupt") && contains(msg, "model.safetensors")) << msg;
