@@ -143,8 +143,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                             config_.init_from_hf);
   else
     models::init_parameters(*model_, config_.seed);
-  // bf16 runs keep fp32 parameters (the master weights) and compute under autocast.
-  model_->train();
+  model_->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
   optimizer_ = std::make_unique<AdamW>(
       named_parameters(*model_),
       AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
@@ -154,8 +153,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(core::mix_seed({config_.seed, core::stable_hash("dropout")}));
-  }
-  if (resume) {
+  } else {
     models::load_parameters(*model_, resume->model, resume->dir.string());
     optimizer_->load_state(resume->optimizer);
     auto rng = resume->optimizer.find("rng.cpu");
