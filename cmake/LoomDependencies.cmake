@@ -13,3 +13,18 @@ find_package(spdlog REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json 3.9 REQUIRED)
 find_package(Threads REQUIRED)
+
+# NCCL for the CUDA backend of loom::dist: prefer the copy in torch's wheel (nvidia/nccl), which
+# is the one libtorch_cuda loads at run time.
+if(LOOM_WITH_CUDA)
+  get_filename_component(_loom_site "${Torch_DIR}/../../../.." ABSOLUTE)
+  find_path(LOOM_NCCL_INCLUDE_DIR nccl.h
+    HINTS "${_loom_site}/nvidia/nccl/include" ENV NCCL_HOME PATH_SUFFIXES include)
+  find_library(LOOM_NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
+    HINTS "${_loom_site}/nvidia/nccl/lib" ENV NCCL_HOME PATH_SUFFIXES lib lib64)
+  if(NOT LOOM_NCCL_INCLUDE_DIR OR NOT LOOM_NCCL_LIBRARY)
+    message(FATAL_ERROR "LOOM_WITH_CUDA=ON needs NCCL (nccl.h and libnccl): install torch's "
+      "nvidia-nccl wheel, set NCCL_HOME, or configure with -DLOOM_WITH_CUDA=OFF")
+  endif()
+  message(STATUS "NCCL: ${LOOM_NCCL_LIBRARY} (headers in ${LOOM_NCCL_INCLUDE_DIR})")
+endif()

@@ -23,23 +23,11 @@
 using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::TempDir;
+using loom::testing::write_corpus_data;
 namespace train = loom::train;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Byte tokens of the shipped corpus: train.bin from the first `train_bytes`, val.bin from the
-// last `val_bytes`, plus meta.json, the way loom-prepare writes a data directory.
-void write_corpus_data(const fs::path& dir, size_t train_bytes, size_t val_bytes) {
-  const auto text = loom::core::read_file(loom::testing::corpus_path());
-  std::vector<uint16_t> train(text.begin(), text.begin() + train_bytes);
-  std::vector<uint16_t> val(text.end() - val_bytes, text.end());
-  for (auto& t : train) t &= 0xFF;
-  for (auto& t : val) t &= 0xFF;
-  loom::data::write_llmc_shard(dir / "train.bin", train);
-  loom::data::write_llmc_shard(dir / "val.bin", val);
-  loom::data::save_tokenizer_meta(loom::data::ByteTokenizer(), dir);
-}
 
 train::TrainConfig small_config(const fs::path& data_dir) {
   train::TrainConfig c;

@@ -8,6 +8,9 @@
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
+#include "loom/data/token_shard.h"
+#include "loom/data/tokenizer.h"
 
 namespace loom::testing {
 
@@ -52,6 +55,21 @@ inline bool contains(const std::string& text, const std::string& part) {
 // Path of the corpus that ships in the repository.
 inline std::filesystem::path corpus_path() {
   return std::filesystem::path(LOOM_SOURCE_DIR) / "data" / "corpus" / "kjv.txt";
+}
+
+// Byte tokens of the shipped corpus: train.bin from the first `train_bytes`, val.bin from the
+// last `val_bytes`, plus meta.json, the way loom-prepare writes a data directory.
+inline void write_corpus_data(const std::filesystem::path& dir, size_t train_bytes,
+                              size_t val_bytes) {
+  const auto text = loom::core::read_file(corpus_path());
+  std::vector<uint16_t> train(text.begin(),
+                              text.begin() + static_cast<std::ptrdiff_t>(train_bytes));
+  std::vector<uint16_t> val(text.end() - static_cast<std::ptrdiff_t>(val_bytes), text.end());
+  for (auto& t : train) t &= 0xFF;
+  for (auto& t : val) t &= 0xFF;
+  loom::data::write_llmc_shard(dir / "train.bin", train);
+  loom::data::write_llmc_shard(dir / "val.bin", val);
+  loom::data::save_tokenizer_meta(loom::data::ByteTokenizer(), dir);
 }
 
 }  // namespace loom::testing

@@ -1,5 +1,6 @@
-// loom-pretrain: pretrain a GPT-2 or Llama model on token files, in one process.
-#include <ATen/Parallel.h>
+// loom-pretrain: pretrain a GPT-2 or Llama model on token files, in one process or as many
+// data-parallel ranks as `mpirun -np N` starts.
+#include <optional>
 
 #include "../common/app_main.h"
 #include "loom/loom.h"
@@ -9,6 +10,7 @@ int main(int argc, char** argv) {
   app.set_config("--config", "", "Read flags from a TOML/INI file (keys are flag names)");
   loom::train::TrainConfig c;
   int threads = 0;
+  double comm_timeout = 300;
   std::string log_level = "info";
   app.add_option("--model", c.model, "Model family: gpt2 | llama")->capture_default_str();
   app.add_option("--preset", c.preset,
@@ -63,14 +65,34 @@ int main(int argc, char** argv) {
   app.add_option("--eval-batches", c.eval_batches,
                  "Validation batches (of --batch-size sequences, in file order) per evaluation")
       ->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)")
+  app.add_option("--dp", c.dp,
+                 "Data-parallel size (0: the number of ranks mpirun started, divided by the "
+                 "other mesh dimensions)")
+      ->capture_default_str();
+  app.add_option("--bucket-mb", c.bucket_mb,
+                 "Gradient bucket size in MiB: each bucket's all-reduce starts during backward")
+      ->capture_default_str();
+  app.add_option("--comm-hook", c.comm_hook,
+                 "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
+                 "to bfloat16 on the wire)")
+      ->capture_default_str();
+  app.add_option("--comm-timeout", comm_timeout,
+                 "Seconds a collective may run before the watchdog aborts the job")
+      ->capture_default_str();
+  app.add_option("--threads", threads,
+                 "Intra-op threads per rank (0: OMP_NUM_THREADS if set, else cores / ranks on "
+                 "this node)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")
       ->capture_default_str();
+  // Outlives run_app's error handling, which aborts the whole job when one rank fails.
+  std::optional<loom::dist::Runtime> runtime;
   return loom::apps::run_app(app, argc, argv, [&] {
-    loom::core::setup_logging(log_level);
-    if (threads > 0) at::set_num_threads(threads);
-    loom::train::Trainer trainer(c);
+    runtime.emplace(loom::dist::RuntimeOptions{loom::dist::Seconds(comm_timeout), threads});
+    // Rank 0 tells the story; the others only warn.
+    const bool quiet = runtime->rank() != 0 && log_level != "error" && log_level != "off";
+    loom::core::setup_logging(quiet ? "warn" : log_level);
+    loom::train::Trainer trainer(c, runtime->mesh({.dp = c.dp}));
     trainer.fit();
   });
 }

@@ -59,4 +59,15 @@ Batch WindowSampler::sequential_batch(int64_t first, int64_t count) const {
   return make_batch(starts);
 }
 
+BatchShard shard_batch(int64_t global, int64_t rank, int64_t ranks) {
+  LOOM_CHECK(ranks > 0 && rank >= 0 && rank < ranks, "data shard: rank {} of {} is not valid", rank,
+             ranks);
+  LOOM_CHECK(global % ranks == 0,
+             "a global batch of {} sequences cannot be split evenly across {} data-parallel "
+             "ranks; use a batch size that is a multiple of {}",
+             global, ranks, ranks);
+  const int64_t share = global / ranks;
+  return {rank * share, share};
+}
+
 }  // namespace loom::data

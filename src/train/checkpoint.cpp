@@ -24,12 +24,16 @@ bool is_checkpoint_name(const std::string& name) {
 }
 }  // namespace
 
+fs::path checkpoint_dir(const fs::path& dir, int64_t step) {
+  return dir / fmt::format("step-{:08d}", step);
+}
+
 fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTensors& model,
                          const core::NamedTensors& optimizer, json state,
                          const std::vector<fs::path>& extra_files, int keep_last) {
   core::ensure_writable_dir(dir);
-  const auto name = fmt::format("step-{:08d}", step);
-  const auto final_dir = dir / name;
+  const auto final_dir = checkpoint_dir(dir, step);
+  const auto name = final_dir.filename().string();
   const auto tmp_dir = dir / (name + ".tmp");
   std::error_code ec;
   fs::remove_all(tmp_dir, ec);  // leftovers of an earlier interrupted save

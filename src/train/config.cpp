@@ -26,6 +26,13 @@ void TrainConfig::validate() const {
   LOOM_CHECK(dropout >= 0 && dropout < 1, "--dropout {} must be in [0, 1)", dropout);
   LOOM_CHECK(eval_batches > 0, "--eval-batches {} must be positive", eval_batches);
   LOOM_CHECK(log_every > 0, "--log-every {} must be positive", log_every);
+  LOOM_CHECK(dp >= 0,
+             "--dp {} is invalid: use a size of at least 1, or 0 for the world size "
+             "divided by the other mesh dimensions",
+             dp);
+  LOOM_CHECK(bucket_mb > 0, "--bucket-mb {} must be positive", bucket_mb);
+  LOOM_CHECK(comm_hook == "avg" || comm_hook == "bf16",
+             "--comm-hook '{}' is not valid: use avg or bf16", comm_hook);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
              "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
              "the data)",
@@ -39,7 +46,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TrainConfig, model, preset, init
                                                 warmup_steps, lr_decay_steps, weight_decay, beta1,
                                                 beta2, grad_clip, precision, metrics_out, save_dir,
                                                 save_every, resume, export_hf, log_every,
-                                                eval_every, eval_batches)
+                                                eval_every, eval_batches, dp, bucket_mb, comm_hook)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

@@ -80,8 +80,16 @@ std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointCon
   return model;
 }
 
-Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
+    : config_(std::move(config)), mesh_(mesh ? std::move(mesh) : dist::Mesh::single_process()) {
   config_.validate();
+  LOOM_CHECK(config_.dp == 0 || config_.dp == dp_size(),
+             "--dp {} does not match the mesh, whose data-parallel size is {} ({})", config_.dp,
+             dp_size(), mesh_->shape().describe());
+  LOOM_CHECK(config_.batch_size % (dp_size() * config_.grad_accum) == 0,
+             "--batch-size {} cannot be split evenly: dp {} x --grad-accum {} = {} must divide "
+             "it (the batch size is the global batch, whatever the layout)",
+             config_.batch_size, dp_size(), config_.grad_accum, dp_size() * config_.grad_accum);
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
 
@@ -144,6 +152,13 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
   else
     models::init_parameters(*model_, config_.seed);
   model_->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
+  if (dp_size() > 1) {
+    parallel::data::DataParallelOptions dp_options;
+    dp_options.bucket_mb = config_.bucket_mb;
+    dp_options.hook = parallel::data::make_comm_hook(config_.comm_hook);
+    dp_ = std::make_unique<parallel::data::DataParallel>(
+        named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), dp_options);
+  }
   optimizer_ = std::make_unique<AdamW>(
       named_parameters(*model_),
       AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
@@ -168,7 +183,10 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                resume->dir.string(), step_, config_.steps);
     spdlog::info("resumed from {} at step {}", resume->dir.string(), step_);
   }
-  if (!config_.metrics_out.empty())
+  // Replicas start equal however they were initialized (the init is layout-invariant; this
+  // also covers a user-modified model).
+  if (dp_) dp_->broadcast_parameters();
+  if (!config_.metrics_out.empty() && is_rank0())
     metrics_ = MetricsWriter(config_.metrics_out, resume ? step_ : -1);
 
   spdlog::info(
@@ -181,6 +199,13 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
       "of {}) | {} threads",
       train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size, config_.seq_len,
       config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
+  if (dp_)
+    spdlog::info(
+        "parallel: {} | each rank {} sequences per step in {} micro-batches of {} | {} "
+        "gradient buckets (<= {} MiB), comm hook {}",
+        mesh_->shape().describe(), config_.batch_size / dp_size(), config_.grad_accum,
+        config_.micro_batch_size(dp_size()), dp_->buckets().size(), config_.bucket_mb,
+        dp_->hook().name());
   spdlog::info(
       "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
       "(warmup {}, cosine) | precision {}",
@@ -190,10 +215,14 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
 
 StepResult Trainer::train_step() {
   const auto start = std::chrono::steady_clock::now();
-  const int64_t micro = config_.micro_batch_size();
+  const int64_t micro = config_.micro_batch_size(dp_size());
+  // This rank's share of the global batch; sample indices are global, so the data does not
+  // depend on the layout.
+  const auto shard = data::shard_batch(config_.batch_size, dp_rank(), dp_size());
   double loss_sum = 0;
   for (int64_t k = 0; k < config_.grad_accum; ++k) {
-    auto batch = train_sampler_->random_batch(step_, k * micro, micro);
+    if (dp_) dp_->set_sync(k == config_.grad_accum - 1);  // sync on the last micro-batch only
+    auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
     at::Tensor loss;
     {
       Bf16Autocast autocast(config_.precision == "bf16");
@@ -203,21 +232,30 @@ StepResult Trainer::train_step() {
     (loss / static_cast<double>(config_.grad_accum)).backward();
     loss_sum += loss.item<double>();
   }
+  StepResult r;
+  double local_loss = loss_sum / static_cast<double>(config_.grad_accum);
+  if (dp_) {
+    dp_->finish_gradient_sync();
+    r.comm_wait_s = dp_->last_sync().wait_seconds;
+    // Equal shares: the global mean is the mean of the ranks' means.
+    auto loss_t = at::full({1}, local_loss, at::kDouble);
+    mesh_->comm(dist::Dim::dp).all_reduce(loss_t, dist::ReduceOp::Avg);
+    local_loss = loss_t.item<double>();
+  }
   std::vector<at::Tensor> params;
   for (const auto& p : model_->parameters()) params.push_back(p);
-  StepResult r;
   r.grad_norm = clip_grad_norm(params, config_.grad_clip);
   // A non-finite gradient would poison the weights and moments: stop before the update.
   LOOM_CHECK(std::isfinite(r.grad_norm),
              "gradient norm is {} at step {} (loss {}): lower --lr or use --grad-clip; the "
              "parameters were not updated",
-             r.grad_norm, step_ + 1, loss_sum / static_cast<double>(config_.grad_accum));
+             r.grad_norm, step_ + 1, local_loss);
   r.lr = schedule_.at(step_);
   optimizer_->step(r.lr);
   optimizer_->zero_grad();
   ++step_;
   r.step = step_;
-  r.loss = loss_sum / static_cast<double>(config_.grad_accum);
+  r.loss = local_loss;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
 }
@@ -226,25 +264,38 @@ double Trainer::evaluate(int64_t batches) {
   LOOM_CHECK(val_sampler_ != nullptr, "evaluation needs --val-data");
   torch::NoGradGuard no_grad;
   model_->eval();
-  // Whole batches of batch_size windows (the same windows whatever --grad-accum is), run in
-  // micro-batches to bound memory.
-  const int64_t micro = config_.micro_batch_size();
+  // Whole batches of batch_size windows (the same windows whatever --grad-accum and the layout
+  // are), each dp rank taking a contiguous share, run in micro-batches to bound memory.
+  const int64_t micro = std::max<int64_t>(1, config_.micro_batch_size(dp_size()));
   const int64_t windows =
       std::min(batches * config_.batch_size, val_sampler_->num_sequential_windows());
+  const int64_t per_rank = (windows + dp_size() - 1) / dp_size();
+  const int64_t begin = std::min(windows, dp_rank() * per_rank);
+  const int64_t end = std::min(windows, begin + per_rank);
   Bf16Autocast autocast(config_.precision == "bf16");
   double sum = 0;
-  for (int64_t first = 0; first < windows; first += micro) {
-    const int64_t count = std::min(micro, windows - first);
+  for (int64_t first = begin; first < end; first += micro) {
+    const int64_t count = std::min(micro, end - first);
     auto batch = val_sampler_->sequential_batch(first, count);
     sum += models::next_token_loss(model_->forward(batch.inputs), batch.targets).item<double>() *
            static_cast<double>(count);
   }
   model_->train();
+  if (dp_size() > 1) {
+    auto sum_t = at::full({1}, sum, at::kDouble);
+    mesh_->comm(dist::Dim::dp).all_reduce(sum_t, dist::ReduceOp::Sum);
+    sum = sum_t.item<double>();
+  }
   return sum / static_cast<double>(windows);
 }
 
 fs::path Trainer::save_checkpoint() {
   LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
+  // Data-parallel replicas hold the same state: rank 0 writes it, the others wait for it.
+  if (!is_rank0()) {
+    mesh_->world().barrier();
+    return checkpoint_dir(config_.save_dir, step_);
+  }
   auto opt_state = optimizer_->state();
   {
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -262,6 +313,7 @@ fs::path Trainer::save_checkpoint() {
   auto dir = train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state,
                                     state, extras);
   spdlog::info("saved checkpoint {}", dir.string());
+  mesh_->world().barrier();
   return dir;
 }
 
@@ -295,6 +347,7 @@ StepResult Trainer::fit() {
                    {"lr", last.lr},
                    {"grad_norm", last.grad_norm},
                    {"tokens_per_s", tokens_per_s},
+                   {"comm_wait_s", last.comm_wait_s},
                    {"elapsed_s", elapsed_s()}};
     const bool final_step = step_ == config_.steps;
     if (val_sampler_ &&
@@ -310,7 +363,7 @@ StepResult Trainer::fit() {
         ((config_.save_every > 0 && step_ % config_.save_every == 0) || final_step))
       save_checkpoint();
   }
-  if (!config_.export_hf.empty()) {
+  if (!config_.export_hf.empty() && is_rank0()) {
     models::save_hf(*model_, config_.export_hf);
     spdlog::info("exported Hugging Face model to {}", config_.export_hf);
   }

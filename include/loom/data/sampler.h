@@ -16,6 +16,15 @@ struct Batch {
   at::Tensor targets;  // [B, T] int64: inputs shifted by one token
 };
 
+// The samples [first, first + count) of a global batch that data-parallel rank `rank` of `ranks`
+// trains on: equal contiguous shares in rank order, so the union over ranks is the batch the
+// single-process run sees. Throws loom::Error unless `ranks` divides `global`.
+struct BatchShard {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+BatchShard shard_batch(int64_t global, int64_t rank, int64_t ranks);
+
 class WindowSampler {
  public:
   // Throws loom::Error if the shard holds fewer than seq_len + 1 tokens.

@@ -27,6 +27,9 @@ struct CheckpointContents {
   std::filesystem::path dir;
 };
 
+// DIR/step-<step, 8 digits>: where the checkpoint of `step` goes.
+std::filesystem::path checkpoint_dir(const std::filesystem::path& dir, int64_t step);
+
 // Writes DIR/step-<step> and points DIR/latest at it. `extra_files` are copied into the
 // checkpoint (a tokenizer's meta.json, say). Keeps the newest `keep_last` checkpoints (0 = all).
 // Returns the checkpoint's directory.

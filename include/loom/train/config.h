@@ -36,6 +36,12 @@ struct TrainConfig {
   double grad_clip = 1.0;          // 0 disables clipping
   std::string precision = "fp32";  // fp32 | bf16
 
+  // Data parallelism. batch_size stays the global batch whatever dp is: each of the dp ranks
+  // trains on batch_size / dp sequences per step, in grad_accum micro-batches.
+  int64_t dp = 0;                 // 0: the world size divided by the other mesh dimensions
+  double bucket_mb = 25.0;        // gradient bucket capacity (MiB)
+  std::string comm_hook = "avg";  // avg | bf16: how gradient buckets are reduced
+
   // Output.
   std::string metrics_out;  // JSON lines; empty = none
   std::string save_dir;     // checkpoints; empty = none
@@ -48,7 +54,10 @@ struct TrainConfig {
 
   // Throws loom::Error naming the field, its value and what would be valid.
   void validate() const;
-  int64_t micro_batch_size() const { return batch_size / grad_accum; }
+  // Sequences per micro-batch on one rank, for a data-parallel size of `dp_size`.
+  int64_t micro_batch_size(int64_t dp_size = 1) const {
+    return batch_size / (grad_accum * dp_size);
+  }
   int64_t schedule_steps() const { return lr_decay_steps > 0 ? lr_decay_steps : steps; }
 
   // Resuming is bit-exact only when everything that shapes the computation is unchanged.

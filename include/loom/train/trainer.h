@@ -1,7 +1,9 @@
 #pragma once
-// The single-process training loop: builds the model, data and optimizer a TrainConfig
-// describes, validates all of it before the first step, then trains, evaluates, checkpoints and
-// resumes.
+// The training loop: builds the model, data and optimizer a TrainConfig describes, validates
+// all of it before the first step, then trains, evaluates, checkpoints and resumes. Given a
+// mesh with dp > 1, each rank trains on its share of every global batch and gradients are
+// averaged across the dp group (parallel/data); losses are reduced so every rank reports the
+// mean over the whole global batch, and rank 0 alone writes metrics and checkpoints.
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -9,7 +11,9 @@
 
 #include "loom/data/sampler.h"
 #include "loom/data/tokenizer.h"
+#include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
+#include "loom/parallel/data/data_parallel.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
@@ -24,14 +28,16 @@ struct StepResult {
   double grad_norm = 0;
   double lr = 0;
   double seconds = 0;
+  double comm_wait_s = 0;  // time the step blocked on gradient communication (dp > 1)
 };
 
 class Trainer {
  public:
   // Everything that can be wrong with the configuration, the data files, the HF directory, the
   // checkpoint to resume or the save directory is reported here, as loom::Error, before any
-  // training happens.
-  explicit Trainer(TrainConfig config);
+  // training happens. `mesh` null: one process. Every rank of the mesh must construct its
+  // Trainer with the same config.
+  explicit Trainer(TrainConfig config, dist::MeshPtr mesh = nullptr);
 
   // Trains from the current step to config.steps, logging progress, evaluating and saving as
   // configured. Returns the last step's result.
@@ -39,9 +45,10 @@ class Trainer {
   // One optimizer step over one global batch.
   StepResult train_step();
   // Mean next-token loss over the first `batches` x batch_size sequential windows of the
-  // validation data (fewer if it is shorter).
+  // validation data (fewer if it is shorter), the windows split across the dp ranks.
   double evaluate(int64_t batches);
-  // Writes a checkpoint of the current state into config.save_dir.
+  // Writes a checkpoint of the current state into config.save_dir (rank 0 writes; every rank
+  // calls this and returns once it is written).
   std::filesystem::path save_checkpoint();
 
   int64_t step() const { return step_; }
@@ -49,12 +56,21 @@ class Trainer {
   const TrainConfig& config() const { return config_; }
   const models::ModelConfig& model_config() const { return model_->config(); }
   const data::Tokenizer& tokenizer() const { return *tokenizer_; }
+  const dist::Mesh& mesh() const { return *mesh_; }
+  // The gradient synchronization, when dp > 1 (else null).
+  const parallel::data::DataParallel* data_parallel() const { return dp_.get(); }
 
  private:
   void resume_from(const std::filesystem::path& path);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
 
+  int64_t dp_size() const { return mesh_->size(dist::Dim::dp); }
+  int64_t dp_rank() const { return mesh_->coord(dist::Dim::dp); }
+  bool is_rank0() const { return mesh_->rank() == 0; }
+
   TrainConfig config_;
+  dist::MeshPtr mesh_;
+  std::unique_ptr<parallel::data::DataParallel> dp_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;
   std::shared_ptr<data::TokenShard> train_shard_, val_shard_;

@@ -1,0 +1,146 @@
+#pragma once
+// Collective and point-to-point communication over a group of ranks, on torch tensors. One
+// interface, several backends: MPI for CPU tensors, NCCL for CUDA tensors, and a local one for a
+// group of one rank (a process started without mpirun). The base class validates every call the
+// same way for all of them, numbers the collectives, registers each op with the watchdog and,
+// in debug mode, has the backend check that every rank issues the same collective.
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/dist/work.h"
+
+namespace loom::dist {
+
+enum class ReduceOp { Sum, Avg, Max };
+std::string to_string(ReduceOp op);
+
+enum class OpKind : int64_t {
+  AllReduce = 1,
+  ReduceScatter,
+  AllGather,
+  Broadcast,
+  AllToAll,
+  Barrier,
+  Send,
+  Recv
+};
+std::string to_string(OpKind kind);
+
+// A fixed-size summary of one collective call. In debug mode every rank gathers the group's
+// fingerprints before the op runs and compares them.
+struct OpFingerprint {
+  static constexpr int kMaxDims = 6;
+  int64_t kind = 0, reduce = 0, dtype = -1, root = -1, seq = 0, numel = 0, ndim = 0;
+  std::array<int64_t, kMaxDims> dims{};
+
+  bool operator==(const OpFingerprint&) const = default;
+  // "all_reduce(sum) #12 float32[4, 8]"
+  std::string describe() const;
+};
+
+// The first rank whose fingerprint differs from rank 0's, as an error message; nullopt if all
+// agree. `all` holds one fingerprint per rank of the group.
+std::optional<std::string> find_mismatch(const std::vector<OpFingerprint>& all, const OpInfo& info);
+
+// "float32[4, 1024]"
+std::string describe_tensor(const at::Tensor& t);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }
+  virtual std::string backend() const = 0;  // "mpi" | "nccl" | "local"
+
+  // The watchdog's limit for ops issued from now on (default: the process-wide one, which
+  // Runtime sets from --comm-timeout).
+  void set_timeout(Seconds timeout);
+  Seconds timeout() const { return timeout_; }
+  // Debug mode (LOOM_DIST_DEBUG=1 at construction): before each collective, every rank checks
+  // that the whole group issues the same op on the same shape and dtype.
+  void set_debug(bool debug) { debug_ = debug; }
+  bool debug() const { return debug_; }
+
+  // Supported dtypes: float32, float64, bfloat16, float16, int32, int64, uint8. Tensors an op
+  // writes (the all_reduce/broadcast tensor, outputs, recv buffers) must be contiguous.
+  // Avg on integer tensors divides the sum by size() rounding toward zero.
+  WorkPtr all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  // output: input.numel() / size() elements; rank r gets the reduction of input's r-th chunk.
+  WorkPtr reduce_scatter_async(const at::Tensor& output, const at::Tensor& input,
+                               ReduceOp op = ReduceOp::Sum);
+  // output: size() * input.numel() elements, every rank's input in rank order.
+  WorkPtr all_gather_async(const at::Tensor& output, const at::Tensor& input);
+  WorkPtr broadcast_async(const at::Tensor& tensor, int root);
+  // input and output: equal numel, divisible by size(); input's chunk j goes to rank j, and
+  // output's chunk i comes from rank i.
+  WorkPtr all_to_all_async(const at::Tensor& output, const at::Tensor& input);
+  WorkPtr barrier_async();
+  // Point-to-point; messages between two ranks with the same tag arrive in order.
+  WorkPtr send_async(const at::Tensor& tensor, int dst, int tag = 0);
+  WorkPtr recv_async(const at::Tensor& tensor, int src, int tag = 0);
+
+  // Blocking forms: the async op, then wait(). A blocking op on an idle communicator may run
+  // on the calling thread (no hand-off to a communication thread).
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                      ReduceOp op = ReduceOp::Sum);
+  void all_gather(const at::Tensor& output, const at::Tensor& input);
+  void broadcast(const at::Tensor& tensor, int root);
+  void all_to_all(const at::Tensor& output, const at::Tensor& input);
+  void barrier();
+  void send(const at::Tensor& tensor, int dst, int tag = 0);
+  void recv(const at::Tensor& tensor, int src, int tag = 0);
+
+  // A new communicator over the ranks that pass the same color, ranked by key (ties by rank).
+  // Collective over this communicator. A negative color joins no group and returns nullptr.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+
+  // Collectives issued so far on this communicator.
+  int64_t collectives_issued() const { return seq_; }
+
+ protected:
+  Communicator(std::string name, int rank, int size);
+
+  // One validated call, handed to the backend.
+  struct Call {
+    OpKind kind{};
+    ReduceOp reduce = ReduceOp::Sum;
+    int peer = -1;  // broadcast root, send destination, recv source
+    int tag = 0;
+    at::Tensor output;  // written (all_reduce/broadcast: in place; recv: the buffer)
+    at::Tensor input;   // read (contiguous); undefined for in-place ops and barrier
+    OpInfo info;
+    OpFingerprint fingerprint;
+  };
+  virtual WorkPtr launch(Call call) = 0;
+  // Whether the backend takes tensors on this device; else the message says why not.
+  virtual std::optional<std::string> check_device(const at::Tensor& t) const = 0;
+  // True while a blocking form is waiting for the op it launches (backends may run it inline).
+  static bool caller_will_wait();
+
+ private:
+  WorkPtr issue(Call call);
+  Call make_call(OpKind kind, std::string op, const at::Tensor& shape_of);
+  void check_tensor(const char* op, const char* what, const at::Tensor& t, bool written) const;
+  void check_peer(const char* op, const char* what, int peer, bool allow_self) const;
+
+  std::string name_;
+  int rank_, size_;
+  Seconds timeout_;
+  bool debug_;
+  int64_t seq_ = 0;      // collectives issued
+  int64_t p2p_seq_ = 0;  // point-to-point ops issued
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+}  // namespace loom::dist

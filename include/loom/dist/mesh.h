@@ -1,0 +1,67 @@
+#pragma once
+// The device mesh: the world's ranks arranged as pp x dp x cp x tp, tp innermost so that the
+// ranks of a tensor-parallel group are neighbours (on one node), then cp (context parallel,
+// reserved: size 1 for now), then dp, then pp outermost. Every rank knows its coordinate in each
+// dimension and holds the communicator of the group that varies along it.
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "loom/dist/communicator.h"
+
+namespace loom::dist {
+
+enum class Dim { tp = 0, cp = 1, dp = 2, pp = 3 };  // innermost first
+constexpr int kNumDims = 4;
+std::string to_string(Dim d);
+
+struct MeshShape {
+  int64_t dp = 0;  // 0: whatever the other dimensions leave of the world
+  int64_t tp = 1;
+  int64_t pp = 1;
+  int64_t cp = 1;
+
+  // The shape with dp filled in, checked against the world before any collective: sizes below
+  // 1, a product that is not the world size, cp other than 1 — each a loom::Error naming the
+  // numbers. tp larger than the ranks on one node only logs a warning.
+  MeshShape resolve(int64_t world_size, int64_t ranks_per_node) const;
+  int64_t size(Dim d) const;
+  int64_t product() const { return dp * tp * pp * cp; }
+  // "dp 2 x tp 2 x pp 1"
+  std::string describe() const;
+};
+
+class Mesh {
+ public:
+  // Validates `shape` against `world`, then splits one communicator per dimension (a
+  // collective over `world`; every rank must pass the same shape).
+  Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node = 1);
+  // One process: every dimension of size 1, local communicators, no MPI.
+  static std::shared_ptr<Mesh> single_process();
+
+  const MeshShape& shape() const { return shape_; }
+  int64_t size(Dim d) const { return shape_.size(d); }
+  int64_t coord(Dim d) const { return coords_[static_cast<size_t>(d)]; }
+  Communicator& comm(Dim d) const { return *comms_[static_cast<size_t>(d)]; }
+  const CommunicatorPtr& comm_ptr(Dim d) const { return comms_[static_cast<size_t>(d)]; }
+  Communicator& world() const { return *world_; }
+  const CommunicatorPtr& world_ptr() const { return world_; }
+  int64_t rank() const { return world_->rank(); }
+  int64_t world_size() const { return world_->size(); }
+
+  // The world rank at these coordinates (indexed by Dim).
+  int64_t rank_at(const std::array<int64_t, kNumDims>& coords) const;
+  // The coordinates of a world rank.
+  std::array<int64_t, kNumDims> coords_of(int64_t rank) const;
+
+ private:
+  CommunicatorPtr world_;
+  MeshShape shape_;
+  std::array<int64_t, kNumDims> coords_{};
+  std::array<CommunicatorPtr, kNumDims> comms_;
+};
+
+using MeshPtr = std::shared_ptr<Mesh>;
+
+}  // namespace loom::dist

@@ -1,0 +1,87 @@
+#pragma once
+// A handle on one communication operation that may still be running. Every collective and
+// point-to-point op of a Communicator returns one; the blocking forms just wait on it.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+namespace loom::dist {
+
+using Clock = std::chrono::steady_clock;
+using Seconds = std::chrono::duration<double>;
+
+// What an operation is, for error messages, the watchdog and the debug-mode check.
+struct OpInfo {
+  std::string op;      // "all_reduce(sum)", "send", ...
+  std::string group;   // the communicator's name: "world", "dp", "tp", ...
+  int64_t seq = 0;     // collectives: index among this group's collectives; p2p: own count
+  int group_rank = 0;  // this rank in the group
+  int group_size = 1;
+  int world_rank = 0;
+  int local_rank = 0;      // rank among the processes on this node
+  std::string tensor;      // "float32[4, 1024]"
+  Seconds timeout{300.0};  // the watchdog's limit for this op
+
+  // "all_reduce(sum) #12 on group 'dp' (rank 1 of 2; world rank 3, local rank 1) float32[1024]"
+  std::string describe() const;
+};
+
+class Work {
+ public:
+  explicit Work(OpInfo info) : info_(std::move(info)) {}
+  virtual ~Work() = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  // Blocks until the operation completes, then throws loom::Error if it failed. With a timeout,
+  // throws loom::Error naming the operation if it is still running by then (it keeps running).
+  // CUDA work: waits by making the caller's current stream wait for it, not the host.
+  void wait(std::optional<Seconds> timeout = std::nullopt);
+  // True once the operation has finished (successfully or not). Never blocks.
+  bool is_completed() { return test(); }
+
+  const OpInfo& info() const { return info_; }
+  // When the operation began to execute (queued work has not); the watchdog counts from here.
+  std::optional<Clock::time_point> started_at() const;
+  void mark_started();
+
+ protected:
+  // Waits until done or the deadline passes; returns whether it is done.
+  virtual bool wait_until(std::optional<Clock::time_point> deadline) = 0;
+  virtual bool test() = 0;
+  // The failure the operation ended with, if any (read after completion).
+  virtual std::exception_ptr error() const = 0;
+
+ private:
+  OpInfo info_;
+  std::atomic<int64_t> started_ns_{-1};
+};
+
+using WorkPtr = std::shared_ptr<Work>;
+
+// Work completed by another thread (a backend's communication thread), or already done.
+class HostWork : public Work {
+ public:
+  using Work::Work;
+  // Marks the work finished; `error` null on success. Wakes every waiter.
+  void complete(std::exception_ptr error = nullptr);
+
+ protected:
+  bool wait_until(std::optional<Clock::time_point> deadline) override;
+  bool test() override { return done_.load(std::memory_order_acquire); }
+  std::exception_ptr error() const override;
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
+};
+
+}  // namespace loom::dist

@@ -1,0 +1,81 @@
+#pragma once
+// Data parallelism over a replicated model: every rank holds all parameters, computes gradients
+// on its share of the global batch, and the gradients are averaged across the dp group. The
+// averaging overlaps backward: gradients are grouped into buckets, and a bucket's reduction
+// starts (asynchronously, through the communication hook) as soon as the last of its gradients
+// has been accumulated. With gradient accumulation only the last micro-batch's backward syncs.
+//
+//   DataParallel dp(named_params, mesh.comm_ptr(Dim::dp));
+//   dp.broadcast_parameters();                 // replicas start equal
+//   for micro-batch k: dp.set_sync(k == last); loss.backward();
+//   dp.finish_gradient_sync();                 // .grad now holds the dp-average
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/dist/communicator.h"
+#include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/data/grad_bucket.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace loom::parallel::data {
+
+struct DataParallelOptions {
+  double bucket_mb = 25.0;         // bucket capacity in MiB (--bucket-mb)
+  std::shared_ptr<CommHook> hook;  // null: AllReduceAvgHook
+};
+
+// Counters of the last synchronized backward, for benchmarks and logs.
+struct SyncStats {
+  int64_t buckets_launched_in_backward = 0;  // started while backward was still running
+  double bytes_sent = 0;                     // handed to the communicator, summed over buckets
+  double wait_seconds = 0;                   // finish_gradient_sync blocked on communication
+};
+
+class DataParallel {
+ public:
+  using NamedParams = std::vector<std::pair<std::string, at::Tensor>>;
+
+  // Registers a hook on each parameter's gradient accumulator. Parameters that do not require
+  // gradients are skipped. Throws loom::Error for a bucket size that is not positive.
+  DataParallel(NamedParams params, dist::CommunicatorPtr comm, DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // Copies rank 0's parameters to every rank (one broadcast per bucket-sized group).
+  void broadcast_parameters();
+  // Whether the next backward reduces gradients: false for every micro-batch but the last.
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
+  // After the synchronizing backward: launches any bucket backward did not complete (a
+  // parameter without a gradient counts as zeros), waits for all of them, and writes the
+  // averaged gradients into each parameter's .grad. A no-op when sync is off.
+  void finish_gradient_sync();
+
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+  const dist::Communicator& comm() const { return *comm_; }
+  const CommHook& hook() const { return *hook_; }
+  const SyncStats& last_sync() const { return stats_; }
+
+ private:
+  void on_grad_ready(size_t bucket, size_t slot);
+  void launch_ready_buckets();
+  void reset_backward_state();
+
+  dist::CommunicatorPtr comm_;
+  std::shared_ptr<CommHook> hook_;
+  std::vector<GradBucket> buckets_;
+  // The gradient accumulators we hooked, and the keys to unhook them.
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  size_t next_to_launch_ = 0;  // buckets launch strictly in order: every rank the same
+  bool in_backward_ = false;
+  bool sync_ = true;
+  SyncStats stats_;
+};
+
+}  // namespace loom::parallel::data

@@ -1,0 +1,120 @@
+#include "loom/dist/mesh.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "loom/core/error.h"
+#include "loom/dist/local_communicator.h"
+
+namespace loom::dist {
+
+std::string to_string(Dim d) {
+  switch (d) {
+    case Dim::tp:
+      return "tp";
+    case Dim::cp:
+      return "cp";
+    case Dim::dp:
+      return "dp";
+    case Dim::pp:
+      return "pp";
+  }
+  return "?";
+}
+
+int64_t MeshShape::size(Dim d) const {
+  switch (d) {
+    case Dim::tp:
+      return tp;
+    case Dim::cp:
+      return cp;
+    case Dim::dp:
+      return dp;
+    case Dim::pp:
+      return pp;
+  }
+  return 1;
+}
+
+std::string MeshShape::describe() const {
+  auto s = fmt::format("dp {} x tp {} x pp {}", dp, tp, pp);
+  if (cp != 1) s += fmt::format(" x cp {}", cp);
+  return s;
+}
+
+MeshShape MeshShape::resolve(int64_t world_size, int64_t ranks_per_node) const {
+  MeshShape s = *this;
+  for (auto [name, v] : {std::pair{"tp", tp}, {"pp", pp}, {"cp", cp}})
+    LOOM_CHECK(v >= 1, "mesh: --{} {} is invalid; every mesh dimension must be at least 1", name,
+               v);
+  LOOM_CHECK(dp >= 0,
+             "mesh: --dp {} is invalid; use a size of at least 1, or 0 to take what "
+             "the other dimensions leave of the world",
+             dp);
+  LOOM_CHECK(cp == 1, "mesh: cp {} is not supported yet (context parallelism is reserved); use 1",
+             cp);
+  const int64_t others = tp * pp * cp;
+  if (s.dp == 0) {
+    LOOM_CHECK(world_size % others == 0,
+               "mesh: tp {} x pp {} = {} ranks does not divide the world of {} processes, so dp "
+               "cannot be derived; launch a multiple of {} processes",
+               tp, pp, others, world_size, others);
+    s.dp = world_size / others;
+  }
+  LOOM_CHECK(s.product() == world_size,
+             "mesh: {} = {} ranks, but the world has {} processes; the product of the mesh "
+             "dimensions must equal the number of processes (mpirun -np {})",
+             s.describe(), s.product(), world_size, s.product());
+  if (tp > ranks_per_node)
+    spdlog::warn(
+        "mesh: tp {} is larger than the {} ranks on this node: tensor-parallel collectives will "
+        "cross nodes, which is usually much slower",
+        tp, ranks_per_node);
+  return s;
+}
+
+Mesh::Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node)
+    : world_(std::move(world)), shape_(shape.resolve(world_->size(), ranks_per_node)) {
+  coords_ = coords_of(world_->rank());
+  // The group along dimension d: the ranks that share every other coordinate.
+  for (int d = 0; d < kNumDims; ++d) {
+    int64_t color = 0;
+    for (int o = kNumDims - 1; o >= 0; --o) {
+      if (o == d) continue;
+      color = color * shape_.size(static_cast<Dim>(o)) + coords_[static_cast<size_t>(o)];
+    }
+    comms_[static_cast<size_t>(d)] =
+        world_->split(static_cast<int>(color), static_cast<int>(coords_[static_cast<size_t>(d)]),
+                      to_string(static_cast<Dim>(d)));
+  }
+}
+
+std::shared_ptr<Mesh> Mesh::single_process() {
+  return std::make_shared<Mesh>(std::make_shared<LocalCommunicator>(), MeshShape{.dp = 1});
+}
+
+int64_t Mesh::rank_at(const std::array<int64_t, kNumDims>& coords) const {
+  int64_t rank = 0;
+  for (int d = kNumDims - 1; d >= 0; --d) {
+    const auto c = coords[static_cast<size_t>(d)];
+    const auto n = shape_.size(static_cast<Dim>(d));
+    LOOM_CHECK(c >= 0 && c < n, "mesh: coordinate {} along {} is outside 0..{}", c,
+               to_string(static_cast<Dim>(d)), n - 1);
+    rank = rank * n + c;
+  }
+  return rank;
+}
+
+std::array<int64_t, kNumDims> Mesh::coords_of(int64_t rank) const {
+  LOOM_CHECK(rank >= 0 && rank < shape_.product(), "mesh: rank {} is outside 0..{}", rank,
+             shape_.product() - 1);
+  std::array<int64_t, kNumDims> c{};
+  for (int d = 0; d < kNumDims; ++d) {
+    const auto n = shape_.size(static_cast<Dim>(d));
+    c[static_cast<size_t>(d)] = rank % n;
+    rank /= n;
+  }
+  return c;
+}
+
+}  // namespace loom::dist

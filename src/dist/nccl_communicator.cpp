@@ -1,0 +1,283 @@
+#include "loom/dist/nccl_communicator.h"
+
+#include "loom/core/error.h"
+
+#ifdef LOOM_WITH_CUDA
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <thread>
+#endif
+
+namespace loom::dist {
+
+#ifndef LOOM_WITH_CUDA
+
+bool nccl_available() {
+  return false;
+}
+
+CommunicatorPtr make_nccl_communicator(CommunicatorPtr, int, const std::string& name) {
+  fail("cannot create NCCL communicator '{}': loom was built without CUDA (LOOM_WITH_CUDA=OFF)",
+       name);
+}
+
+#else
+
+namespace {
+
+void check_nccl(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return;
+  fail("{} failed: {} ({})", what, ncclGetErrorString(r), ncclGetLastError(nullptr));
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  fail("{} failed: {}", what, cudaGetErrorString(e));
+}
+
+ncclDataType_t nccl_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kByte:
+      return ncclUint8;
+    default:
+      fail("no NCCL datatype for {}", c10::toString(t));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Avg:
+      return ncclAvg;
+    case ReduceOp::Max:
+      return ncclMax;
+  }
+  return ncclSum;
+}
+
+// Completes when the event recorded after the op on the communication stream has fired.
+class CudaWork : public Work {
+ public:
+  CudaWork(OpInfo info, cudaEvent_t done, int device, ncclComm_t comm)
+      : Work(std::move(info)), done_(done), device_(device), comm_(comm) {
+    mark_started();
+  }
+  ~CudaWork() override { cudaEventDestroy(done_); }
+
+ protected:
+  bool test() override {
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    if (async != ncclSuccess) {
+      record_error(
+          fmt::format("{}: NCCL reported {}", info().describe(), ncclGetErrorString(async)));
+      return true;
+    }
+    const auto e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess)
+      record_error(fmt::format("{}: {}", info().describe(), cudaGetErrorString(e)));
+    return true;
+  }
+  bool wait_until(std::optional<Clock::time_point> deadline) override {
+    if (deadline) {
+      while (!test()) {
+        if (Clock::now() >= *deadline) return false;
+        std::this_thread::yield();
+      }
+    }
+    // Stream-ordered wait: the caller's stream runs on only after the op.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    check_cuda(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream().stream(), done_, 0),
+               "cudaStreamWaitEvent");
+    return true;
+  }
+  std::exception_ptr error() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+ private:
+  void record_error(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = std::make_exception_ptr(Error(message));
+  }
+  cudaEvent_t done_;
+  int device_;
+  ncclComm_t comm_;
+  mutable std::mutex mutex_;
+  std::exception_ptr error_;
+};
+
+class NcclCommunicator : public Communicator {
+ public:
+  NcclCommunicator(CommunicatorPtr bootstrap, int device, const std::string& name)
+      : Communicator(name, bootstrap->rank(), bootstrap->size()),
+        bootstrap_(std::move(bootstrap)),
+        device_(device) {
+    int count = 0;
+    check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    LOOM_CHECK(device >= 0 && device < count,
+               "NCCL communicator '{}': CUDA device {} does not exist (this node has {})", name,
+               device, count);
+    set_timeout(bootstrap_->timeout());
+    set_debug(bootstrap_->debug());
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    ncclUniqueId id;
+    if (rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    auto id_bytes = at::from_blob(&id, {static_cast<int64_t>(sizeof(id))}, at::kByte);
+    bootstrap_->broadcast(id_bytes, 0);
+    check_nccl(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  ~NcclCommunicator() override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    cudaStreamSynchronize(stream_);
+    ncclCommDestroy(comm_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string backend() const override { return "nccl"; }
+
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    auto sub = bootstrap_->split(color, key, name + ".bootstrap");
+    if (!sub) return nullptr;
+    return std::make_shared<NcclCommunicator>(sub, device_, name);
+  }
+
+ protected:
+  std::optional<std::string> check_device(const at::Tensor& t) const override {
+    if (t.is_cuda() && t.device().index() == device_) return std::nullopt;
+    return fmt::format("the NCCL communicator takes tensors on cuda:{}, got one on {}", device_,
+                       t.device().str());
+  }
+
+  WorkPtr launch(Call c) override {
+    if (debug() && c.kind != OpKind::Send && c.kind != OpKind::Recv) {
+      std::vector<OpFingerprint> all(static_cast<size_t>(size()));
+      auto mine =
+          at::from_blob(&c.fingerprint, {static_cast<int64_t>(sizeof(OpFingerprint))}, at::kByte);
+      auto gathered = at::from_blob(
+          all.data(), {static_cast<int64_t>(all.size() * sizeof(OpFingerprint))}, at::kByte);
+      bootstrap_->all_gather(gathered, mine);
+      if (auto mismatch = find_mismatch(all, c.info)) throw Error(*mismatch);
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const auto caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+    cudaEvent_t ready = nullptr, done = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(ready, caller.stream()), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(ready);  // safe: destruction is deferred until the event completes
+
+    auto& out = c.output;
+    auto& in = c.input;
+    switch (c.kind) {
+      case OpKind::AllReduce:
+        check_nccl(ncclAllReduce(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                                 nccl_type(out.scalar_type()), nccl_op(c.reduce), comm_, stream_),
+                   "ncclAllReduce");
+        break;
+      case OpKind::ReduceScatter:
+        check_nccl(
+            ncclReduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                              nccl_type(out.scalar_type()), nccl_op(c.reduce), comm_, stream_),
+            "ncclReduceScatter");
+        break;
+      case OpKind::AllGather:
+        check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
+                                 nccl_type(in.scalar_type()), comm_, stream_),
+                   "ncclAllGather");
+        break;
+      case OpKind::Broadcast:
+        check_nccl(ncclBroadcast(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                                 nccl_type(out.scalar_type()), c.peer, comm_, stream_),
+                   "ncclBroadcast");
+        break;
+      case OpKind::AllToAll: {
+        const auto chunk = static_cast<size_t>(in.numel() / size());
+        const auto bytes = chunk * in.element_size();
+        const auto type = nccl_type(in.scalar_type());
+        check_nccl(ncclGroupStart(), "ncclGroupStart");
+        for (int r = 0; r < size(); ++r) {
+          const auto offset = static_cast<size_t>(r) * bytes;
+          check_nccl(
+              ncclSend(static_cast<char*>(in.data_ptr()) + offset, chunk, type, r, comm_, stream_),
+              "ncclSend");
+          check_nccl(
+              ncclRecv(static_cast<char*>(out.data_ptr()) + offset, chunk, type, r, comm_, stream_),
+              "ncclRecv");
+        }
+        check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+        break;
+      }
+      case OpKind::Barrier: {
+        auto one = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
+        check_nccl(
+            ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclInt32, ncclSum, comm_, stream_),
+            "ncclAllReduce (barrier)");
+        out = one;
+        break;
+      }
+      case OpKind::Send:  // NCCL has no tags: messages to one peer arrive in issue order
+        check_nccl(ncclSend(in.data_ptr(), static_cast<size_t>(in.numel()),
+                            nccl_type(in.scalar_type()), c.peer, comm_, stream_),
+                   "ncclSend");
+        break;
+      case OpKind::Recv:
+        check_nccl(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()),
+                            nccl_type(out.scalar_type()), c.peer, comm_, stream_),
+                   "ncclRecv");
+        break;
+    }
+    const c10::cuda::CUDAStream comm_stream =
+        c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_));
+    for (const auto* t : {&out, &in})
+      if (t->defined())
+        c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), comm_stream);
+    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(done, stream_), "cudaEventRecord");
+    return std::make_shared<CudaWork>(c.info, done, device_, comm_);
+  }
+
+ private:
+  CommunicatorPtr bootstrap_;
+  int device_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+bool nccl_available() {
+  return true;
+}
+
+CommunicatorPtr make_nccl_communicator(CommunicatorPtr bootstrap, int device,
+                                       const std::string& name) {
+  LOOM_CHECK(bootstrap != nullptr, "NCCL communicator '{}' needs a bootstrap communicator", name);
+  return std::make_shared<NcclCommunicator>(std::move(bootstrap), device, name);
+}
+
+#endif
+
+}  // namespace loom::dist

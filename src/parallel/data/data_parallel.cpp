@@ -1,0 +1,174 @@
+#include "loom/parallel/data/data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "loom/core/error.h"
+
+namespace loom::parallel::data {
+
+namespace {
+
+// Runs after a parameter's AccumulateGrad node: its .grad is complete for this backward.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
+                           DataParallelOptions options)
+    : comm_(std::move(comm)),
+      hook_(options.hook ? options.hook : std::make_shared<AllReduceAvgHook>()) {
+  LOOM_CHECK(comm_ != nullptr, "DataParallel needs a communicator");
+  LOOM_CHECK(options.bucket_mb > 0, "--bucket-mb {} is invalid; it must be positive",
+             options.bucket_mb);
+  std::vector<at::Tensor> tensors;
+  std::vector<std::string> names;
+  for (auto& [name, p] : params) {
+    if (!p.requires_grad()) continue;
+    LOOM_CHECK(p.is_leaf(), "DataParallel: parameter '{}' is not a leaf tensor", name);
+    tensors.push_back(p);
+    names.push_back(name);
+  }
+  const auto bucket_bytes = static_cast<int64_t>(options.bucket_mb * 1024.0 * 1024.0);
+  const auto plan = assign_buckets(tensors, std::max<int64_t>(bucket_bytes, 1));
+  buckets_.resize(plan.size());
+  for (size_t b = 0; b < plan.size(); ++b) {
+    auto& bucket = buckets_[b];
+    bucket.index = static_cast<int64_t>(b);
+    int64_t numel = 0;
+    for (size_t k : plan[b]) {
+      bucket.params.push_back(tensors[k]);
+      bucket.names.push_back(names[k]);
+      bucket.offsets.push_back(numel);
+      numel += tensors[k].numel();
+    }
+    bucket.buffer = at::zeros({numel}, tensors[plan[b].front()].options().requires_grad(false));
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      auto acc = torch::autograd::impl::grad_accumulator(bucket.params[slot]);
+      LOOM_CHECK(acc != nullptr, "DataParallel: parameter '{}' has no gradient accumulator",
+                 bucket.names[slot]);
+      const auto key = acc->add_post_hook(
+          std::make_unique<GradReadyHook>([this, b, slot] { on_grad_ready(b, slot); }));
+      hooks_.emplace_back(acc, key);
+    }
+  }
+  reset_backward_state();
+}
+
+DataParallel::~DataParallel() {
+  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+  // Work still in flight references the buffers: let it finish.
+  for (auto& b : buckets_)
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (...) {
+      }
+    }
+}
+
+void DataParallel::reset_backward_state() {
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.work = nullptr;
+  }
+  next_to_launch_ = 0;
+  in_backward_ = false;
+}
+
+void DataParallel::broadcast_parameters() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    auto flat = at::empty_like(b.buffer);
+    for (size_t i = 0; i < b.params.size(); ++i)
+      flat.narrow(0, b.offsets[i], b.params[i].numel()).copy_(b.params[i].reshape({-1}));
+    comm_->broadcast(flat, 0);
+    for (size_t i = 0; i < b.params.size(); ++i)
+      b.params[i].copy_(flat.narrow(0, b.offsets[i], b.params[i].numel()).view_as(b.params[i]));
+  }
+}
+
+void DataParallel::on_grad_ready(size_t bucket, size_t slot) {
+  if (!sync_) return;
+  if (!in_backward_) {
+    in_backward_ = true;
+    stats_ = SyncStats{};
+  }
+  auto& b = buckets_[bucket];
+  const auto& grad = b.params[slot].grad();
+  // The gradient accumulated over all micro-batches: copy it into the bucket.
+  if (grad.defined())
+    b.grad_view(slot).copy_(grad);
+  else
+    b.grad_view(slot).zero_();
+  LOOM_CHECK(b.pending > 0,
+             "DataParallel: gradient of '{}' became ready twice in one backward; call "
+             "finish_gradient_sync() after each synchronizing backward",
+             b.names[slot]);
+  --b.pending;
+  launch_ready_buckets();
+}
+
+void DataParallel::launch_ready_buckets() {
+  torch::NoGradGuard no_grad;
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    auto& b = buckets_[next_to_launch_];
+    b.work = hook_->start(b, *comm_);
+    stats_.bytes_sent += hook_->bytes_per_element(b) * static_cast<double>(b.numel());
+    ++stats_.buckets_launched_in_backward;
+    ++next_to_launch_;
+  }
+}
+
+void DataParallel::finish_gradient_sync() {
+  if (!sync_) return;
+  torch::NoGradGuard no_grad;
+  if (!in_backward_) stats_ = SyncStats{};
+  const auto launched_in_backward = stats_.buckets_launched_in_backward;
+  // Parameters that got no gradient in this backward: they count as zeros on this rank.
+  for (size_t k = next_to_launch_; k < buckets_.size(); ++k) {
+    auto& b = buckets_[k];
+    if (b.pending == 0) continue;
+    for (size_t i = 0; i < b.params.size(); ++i)
+      if (!b.params[i].grad().defined()) b.grad_view(i).zero_();
+    // Those with a gradient but no hook call (backward never reached them): copy what is there.
+    for (size_t i = 0; i < b.params.size(); ++i)
+      if (b.params[i].grad().defined()) b.grad_view(i).copy_(b.params[i].grad());
+    b.pending = 0;
+  }
+  launch_ready_buckets();
+  stats_.buckets_launched_in_backward = launched_in_backward;
+  for (auto& b : buckets_) {
+    const auto start = std::chrono::steady_clock::now();
+    b.work->wait();
+    stats_.wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    hook_->finish(b, *comm_);
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      auto& p = b.params[i];
+      if (p.grad().defined())
+        p.mutable_grad().copy_(b.grad_view(i));
+      else
+        p.mutable_grad() = b.grad_view(i).clone();
+    }
+  }
+  reset_backward_state();
+}
+
+}  // namespace loom::parallel::data

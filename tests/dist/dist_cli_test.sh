@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Multi-rank failure behaviour and loom-pretrain under mpirun:
+#  1. a rank that skips a collective: the watchdog aborts the job within seconds, naming the op,
+#     the group, its sequence number, the rank and the tensor;
+#  2. a mesh that does not fit the world: every rank exits with status 2 and the numbers;
+#  3. the same training run on 1 and on 2 ranks writes the same losses (one metrics file).
+set -uo pipefail
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail=0
+say() { echo "$@"; }
+
+# 1. The watchdog.
+start=$(date +%s)
+out=$(LOOM_TEST_COMM_TIMEOUT=2 "$MPIEXEC" -np 2 "$DIST_TESTS" --gtest_also_run_disabled_tests \
+  --gtest_filter='WatchdogProvoke.*' 2>&1)
+status=$?
+elapsed=$(( $(date +%s) - start ))
+if [ $status -eq 0 ]; then say "FAIL: a skipped collective did not abort the job"; fail=1; fi
+for want in "loom watchdog: all_reduce(sum) #1 on group 'world' (rank 0 of 2; world rank 0, local rank 0) Float[1024]" \
+            "has not completed after" "aborting the job"; do
+  if ! grep -qF -- "$want" <<< "$out"; then say "FAIL: watchdog output lacks '$want'"; fail=1; fi
+done
+if [ $elapsed -gt 40 ]; then say "FAIL: the watchdog took ${elapsed}s for a 2s timeout"; fail=1; fi
+[ $fail -eq 0 ] && say "ok: watchdog aborted in ${elapsed}s (status $status): $(grep -m1 'loom watchdog' <<< "$out")"
+[ $fail -ne 0 ] && say "$out"
+
+# 2. A mesh that cannot be: status 2 from every rank, the numbers in the message.
+printf 'hello world, this is a small corpus for the loom tools. %.0s' {1..200} > "$work/a.txt"
+"$TOOLS/loom-prepare" --input "$work/a.txt" --out-dir "$work/data" > /dev/null 2>&1 || { echo "prepare failed"; exit 1; }
+base=("$TOOLS/loom-pretrain" --data "$work/data/train.bin" --steps 3 --seq-len 16 --log-level warn
+      --lr 3e-3 --warmup-steps 1)
+run=("${base[@]}" --batch-size 4)
+out=$("$MPIEXEC" -np 2 "${run[@]}" --dp 3 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "dp 3 x tp 1 x pp 1 = 3 ranks, but the world has 2 processes" <<< "$out"; then
+  say "FAIL: --dp 3 on 2 ranks -> status $status: $out"; fail=1
+else say "ok: bad mesh rejected with status 2"; fi
+out=$("$MPIEXEC" -np 2 "${base[@]}" --batch-size 3 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "batch-size 3 cannot be split evenly: dp 2" <<< "$out"; then
+  say "FAIL: --batch-size 3 on 2 ranks -> status $status: $out"; fail=1
+else say "ok: indivisible batch rejected with status 2"; fi
+
+# 3. One rank vs two: same losses at every step, one metrics file written by rank 0.
+"${run[@]}" --metrics-out "$work/m1.jsonl" || { say "FAIL: 1-rank run"; fail=1; }
+"$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m2.jsonl" --bucket-mb 0.05 || { say "FAIL: 2-rank run"; fail=1; }
+if ! python3 - "$work/m1.jsonl" "$work/m2.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 3, (len(a), len(b))
+for x, y in zip(a, b):
+    assert x["step"] == y["step"]
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+print("ok: 1-rank and 2-rank losses agree:", [round(x["loss"], 6) for x in a])
+PY
+then say "FAIL: losses differ between 1 and 2 ranks"; fail=1; fi
+exit $fail

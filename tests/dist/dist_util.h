@@ -1,0 +1,53 @@
+#pragma once
+// Helpers of the multi-rank tests: the process's Runtime, and a directory every rank shares.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <random>
+
+#include "loom/dist/runtime.h"
+
+namespace loom::testing {
+
+inline dist::Runtime*& runtime_slot() {
+  static dist::Runtime* rt = nullptr;
+  return rt;
+}
+inline void set_runtime(dist::Runtime* rt) {
+  runtime_slot() = rt;
+}
+inline dist::Runtime& runtime() {
+  return *runtime_slot();
+}
+inline dist::Communicator& world() {
+  return *runtime().world();
+}
+
+// A fresh directory with the same path on every rank (rank 0 picks the name), removed at scope
+// exit once every rank is done with it. Collective over the world.
+class SharedTempDir {
+ public:
+  SharedTempDir() {
+    auto id = at::zeros({1}, at::kLong);
+    if (world().rank() == 0) id.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
+    world().broadcast(id, 0);
+    path_ = std::filesystem::temp_directory_path() /
+            fmt::format("loom_dist_test_{}", id.item<int64_t>());
+    if (world().rank() == 0) std::filesystem::create_directories(path_);
+    world().barrier();
+  }
+  ~SharedTempDir() {
+    world().barrier();
+    std::error_code ec;
+    if (world().rank() == 0) std::filesystem::remove_all(path_, ec);
+  }
+  SharedTempDir(const SharedTempDir&) = delete;
+  SharedTempDir& operator=(const SharedTempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace loom::testing
