@@ -13,6 +13,7 @@
 #include "loom/dist/mesh.h"
 #include "loom/dist/mpi_communicator.h"
 #include "loom/dist/nccl_communicator.h"
+#include "loom/dist/op.h"
 #include "loom/dist/process_info.h"
 #include "loom/dist/runtime.h"
 #include "loom/dist/watchdog.h"

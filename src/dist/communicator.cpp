@@ -43,66 +43,11 @@ bool supported(at::ScalarType t) {
   }
 }
 
-std::string dtype_name(int64_t dtype) {
-  if (dtype < 0) return "";
-  return std::string(c10::toString(static_cast<at::ScalarType>(dtype)));
-}
-
 }  // namespace
-
-std::string to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return "sum";
-    case ReduceOp::Avg:
-      return "avg";
-    case ReduceOp::Max:
-      return "max";
-  }
-  return "?";
-}
-
-std::string to_string(OpKind kind) {
-  switch (kind) {
-    case OpKind::AllReduce:
-      return "all_reduce";
-    case OpKind::ReduceScatter:
-      return "reduce_scatter";
-    case OpKind::AllGather:
-      return "all_gather";
-    case OpKind::Broadcast:
-      return "broadcast";
-    case OpKind::AllToAll:
-      return "all_to_all";
-    case OpKind::Barrier:
-      return "barrier";
-    case OpKind::Send:
-      return "send";
-    case OpKind::Recv:
-      return "recv";
-  }
-  return "?";
-}
 
 std::string describe_tensor(const at::Tensor& t) {
   if (!t.defined()) return "(no tensor)";
   return fmt::format("{}[{}]", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "));
-}
-
-std::string OpFingerprint::describe() const {
-  const auto k = static_cast<OpKind>(kind);
-  std::string op = to_string(k);
-  if (k == OpKind::AllReduce || k == OpKind::ReduceScatter)
-    op = fmt::format("{}({})", op, to_string(static_cast<ReduceOp>(reduce)));
-  if (k == OpKind::Broadcast) op = fmt::format("{}(root {})", op, root);
-  std::string shape;
-  if (k != OpKind::Barrier) {
-    std::vector<int64_t> d(dims.begin(), dims.begin() + std::min<int64_t>(ndim, kMaxDims));
-    shape = fmt::format(" {}[{}{}]", dtype_name(dtype), fmt::join(d, ", "),
-                        ndim > kMaxDims ? ", ..." : "");
-    if (ndim > kMaxDims) shape += fmt::format(" ({} elements)", numel);
-  }
-  return fmt::format("{} #{}{}", op, seq, shape);
 }
 
 std::optional<std::string> find_mismatch(const std::vector<OpFingerprint>& all,
@@ -158,24 +103,19 @@ void Communicator::check_peer(const char* op, const char* what, int peer, bool a
              name_, what, peer);
 }
 
-Communicator::Call Communicator::make_call(OpKind kind, std::string op,
-                                           const at::Tensor& shape_of) {
+Communicator::Call Communicator::make_call(OpKind kind, const at::Tensor& shape_of) {
   Call c;
   c.kind = kind;
   const auto& p = process_info();
-  c.info.op = std::move(op);
   c.info.group = name_;
   c.info.group_rank = rank_;
   c.info.group_size = size_;
   c.info.world_rank = p.world_rank;
   c.info.local_rank = p.local_rank;
-  c.info.tensor = kind == OpKind::Barrier ? "" : describe_tensor(shape_of);
   c.info.timeout = timeout_;
-  const bool p2p = kind == OpKind::Send || kind == OpKind::Recv;
-  c.info.seq = p2p ? p2p_seq_++ : seq_++;
-  auto& f = c.fingerprint;
+  auto& f = c.info.call;
   f.kind = static_cast<int64_t>(kind);
-  f.seq = c.info.seq;
+  f.seq = kind == OpKind::Send || kind == OpKind::Recv ? p2p_seq_++ : seq_++;
   if (shape_of.defined()) {
     f.dtype = static_cast<int64_t>(shape_of.scalar_type());
     f.numel = shape_of.numel();
@@ -193,29 +133,28 @@ WorkPtr Communicator::issue(Call call) {
 }
 
 WorkPtr Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
-  const auto name = fmt::format("all_reduce({})", to_string(op));
-  check_tensor(name.c_str(), "reduced", tensor, true);
-  auto c = make_call(OpKind::AllReduce, name, tensor);
+  check_tensor("all_reduce", "reduced", tensor, true);
+  auto c = make_call(OpKind::AllReduce, tensor);
   c.reduce = op;
-  c.fingerprint.reduce = static_cast<int64_t>(op);
+  c.info.call.reduce = static_cast<int64_t>(op);
   c.output = tensor;
   return issue(std::move(c));
 }
 
 WorkPtr Communicator::reduce_scatter_async(const at::Tensor& output, const at::Tensor& input,
                                            ReduceOp op) {
-  const auto name = fmt::format("reduce_scatter({})", to_string(op));
-  check_tensor(name.c_str(), "output", output, true);
-  check_tensor(name.c_str(), "input", input, false);
+  check_tensor("reduce_scatter", "output", output, true);
+  check_tensor("reduce_scatter", "input", input, false);
   LOOM_CHECK(input.scalar_type() == output.scalar_type(),
-             "{} on group '{}': input {} and output {} differ in dtype", name, name_,
+             "reduce_scatter on group '{}': input {} and output {} differ in dtype", name_,
              describe_tensor(input), describe_tensor(output));
   LOOM_CHECK(input.numel() == output.numel() * size_,
-             "{} on group '{}': input {} must hold size ({}) x the output's {} elements", name,
+             "reduce_scatter on group '{}': input {} must hold size ({}) x the output's {} "
+             "elements",
              name_, describe_tensor(input), size_, output.numel());
-  auto c = make_call(OpKind::ReduceScatter, name, input);
+  auto c = make_call(OpKind::ReduceScatter, input);
   c.reduce = op;
-  c.fingerprint.reduce = static_cast<int64_t>(op);
+  c.info.call.reduce = static_cast<int64_t>(op);
   c.output = output;
   c.input = input.contiguous();
   return issue(std::move(c));
@@ -230,7 +169,7 @@ WorkPtr Communicator::all_gather_async(const at::Tensor& output, const at::Tenso
   LOOM_CHECK(output.numel() == input.numel() * size_,
              "all_gather on group '{}': output {} must hold size ({}) x the input's {} elements",
              name_, describe_tensor(output), size_, input.numel());
-  auto c = make_call(OpKind::AllGather, "all_gather", input);
+  auto c = make_call(OpKind::AllGather, input);
   c.output = output;
   c.input = input.contiguous();
   return issue(std::move(c));
@@ -239,9 +178,9 @@ WorkPtr Communicator::all_gather_async(const at::Tensor& output, const at::Tenso
 WorkPtr Communicator::broadcast_async(const at::Tensor& tensor, int root) {
   check_tensor("broadcast", "broadcast", tensor, true);
   check_peer("broadcast", "root", root, true);
-  auto c = make_call(OpKind::Broadcast, fmt::format("broadcast(root {})", root), tensor);
+  auto c = make_call(OpKind::Broadcast, tensor);
   c.peer = root;
-  c.fingerprint.root = root;
+  c.info.call.root = root;
   c.output = tensor;
   return issue(std::move(c));
 }
@@ -254,22 +193,24 @@ WorkPtr Communicator::all_to_all_async(const at::Tensor& output, const at::Tenso
              "all_to_all on group '{}': input {} and output {} must have the same dtype and "
              "number of elements, divisible by the group size {}",
              name_, describe_tensor(input), describe_tensor(output), size_);
-  auto c = make_call(OpKind::AllToAll, "all_to_all", input);
+  auto c = make_call(OpKind::AllToAll, input);
   c.output = output;
   c.input = input.contiguous();
   return issue(std::move(c));
 }
 
 WorkPtr Communicator::barrier_async() {
-  return issue(make_call(OpKind::Barrier, "barrier", at::Tensor()));
+  return issue(make_call(OpKind::Barrier, at::Tensor()));
 }
 
 WorkPtr Communicator::send_async(const at::Tensor& tensor, int dst, int tag) {
   check_tensor("send", "sent", tensor, false);
   check_peer("send", "destination", dst, false);
-  auto c = make_call(OpKind::Send, fmt::format("send(to {}, tag {})", dst, tag), tensor);
+  auto c = make_call(OpKind::Send, tensor);
   c.peer = dst;
   c.tag = tag;
+  c.info.call.root = dst;
+  c.info.call.tag = tag;
   c.input = tensor.contiguous();
   return issue(std::move(c));
 }
@@ -277,9 +218,11 @@ WorkPtr Communicator::send_async(const at::Tensor& tensor, int dst, int tag) {
 WorkPtr Communicator::recv_async(const at::Tensor& tensor, int src, int tag) {
   check_tensor("recv", "receive", tensor, true);
   check_peer("recv", "source", src, false);
-  auto c = make_call(OpKind::Recv, fmt::format("recv(from {}, tag {})", src, tag), tensor);
+  auto c = make_call(OpKind::Recv, tensor);
   c.peer = src;
   c.tag = tag;
+  c.info.call.root = src;
+  c.info.call.tag = tag;
   c.output = tensor;
   return issue(std::move(c));
 }

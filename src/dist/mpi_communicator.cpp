@@ -113,7 +113,7 @@ class RequestWork : public Work {
     const int rc = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) {
       try {
-        check_mpi(rc, info().op.c_str());
+        check_mpi(rc, info().op().c_str());
       } catch (...) {
         error_ = std::current_exception();
       }
@@ -168,7 +168,7 @@ MpiCommunicator::~MpiCommunicator() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  work_cv_.notify_all();
   worker_.join();
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -198,15 +198,13 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key, const s
   MPI_Comm out = MPI_COMM_NULL;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    ++idle_waiters_;
+    idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    --idle_waiters_;
     busy_ = true;
   }
   const int rc = MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    busy_ = false;
-  }
-  cv_.notify_all();
+  finish_inline();
   check_mpi(rc, "MPI_Comm_split");
   if (out == MPI_COMM_NULL) return nullptr;
   auto comm = std::make_shared<MpiCommunicator>(out, name);
@@ -242,21 +240,25 @@ void MpiCommunicator::submit(Task task) {
     lock.unlock();
     Watchdog::instance().track(task.work);  // before it runs: this call may be the one that hangs
     execute(task);
-    lock.lock();
-    busy_ = false;
-    lock.unlock();
-    cv_.notify_all();
+    finish_inline();
     return;
   }
   queue_.push_back(std::move(task));
   lock.unlock();
-  cv_.notify_all();
+  work_cv_.notify_one();
+}
+
+void MpiCommunicator::finish_inline() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  busy_ = false;
+  if (!queue_.empty()) work_cv_.notify_one();  // queued by another thread meanwhile
+  if (idle_waiters_ > 0) idle_cv_.notify_all();
 }
 
 void MpiCommunicator::worker_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    cv_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });
+    work_cv_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && !busy_); });
     if (queue_.empty()) return;  // stopping, nothing left
     Task task = std::move(queue_.front());
     queue_.pop_front();
@@ -265,7 +267,7 @@ void MpiCommunicator::worker_loop() {
     execute(task);
     lock.lock();
     busy_ = false;
-    cv_.notify_all();
+    if (idle_waiters_ > 0) idle_cv_.notify_all();
   }
 }
 
@@ -274,7 +276,7 @@ void MpiCommunicator::execute(Task& task) {
   try {
     if (debug()) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
-      check_mpi(MPI_Allgather(&task.call.fingerprint, sizeof(OpFingerprint), MPI_BYTE, all.data(),
+      check_mpi(MPI_Allgather(&task.call.info.call, sizeof(OpFingerprint), MPI_BYTE, all.data(),
                               sizeof(OpFingerprint), MPI_BYTE, comm_),
                 "MPI_Allgather (LOOM_DIST_DEBUG check)");
       if (auto mismatch = find_mismatch(all, task.call.info)) throw Error(*mismatch);

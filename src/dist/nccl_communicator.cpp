@@ -175,7 +175,7 @@ class NcclCommunicator : public Communicator {
     if (debug() && c.kind != OpKind::Send && c.kind != OpKind::Recv) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
       auto mine =
-          at::from_blob(&c.fingerprint, {static_cast<int64_t>(sizeof(OpFingerprint))}, at::kByte);
+          at::from_blob(&c.info.call, {static_cast<int64_t>(sizeof(OpFingerprint))}, at::kByte);
       auto gathered = at::from_blob(
           all.data(), {static_cast<int64_t>(all.size() * sizeof(OpFingerprint))}, at::kByte);
       bootstrap_->all_gather(gathered, mine);

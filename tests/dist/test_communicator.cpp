@@ -121,7 +121,7 @@ TEST(Communicator, AsyncOpsCompleteAndKeepTheirOrder) {
     works[k]->wait(dist::Seconds(60));
     EXPECT_TRUE(works[k]->is_completed());
     EXPECT_FLOAT_EQ(tensors[k][0].item<float>(), static_cast<float>(k * w.size()) + rank_sum);
-    EXPECT_EQ(works[k]->info().seq, works[0]->info().seq + k);
+    EXPECT_EQ(works[k]->info().seq(), works[0]->info().seq() + k);
     EXPECT_TRUE(works[k]->started_at().has_value());
   }
   EXPECT_EQ(dist::Watchdog::instance().in_flight(), 0u);

@@ -86,15 +86,18 @@ TEST(Mesh, SingleProcessNeedsNoMpi) {
 }
 
 TEST(Watchdog, MessageNamesOpGroupSequenceRankAndTensor) {
-  dist::OpInfo info{.op = "all_reduce(sum)",
-                    .group = "dp",
-                    .seq = 17,
+  dist::OpInfo info{.group = "dp",
                     .group_rank = 1,
                     .group_size = 2,
                     .world_rank = 3,
                     .local_rank = 1,
-                    .tensor = "Float[1024]",
                     .timeout = dist::Seconds(5)};
+  info.call = {.kind = static_cast<int64_t>(dist::OpKind::AllReduce),
+               .dtype = static_cast<int64_t>(at::kFloat),
+               .seq = 17,
+               .numel = 1024,
+               .ndim = 1,
+               .dims = {1024}};
   const auto msg = dist::Watchdog::timeout_message(info, dist::Seconds(5.2));
   EXPECT_TRUE(contains(msg,
                        "all_reduce(sum) #17 on group 'dp' (rank 1 of 2; world rank 3, "

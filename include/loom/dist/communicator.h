@@ -6,7 +6,6 @@
 // in debug mode, has the backend check that every rank issues the same collective.
 #include <ATen/core/Tensor.h>
 
-#include <array>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,33 +14,6 @@
 #include "loom/dist/work.h"
 
 namespace loom::dist {
-
-enum class ReduceOp { Sum, Avg, Max };
-std::string to_string(ReduceOp op);
-
-enum class OpKind : int64_t {
-  AllReduce = 1,
-  ReduceScatter,
-  AllGather,
-  Broadcast,
-  AllToAll,
-  Barrier,
-  Send,
-  Recv
-};
-std::string to_string(OpKind kind);
-
-// A fixed-size summary of one collective call. In debug mode every rank gathers the group's
-// fingerprints before the op runs and compares them.
-struct OpFingerprint {
-  static constexpr int kMaxDims = 6;
-  int64_t kind = 0, reduce = 0, dtype = -1, root = -1, seq = 0, numel = 0, ndim = 0;
-  std::array<int64_t, kMaxDims> dims{};
-
-  bool operator==(const OpFingerprint&) const = default;
-  // "all_reduce(sum) #12 float32[4, 8]"
-  std::string describe() const;
-};
 
 // The first rank whose fingerprint differs from rank 0's, as an error message; nullopt if all
 // agree. `all` holds one fingerprint per rank of the group.
@@ -118,8 +90,7 @@ class Communicator {
     int tag = 0;
     at::Tensor output;  // written (all_reduce/broadcast: in place; recv: the buffer)
     at::Tensor input;   // read (contiguous); undefined for in-place ops and barrier
-    OpInfo info;
-    OpFingerprint fingerprint;
+    OpInfo info;        // info.call: the fingerprint the debug check compares
   };
   virtual WorkPtr launch(Call call) = 0;
   // Whether the backend takes tensors on this device; else the message says why not.
@@ -129,7 +100,7 @@ class Communicator {
 
  private:
   WorkPtr issue(Call call);
-  Call make_call(OpKind kind, std::string op, const at::Tensor& shape_of);
+  Call make_call(OpKind kind, const at::Tensor& shape_of);
   void check_tensor(const char* op, const char* what, const at::Tensor& t, bool written) const;
   void check_peer(const char* op, const char* what, int peer, bool allow_self) const;
 

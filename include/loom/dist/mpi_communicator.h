@@ -40,13 +40,17 @@ class MpiCommunicator : public Communicator {
     Call call;
   };
   void submit(Task task);
+  void finish_inline();  // after an op ran on a caller's thread
   void execute(Task& task);
   void run(Call& call);
   void worker_loop();
 
   MPI_Comm comm_;
   std::mutex mutex_;
-  std::condition_variable cv_;
+  std::condition_variable work_cv_;  // the worker waits here for a task
+  std::condition_variable idle_cv_;  // split() waits here for the queue to drain
+  int idle_waiters_ = 0;  // wake threads only when someone waits: a needless wake-up costs
+                          // microseconds per op on a machine whose cores are all busy
   std::deque<Task> queue_;
   bool busy_ = false;  // an op is executing (on the worker or inline on a caller)
   bool stopping_ = false;

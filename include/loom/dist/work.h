@@ -11,26 +11,11 @@
 #include <optional>
 #include <string>
 
+#include "loom/dist/op.h"
+
 namespace loom::dist {
 
 using Clock = std::chrono::steady_clock;
-using Seconds = std::chrono::duration<double>;
-
-// What an operation is, for error messages, the watchdog and the debug-mode check.
-struct OpInfo {
-  std::string op;      // "all_reduce(sum)", "send", ...
-  std::string group;   // the communicator's name: "world", "dp", "tp", ...
-  int64_t seq = 0;     // collectives: index among this group's collectives; p2p: own count
-  int group_rank = 0;  // this rank in the group
-  int group_size = 1;
-  int world_rank = 0;
-  int local_rank = 0;      // rank among the processes on this node
-  std::string tensor;      // "float32[4, 1024]"
-  Seconds timeout{300.0};  // the watchdog's limit for this op
-
-  // "all_reduce(sum) #12 on group 'dp' (rank 1 of 2; world rank 3, local rank 1) float32[1024]"
-  std::string describe() const;
-};
 
 class Work {
  public:
