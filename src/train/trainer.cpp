@@ -252,7 +252,10 @@ StepResult Trainer::train_step() {
              r.grad_norm, step_ + 1, local_loss);
   r.lr = schedule_.at(step_);
   optimizer_->step(r.lr);
-  optimizer_->zero_grad();
+  if (dp_)
+    dp_->zero_grad();  // in place: the gradients are views of the communication buckets
+  else
+    optimizer_->zero_grad();
   ++step_;
   r.step = step_;
   r.loss = local_loss;

@@ -60,6 +60,7 @@ DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
     }
     bucket.buffer = at::zeros({numel}, tensors[plan[b].front()].options().requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      adopt_grad(bucket, slot);
       auto acc = torch::autograd::impl::grad_accumulator(bucket.params[slot]);
       LOOM_CHECK(acc != nullptr, "DataParallel: parameter '{}' has no gradient accumulator",
                  bucket.names[slot]);
@@ -104,6 +105,28 @@ void DataParallel::broadcast_parameters() {
   }
 }
 
+void DataParallel::adopt_grad(GradBucket& b, size_t slot) {
+  auto& p = b.params[slot];
+  auto view = b.grad_view(slot);
+  const auto& grad = p.grad();
+  if (grad.defined() && grad.data_ptr() == view.data_ptr()) return;  // already the view
+  // A gradient autograd allocated (first step, or after .grad was reset): move it into the
+  // bucket and make the view the parameter's gradient, so later backwards accumulate in place.
+  if (grad.defined())
+    view.copy_(grad);
+  else
+    view.zero_();  // no gradient in this backward: zeros on this rank
+  p.mutable_grad() = view;
+}
+
+void DataParallel::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    b.buffer.zero_();
+    for (size_t i = 0; i < b.params.size(); ++i) adopt_grad(b, i);
+  }
+}
+
 void DataParallel::on_grad_ready(size_t bucket, size_t slot) {
   if (!sync_) return;
   if (!in_backward_) {
@@ -111,12 +134,7 @@ void DataParallel::on_grad_ready(size_t bucket, size_t slot) {
     stats_ = SyncStats{};
   }
   auto& b = buckets_[bucket];
-  const auto& grad = b.params[slot].grad();
-  // The gradient accumulated over all micro-batches: copy it into the bucket.
-  if (grad.defined())
-    b.grad_view(slot).copy_(grad);
-  else
-    b.grad_view(slot).zero_();
+  adopt_grad(b, slot);
   LOOM_CHECK(b.pending > 0,
              "DataParallel: gradient of '{}' became ready twice in one backward; call "
              "finish_gradient_sync() after each synchronizing backward",
@@ -129,6 +147,7 @@ void DataParallel::launch_ready_buckets() {
   torch::NoGradGuard no_grad;
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     auto& b = buckets_[next_to_launch_];
+    if (next_to_launch_ == 0) first_launch_ = std::chrono::steady_clock::now();
     b.work = hook_->start(b, *comm_);
     stats_.bytes_sent += hook_->bytes_per_element(b) * static_cast<double>(b.numel());
     ++stats_.buckets_launched_in_backward;
@@ -141,15 +160,14 @@ void DataParallel::finish_gradient_sync() {
   torch::NoGradGuard no_grad;
   if (!in_backward_) stats_ = SyncStats{};
   const auto launched_in_backward = stats_.buckets_launched_in_backward;
+  if (launched_in_backward > 0)
+    stats_.overlap_window_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - first_launch_).count();
   // Parameters that got no gradient in this backward: they count as zeros on this rank.
   for (size_t k = next_to_launch_; k < buckets_.size(); ++k) {
     auto& b = buckets_[k];
     if (b.pending == 0) continue;
-    for (size_t i = 0; i < b.params.size(); ++i)
-      if (!b.params[i].grad().defined()) b.grad_view(i).zero_();
-    // Those with a gradient but no hook call (backward never reached them): copy what is there.
-    for (size_t i = 0; i < b.params.size(); ++i)
-      if (b.params[i].grad().defined()) b.grad_view(i).copy_(b.params[i].grad());
+    for (size_t i = 0; i < b.params.size(); ++i) adopt_grad(b, i);
     b.pending = 0;
   }
   launch_ready_buckets();
@@ -159,14 +177,7 @@ void DataParallel::finish_gradient_sync() {
     b.work->wait();
     stats_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    hook_->finish(b, *comm_);
-    for (size_t i = 0; i < b.params.size(); ++i) {
-      auto& p = b.params[i];
-      if (p.grad().defined())
-        p.mutable_grad().copy_(b.grad_view(i));
-      else
-        p.mutable_grad() = b.grad_view(i).clone();
-    }
+    hook_->finish(b, *comm_);  // the gradients are views of the buffer: nothing to copy back
   }
   reset_backward_state();
 }

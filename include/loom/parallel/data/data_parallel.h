@@ -9,6 +9,8 @@
 //   dp.broadcast_parameters();                 // replicas start equal
 //   for micro-batch k: dp.set_sync(k == last); loss.backward();
 //   dp.finish_gradient_sync();                 // .grad now holds the dp-average
+//   optimizer step; dp.zero_grad();
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
@@ -34,6 +36,9 @@ struct SyncStats {
   int64_t buckets_launched_in_backward = 0;  // started while backward was still running
   double bytes_sent = 0;                     // handed to the communicator, summed over buckets
   double wait_seconds = 0;                   // finish_gradient_sync blocked on communication
+  // From the first bucket's launch to the end of backward (finish_gradient_sync's start): the
+  // window in which communication ran alongside backward.
+  double overlap_window_seconds = 0;
 };
 
 class DataParallel {
@@ -57,6 +62,11 @@ class DataParallel {
   // averaged gradients into each parameter's .grad. A no-op when sync is off.
   void finish_gradient_sync();
 
+  // Zeros every gradient in place. The parameters' .grad are views of the bucket buffers (so
+  // backward accumulates straight into them and nothing is copied); prefer this to resetting
+  // .grad, after which the next backward's gradients are copied into the buckets once more.
+  void zero_grad();
+
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   const dist::Communicator& comm() const { return *comm_; }
   const CommHook& hook() const { return *hook_; }
@@ -64,6 +74,8 @@ class DataParallel {
 
  private:
   void on_grad_ready(size_t bucket, size_t slot);
+  // Makes parameter `slot`'s .grad the bucket's view of it, keeping (copying) its value.
+  void adopt_grad(GradBucket& b, size_t slot);
   void launch_ready_buckets();
   void reset_backward_state();
 
@@ -72,6 +84,7 @@ class DataParallel {
   std::vector<GradBucket> buckets_;
   // The gradient accumulators we hooked, and the keys to unhook them.
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::chrono::steady_clock::time_point first_launch_{};
   size_t next_to_launch_ = 0;  // buckets launch strictly in order: every rank the same
   bool in_backward_ = false;
   bool sync_ = true;
