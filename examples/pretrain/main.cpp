@@ -1,5 +1,6 @@
 // loom-pretrain: pretrain a GPT-2 or Llama model on token files, in one process or as many
 // data-parallel ranks as `mpirun -np N` starts.
+#include <memory>
 #include <optional>
 
 #include "../common/app_main.h"
@@ -85,14 +86,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")
       ->capture_default_str();
-  // Outlives run_app's error handling, which aborts the whole job when one rank fails.
+  // Both outlive run_app's error handling, which aborts the whole job when one rank fails:
+  // destroying the trainer first could wait for collectives the other ranks never issue.
   std::optional<loom::dist::Runtime> runtime;
+  std::unique_ptr<loom::train::Trainer> trainer;
   return loom::apps::run_app(app, argc, argv, [&] {
     runtime.emplace(loom::dist::RuntimeOptions{loom::dist::Seconds(comm_timeout), threads});
     // Rank 0 tells the story; the others only warn.
     const bool quiet = runtime->rank() != 0 && log_level != "error" && log_level != "off";
     loom::core::setup_logging(quiet ? "warn" : log_level);
-    loom::train::Trainer trainer(c, runtime->mesh({.dp = c.dp}));
-    trainer.fit();
+    trainer = std::make_unique<loom::train::Trainer>(c, runtime->mesh({.dp = c.dp}));
+    trainer->fit();
   });
 }

@@ -113,6 +113,7 @@ Communicator::Call Communicator::make_call(OpKind kind, const at::Tensor& shape_
   c.info.world_rank = p.world_rank;
   c.info.local_rank = p.local_rank;
   c.info.timeout = timeout_;
+  c.debug = debug_;
   auto& f = c.info.call;
   f.kind = static_cast<int64_t>(kind);
   f.seq = kind == OpKind::Send || kind == OpKind::Recv ? p2p_seq_++ : seq_++;
@@ -124,6 +125,13 @@ Communicator::Call Communicator::make_call(OpKind kind, const at::Tensor& shape_
       f.dims[static_cast<size_t>(d)] = shape_of.size(d);
   }
   return c;
+}
+
+std::shared_ptr<HostWork> Communicator::start_watched(OpKind kind) {
+  auto work = std::make_shared<HostWork>(make_call(kind, at::Tensor()).info);
+  work->mark_started();
+  Watchdog::instance().track(work);
+  return work;
 }
 
 WorkPtr Communicator::issue(Call call) {

@@ -37,7 +37,8 @@ WorkPtr LocalCommunicator::launch(Call call) {
         break;
       case OpKind::Send:
       case OpKind::Recv:
-        fail("internal: point-to-point on a one-rank group passed validation");
+      case OpKind::Split:
+        fail("internal: {} is not an op of the local communicator", to_string(call.kind));
     }
     work->complete();
   } catch (...) {

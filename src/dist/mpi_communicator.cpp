@@ -82,6 +82,7 @@ int mpi_count(int64_t n, const OpInfo& info) {
 }
 
 void divide_for_avg(const at::Tensor& t, int size) {
+  at::NoGradGuard no_grad;  // grad mode is per thread: this may run on the worker
   if (at::isFloatingType(t.scalar_type()))
     t.div_(size);
   else
@@ -203,7 +204,9 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key, const s
     --idle_waiters_;
     busy_ = true;
   }
+  auto watched = start_watched(OpKind::Split);
   const int rc = MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out);
+  watched->complete();
   finish_inline();
   check_mpi(rc, "MPI_Comm_split");
   if (out == MPI_COMM_NULL) return nullptr;
@@ -274,7 +277,7 @@ void MpiCommunicator::worker_loop() {
 void MpiCommunicator::execute(Task& task) {
   task.work->mark_started();
   try {
-    if (debug()) {
+    if (task.call.debug) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
       check_mpi(MPI_Allgather(&task.call.info.call, sizeof(OpFingerprint), MPI_BYTE, all.data(),
                               sizeof(OpFingerprint), MPI_BYTE, comm_),
@@ -282,6 +285,8 @@ void MpiCommunicator::execute(Task& task) {
       if (auto mismatch = find_mismatch(all, task.call.info)) throw Error(*mismatch);
     }
     run(task.call);
+    // MPI wrote through a raw pointer: tell autograd the tensor changed.
+    if (task.call.output.defined()) task.call.output.unsafeGetTensorImpl()->bump_version();
     task.call = Call{};  // release the tensors before anyone is woken
     task.work->complete();
   } catch (...) {
@@ -313,7 +318,6 @@ void MpiCommunicator::run(Call& c) {
     case OpKind::AllGather: {
       const auto type = mpi_type(c.input.scalar_type());
       const int n = mpi_count(c.input.numel(), info);
-      mpi_count(c.output.numel(), info);
       check_mpi(MPI_Allgather(c.input.data_ptr(), n, type, c.output.data_ptr(), n, type, comm_),
                 "MPI_Allgather");
       break;
@@ -337,7 +341,8 @@ void MpiCommunicator::run(Call& c) {
       break;
     case OpKind::Send:
     case OpKind::Recv:
-      fail("internal: point-to-point ops do not go through the queue");
+    case OpKind::Split:
+      fail("internal: {} does not go through the queue", to_string(c.kind));
   }
 }
 

@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <memory>
 #include <thread>
 #endif
 
@@ -74,36 +76,54 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// The NCCL communicator handle, shared by the communicator and its works: a work the watchdog
+// still holds may outlive the communicator.
+struct NcclHandle {
+  ncclComm_t comm = nullptr;
+  ~NcclHandle() {
+    if (comm != nullptr) ncclCommDestroy(comm);
+  }
+};
+
 // Completes when the event recorded after the op on the communication stream has fired.
 class CudaWork : public Work {
  public:
-  CudaWork(OpInfo info, cudaEvent_t done, int device, ncclComm_t comm)
-      : Work(std::move(info)), done_(done), device_(device), comm_(comm) {
+  // host_sync: wait() blocks the host too (a barrier), not only the caller's stream.
+  CudaWork(OpInfo info, cudaEvent_t done, int device, std::shared_ptr<NcclHandle> comm,
+           bool host_sync)
+      : Work(std::move(info)),
+        done_(done),
+        device_(device),
+        comm_(std::move(comm)),
+        host_sync_(host_sync) {
     mark_started();
   }
   ~CudaWork() override { cudaEventDestroy(done_); }
+  bool has_fatal_error() const override { return fatal_.load(); }
 
  protected:
   bool test() override {
-    ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &async);
-    if (async != ncclSuccess) {
-      record_error(
-          fmt::format("{}: NCCL reported {}", info().describe(), ncclGetErrorString(async)));
+    const auto e = cudaEventQuery(done_);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      record_error(fmt::format("{}: {}", info().describe(), cudaGetErrorString(e)));
       return true;
     }
-    const auto e = cudaEventQuery(done_);
-    if (e == cudaErrorNotReady) return false;
-    if (e != cudaSuccess)
-      record_error(fmt::format("{}: {}", info().describe(), cudaGetErrorString(e)));
+    // Still running: has the communicator failed (a peer died, a network error)?
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_->comm, &async);
+    if (async == ncclSuccess || async == ncclInProgress) return false;
+    record_error(fmt::format("{}: NCCL reported {}", info().describe(), ncclGetErrorString(async)));
     return true;
   }
   bool wait_until(std::optional<Clock::time_point> deadline) override {
-    if (deadline) {
+    if (deadline || host_sync_) {
       while (!test()) {
-        if (Clock::now() >= *deadline) return false;
+        if (deadline && Clock::now() >= *deadline) return false;
         std::this_thread::yield();
       }
+    } else if (test() && error()) {
+      return true;  // failed already: wait() rethrows
     }
     // Stream-ordered wait: the caller's stream runs on only after the op.
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -120,10 +140,13 @@ class CudaWork : public Work {
   void record_error(const std::string& message) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!error_) error_ = std::make_exception_ptr(Error(message));
+    fatal_ = true;  // a failed NCCL op leaves the communicator unusable
   }
   cudaEvent_t done_;
   int device_;
-  ncclComm_t comm_;
+  std::shared_ptr<NcclHandle> comm_;
+  bool host_sync_;
+  std::atomic<bool> fatal_{false};
   mutable std::mutex mutex_;
   std::exception_ptr error_;
 };
@@ -146,13 +169,12 @@ class NcclCommunicator : public Communicator {
     if (rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     auto id_bytes = at::from_blob(&id, {static_cast<int64_t>(sizeof(id))}, at::kByte);
     bootstrap_->broadcast(id_bytes, 0);
-    check_nccl(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank");
+    check_nccl(ncclCommInitRank(&handle_->comm, size(), id, rank()), "ncclCommInitRank");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   ~NcclCommunicator() override {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     cudaStreamSynchronize(stream_);
-    ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
   }
 
@@ -172,7 +194,7 @@ class NcclCommunicator : public Communicator {
   }
 
   WorkPtr launch(Call c) override {
-    if (debug() && c.kind != OpKind::Send && c.kind != OpKind::Recv) {
+    if (c.debug && c.kind != OpKind::Send && c.kind != OpKind::Recv) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
       auto mine =
           at::from_blob(&c.info.call, {static_cast<int64_t>(sizeof(OpFingerprint))}, at::kByte);
@@ -193,24 +215,25 @@ class NcclCommunicator : public Communicator {
     auto& in = c.input;
     switch (c.kind) {
       case OpKind::AllReduce:
-        check_nccl(ncclAllReduce(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                                 nccl_type(out.scalar_type()), nccl_op(c.reduce), comm_, stream_),
-                   "ncclAllReduce");
+        check_nccl(
+            ncclAllReduce(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                          nccl_type(out.scalar_type()), nccl_op(c.reduce), handle_->comm, stream_),
+            "ncclAllReduce");
         break;
       case OpKind::ReduceScatter:
-        check_nccl(
-            ncclReduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                              nccl_type(out.scalar_type()), nccl_op(c.reduce), comm_, stream_),
-            "ncclReduceScatter");
+        check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(),
+                                     static_cast<size_t>(out.numel()), nccl_type(out.scalar_type()),
+                                     nccl_op(c.reduce), handle_->comm, stream_),
+                   "ncclReduceScatter");
         break;
       case OpKind::AllGather:
         check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
-                                 nccl_type(in.scalar_type()), comm_, stream_),
+                                 nccl_type(in.scalar_type()), handle_->comm, stream_),
                    "ncclAllGather");
         break;
       case OpKind::Broadcast:
         check_nccl(ncclBroadcast(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                                 nccl_type(out.scalar_type()), c.peer, comm_, stream_),
+                                 nccl_type(out.scalar_type()), c.peer, handle_->comm, stream_),
                    "ncclBroadcast");
         break;
       case OpKind::AllToAll: {
@@ -220,34 +243,36 @@ class NcclCommunicator : public Communicator {
         check_nccl(ncclGroupStart(), "ncclGroupStart");
         for (int r = 0; r < size(); ++r) {
           const auto offset = static_cast<size_t>(r) * bytes;
-          check_nccl(
-              ncclSend(static_cast<char*>(in.data_ptr()) + offset, chunk, type, r, comm_, stream_),
-              "ncclSend");
-          check_nccl(
-              ncclRecv(static_cast<char*>(out.data_ptr()) + offset, chunk, type, r, comm_, stream_),
-              "ncclRecv");
+          check_nccl(ncclSend(static_cast<char*>(in.data_ptr()) + offset, chunk, type, r,
+                              handle_->comm, stream_),
+                     "ncclSend");
+          check_nccl(ncclRecv(static_cast<char*>(out.data_ptr()) + offset, chunk, type, r,
+                              handle_->comm, stream_),
+                     "ncclRecv");
         }
         check_nccl(ncclGroupEnd(), "ncclGroupEnd");
         break;
       }
       case OpKind::Barrier: {
         auto one = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
-        check_nccl(
-            ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclInt32, ncclSum, comm_, stream_),
-            "ncclAllReduce (barrier)");
+        check_nccl(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclInt32, ncclSum,
+                                 handle_->comm, stream_),
+                   "ncclAllReduce (barrier)");
         out = one;
         break;
       }
       case OpKind::Send:  // NCCL has no tags: messages to one peer arrive in issue order
         check_nccl(ncclSend(in.data_ptr(), static_cast<size_t>(in.numel()),
-                            nccl_type(in.scalar_type()), c.peer, comm_, stream_),
+                            nccl_type(in.scalar_type()), c.peer, handle_->comm, stream_),
                    "ncclSend");
         break;
       case OpKind::Recv:
         check_nccl(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()),
-                            nccl_type(out.scalar_type()), c.peer, comm_, stream_),
+                            nccl_type(out.scalar_type()), c.peer, handle_->comm, stream_),
                    "ncclRecv");
         break;
+      case OpKind::Split:
+        fail("internal: split does not go through launch()");
     }
     const c10::cuda::CUDAStream comm_stream =
         c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_));
@@ -256,13 +281,13 @@ class NcclCommunicator : public Communicator {
         c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), comm_stream);
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     check_cuda(cudaEventRecord(done, stream_), "cudaEventRecord");
-    return std::make_shared<CudaWork>(c.info, done, device_, comm_);
+    return std::make_shared<CudaWork>(c.info, done, device_, handle_, c.kind == OpKind::Barrier);
   }
 
  private:
   CommunicatorPtr bootstrap_;
   int device_;
-  ncclComm_t comm_ = nullptr;
+  std::shared_ptr<NcclHandle> handle_ = std::make_shared<NcclHandle>();
   cudaStream_t stream_ = nullptr;
 };
 

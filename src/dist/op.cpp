@@ -38,6 +38,8 @@ std::string to_string(OpKind kind) {
       return "send";
     case OpKind::Recv:
       return "recv";
+    case OpKind::Split:
+      return "split";
   }
   return "?";
 }

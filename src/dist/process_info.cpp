@@ -12,7 +12,7 @@ ProcessInfo g_info;
 std::atomic<double> g_timeout_s{300.0};
 }  // namespace
 
-const ProcessInfo& process_info() {
+ProcessInfo process_info() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_info;
 }

@@ -82,6 +82,16 @@ void Watchdog::run() {
     cv_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stopping_; });
     if (stopping_) break;
     const auto now = Clock::now();
+    for (const auto& w : works_) {
+      if (!w->is_completed() || !w->has_fatal_error()) continue;
+      const auto message = fmt::format(
+          "loom watchdog: {} failed and left its communicator unusable: {}; aborting the job",
+          w->info().describe(), w->failure().value_or("?"));
+      auto handler = handler_;
+      lock.unlock();
+      if (handler) handler(message);
+      default_abort(message);
+    }
     std::erase_if(works_, [](const WorkPtr& w) { return w->is_completed(); });
     for (const auto& w : works_) {
       const auto started = w->started_at();

@@ -17,6 +17,18 @@ void Work::wait(std::optional<Seconds> timeout) {
   if (auto e = error()) std::rethrow_exception(e);
 }
 
+std::optional<std::string> Work::failure() const {
+  const auto e = error();
+  if (!e) return std::nullopt;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return std::string(ex.what());
+  } catch (...) {
+    return std::string("unknown error");
+  }
+}
+
 std::optional<Clock::time_point> Work::started_at() const {
   const int64_t ns = started_ns_.load(std::memory_order_acquire);
   if (ns < 0) return std::nullopt;

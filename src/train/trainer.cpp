@@ -24,6 +24,11 @@ using nlohmann::json;
 
 namespace {
 
+// The checkpoint entry holding data-parallel rank r's dropout generator.
+std::string rng_key(int64_t dp_rank) {
+  return dp_rank == 0 ? "rng.cpu" : fmt::format("rng.cpu.dp{}", dp_rank);
+}
+
 std::string format_duration(double seconds) {
   const auto s = static_cast<int64_t>(seconds + 0.5);
   if (s >= 3600) return fmt::format("{}h{:02d}m", s / 3600, (s % 3600) / 60);
@@ -90,6 +95,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
              "--batch-size {} cannot be split evenly: dp {} x --grad-accum {} = {} must divide "
              "it (the batch size is the global batch, whatever the layout)",
              config_.batch_size, dp_size(), config_.grad_accum, dp_size() * config_.grad_accum);
+  config_.dp = dp_size();  // checkpoints record the layout that was actually used
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
 
@@ -105,8 +111,18 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   if (!config_.resume.empty()) {
     resume = load_checkpoint(config_.resume);
     model_config = models::ModelConfig::from_json(resume->state.value("model_config", json()));
-    config_.check_resumable_from(
-        TrainConfig::from_json(resume->state.value("train_config", json())));
+    const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
+    config_.check_resumable_from(saved);
+    // The layout may change on resume: the same training continues, equal up to float rounding
+    // (sums over the batch are taken in another order), not bit for bit.
+    if (saved.dp != 0 && saved.dp != dp_size())
+      spdlog::warn(
+          "resuming at dp {} a run checkpointed at dp {}: it continues the same training up to "
+          "float rounding, not bit for bit",
+          dp_size(), saved.dp);
+    if (saved.comm_hook != config_.comm_hook)
+      spdlog::warn("resuming with --comm-hook {} a run trained with {}", config_.comm_hook,
+                   saved.comm_hook);
     const auto saved_tokens = resume->state.value("data_tokens", int64_t{-1});
     LOOM_CHECK(saved_tokens == train_shard_->size(),
                "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
@@ -165,19 +181,32 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   if (!resume) {
     // Dropout draws from the process-wide CPU generator: seed it, so that two runs with the
     // same flags are the same run (a resume restores its saved state instead).
+    // Data-parallel ranks draw different masks for their different samples.
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_current_seed(core::mix_seed({config_.seed, core::stable_hash("dropout")}));
+    gen.set_current_seed(dp_size() > 1
+                             ? core::mix_seed({config_.seed, core::stable_hash("dropout"),
+                                               static_cast<uint64_t>(dp_rank())})
+                             : core::mix_seed({config_.seed, core::stable_hash("dropout")}));
   } else {
     models::load_parameters(*model_, resume->model, resume->dir.string());
     optimizer_->load_state(resume->optimizer);
-    auto rng = resume->optimizer.find("rng.cpu");
-    LOOM_CHECK(rng != resume->optimizer.end(), "checkpoint '{}' has no RNG state",
-               resume->dir.string());
+    step_ = resume->step;
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng->second);
-    step_ = resume->step;
+    auto rng = resume->optimizer.find(rng_key(dp_rank()));
+    if (rng != resume->optimizer.end()) {
+      gen.set_state(rng->second);
+    } else {
+      LOOM_CHECK(dp_rank() > 0, "checkpoint '{}' has no RNG state", resume->dir.string());
+      // Resuming at more data-parallel ranks than the checkpoint was written with: this rank
+      // had no generator then. Dropout masks differ from any earlier run from here on.
+      spdlog::warn("checkpoint '{}' has no RNG state for dp rank {}; seeding it afresh",
+                   resume->dir.string(), dp_rank());
+      gen.set_current_seed(
+          core::mix_seed({config_.seed, core::stable_hash("dropout"),
+                          static_cast<uint64_t>(dp_rank()), static_cast<uint64_t>(step_)}));
+    }
     elapsed_before_ = resume->state.value("elapsed_s", 0.0);
     LOOM_CHECK(step_ <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",
                resume->dir.string(), step_, config_.steps);
@@ -294,29 +323,52 @@ double Trainer::evaluate(int64_t batches) {
 
 fs::path Trainer::save_checkpoint() {
   LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
-  // Data-parallel replicas hold the same state: rank 0 writes it, the others wait for it.
-  if (!is_rank0()) {
-    mesh_->world().barrier();
-    return checkpoint_dir(config_.save_dir, step_);
-  }
-  auto opt_state = optimizer_->state();
+  // Data-parallel replicas hold the same state, except each rank's dropout generator: those
+  // are gathered, then rank 0 writes everything while the others wait for the outcome.
+  core::NamedTensors rng_states;
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    opt_state.emplace_back("rng.cpu", gen.get_state());
+    rng_states.emplace_back(rng_key(0), gen.get_state());
   }
-  json state = {{"model_config", model_->config().to_json()},
-                {"train_config", config_.to_json()},
-                {"data_tokens", train_shard_->size()},
-                {"elapsed_s", elapsed_s()},
-                {"tokenizer", tokenizer_->kind()}};
-  std::vector<fs::path> extras;
-  for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
-    extras.push_back(tokenizer_dir_ / f);
-  auto dir = train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state,
-                                    state, extras);
-  spdlog::info("saved checkpoint {}", dir.string());
-  mesh_->world().barrier();
+  if (dp_size() > 1) {
+    const auto mine = rng_states.front().second.contiguous();
+    auto all = at::empty({dp_size(), mine.numel()}, mine.options());
+    mesh_->comm(dist::Dim::dp).all_gather(all, mine);
+    for (int64_t r = 1; r < dp_size(); ++r) rng_states.emplace_back(rng_key(r), all[r].clone());
+  }
+  const auto dir = checkpoint_dir(config_.save_dir, step_);
+  std::exception_ptr failure;
+  if (is_rank0()) {
+    try {
+      auto opt_state = optimizer_->state();
+      for (auto& kv : rng_states) opt_state.push_back(std::move(kv));
+      json state = {{"model_config", model_->config().to_json()},
+                    {"train_config", config_.to_json()},
+                    {"data_tokens", train_shard_->size()},
+                    {"elapsed_s", elapsed_s()},
+                    {"tokenizer", tokenizer_->kind()}};
+      std::vector<fs::path> extras;
+      for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
+        extras.push_back(tokenizer_dir_ / f);
+      train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state, state,
+                             extras);
+      spdlog::info("saved checkpoint {}", dir.string());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  if (mesh_->world_size() > 1) {
+    // However long the write takes, the others wait for it (not the watchdog's limit), and they
+    // learn whether it failed rather than hanging in the next collective.
+    auto outcome = at::full({1}, failure ? 1 : 0, at::kInt);
+    dist::ScopedTimeout patient(mesh_->world(), dist::Seconds(24 * 3600.0));
+    mesh_->world().broadcast(outcome, 0);
+    LOOM_CHECK(is_rank0() || outcome.item<int>() == 0,
+               "rank 0 failed to write checkpoint step {} into '{}' (its error says why)", step_,
+               config_.save_dir);
+  }
+  if (failure) std::rethrow_exception(failure);
   return dir;
 }
 

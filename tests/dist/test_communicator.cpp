@@ -269,8 +269,10 @@ TEST(Nccl, CollectivesOnTheGpu) {
   if (torch::cuda::device_count() == 0)
     GTEST_SKIP() << "no CUDA device on this machine: the NCCL test runs where a GPU exists";
   auto& w = world();
-  const int device =
-      loom::testing::runtime().local_rank() % static_cast<int>(torch::cuda::device_count());
+  if (loom::testing::runtime().local_size() > static_cast<int>(torch::cuda::device_count()))
+    GTEST_SKIP() << "NCCL needs a GPU per rank: " << loom::testing::runtime().local_size()
+                 << " ranks on this node, " << torch::cuda::device_count() << " GPUs";
+  const int device = loom::testing::runtime().local_rank();
   auto nccl = dist::make_nccl_communicator(loom::testing::runtime().world(), device, "nccl");
   const auto cuda = at::TensorOptions().device(at::kCUDA, device);
   for (auto dtype : kDtypes)

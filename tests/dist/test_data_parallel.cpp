@@ -269,7 +269,7 @@ TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(GradAccum, TrainerDp, ::testing::Values(1, 2));
 
-TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeIsExact) {
+TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact) {
   loom::testing::SharedTempDir dir;
   if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 60000, 4000);
   world().barrier();
@@ -278,6 +278,7 @@ TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeIsExact) {
   config.metrics_out = (dir / "metrics.jsonl").string();
   config.save_dir = (dir / "ckpt").string();
   config.save_every = 2;
+  config.dropout = 0.1;  // each rank's dropout generator must be saved and restored too
   RunResult full;
   {
     train::Trainer t(config, mesh);

@@ -1,5 +1,5 @@
 // The mesh: validation before any collective, rank layout (tp innermost, then dp, then pp), and
-// the communicator of each dimension. Plus the watchdog case that dist_failure_test.sh runs.
+// the communicator of each dimension. Plus the watchdog case that dist_dist_cli_test.sh runs.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

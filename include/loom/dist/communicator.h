@@ -60,6 +60,9 @@ class Communicator {
   WorkPtr send_async(const at::Tensor& tensor, int dst, int tag = 0);
   WorkPtr recv_async(const at::Tensor& tensor, int src, int tag = 0);
 
+  // Ops on one communicator must be issued from one thread at a time, in the same order on
+  // every rank (the order is what matches them up across ranks).
+  //
   // Blocking forms: the async op, then wait(). A blocking op on an idle communicator may run
   // on the calling thread (no hand-off to a communication thread).
   void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
@@ -88,15 +91,19 @@ class Communicator {
     ReduceOp reduce = ReduceOp::Sum;
     int peer = -1;  // broadcast root, send destination, recv source
     int tag = 0;
-    at::Tensor output;  // written (all_reduce/broadcast: in place; recv: the buffer)
-    at::Tensor input;   // read (contiguous); undefined for in-place ops and barrier
-    OpInfo info;        // info.call: the fingerprint the debug check compares
+    at::Tensor output;   // written (all_reduce/broadcast: in place; recv: the buffer)
+    at::Tensor input;    // read (contiguous); undefined for in-place ops and barrier
+    OpInfo info;         // info.call: the fingerprint the debug check compares
+    bool debug = false;  // debug mode as it was when the op was issued
   };
   virtual WorkPtr launch(Call call) = 0;
   // Whether the backend takes tensors on this device; else the message says why not.
   virtual std::optional<std::string> check_device(const at::Tensor& t) const = 0;
   // True while a blocking form is waiting for the op it launches (backends may run it inline).
   static bool caller_will_wait();
+  // For collectives a backend runs outside launch() (split): numbered, started and watched by
+  // the watchdog; the backend completes it.
+  std::shared_ptr<HostWork> start_watched(OpKind kind);
 
  private:
   WorkPtr issue(Call call);
@@ -113,5 +120,21 @@ class Communicator {
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// Gives the ops issued on `comm` during its lifetime another watchdog limit: for a wait whose
+// length is legitimately unbounded (the other ranks waiting while rank 0 writes a checkpoint).
+class ScopedTimeout {
+ public:
+  ScopedTimeout(Communicator& comm, Seconds timeout) : comm_(comm), saved_(comm.timeout()) {
+    comm_.set_timeout(timeout);
+  }
+  ~ScopedTimeout() { comm_.set_timeout(saved_); }
+  ScopedTimeout(const ScopedTimeout&) = delete;
+  ScopedTimeout& operator=(const ScopedTimeout&) = delete;
+
+ private:
+  Communicator& comm_;
+  Seconds saved_;
+};
 
 }  // namespace loom::dist

@@ -23,7 +23,8 @@ enum class OpKind : int64_t {
   AllToAll,
   Barrier,
   Send,
-  Recv
+  Recv,
+  Split  // creating a sub-communicator: collective, watched like the others
 };
 std::string to_string(OpKind kind);
 

@@ -16,7 +16,7 @@ struct ProcessInfo {
   std::string host = "localhost";
 };
 
-const ProcessInfo& process_info();
+ProcessInfo process_info();  // a copy: Runtime may set it from another thread
 void set_process_info(ProcessInfo info);
 
 // The watchdog limit new communicators start with (300 s unless set).

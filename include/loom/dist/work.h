@@ -31,6 +31,12 @@ class Work {
   // True once the operation has finished (successfully or not). Never blocks.
   bool is_completed() { return test(); }
 
+  // The message of the failure the op ended with; nullopt while running or after success.
+  std::optional<std::string> failure() const;
+  // A failure that leaves the communicator unusable (NCCL's asynchronous errors): the watchdog
+  // aborts the job on it even if nobody waits for this op.
+  virtual bool has_fatal_error() const { return false; }
+
   const OpInfo& info() const { return info_; }
   // When the operation began to execute (queued work has not); the watchdog counts from here.
   std::optional<Clock::time_point> started_at() const;

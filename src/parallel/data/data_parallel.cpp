@@ -10,6 +10,8 @@
 
 #include "loom/core/error.h"
 
+#include <spdlog/spdlog.h>
+
 namespace loom::parallel::data {
 
 namespace {
@@ -73,15 +75,10 @@ DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
 }
 
 DataParallel::~DataParallel() {
+  // Reductions still in flight keep their buffers alive (the communicator holds the tensors),
+  // so there is nothing to wait for here; waiting could hang a rank that is unwinding an error
+  // while its peers never issue the matching collective.
   for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
-  // Work still in flight references the buffers: let it finish.
-  for (auto& b : buckets_)
-    if (b.work) {
-      try {
-        b.work->wait();
-      } catch (...) {
-      }
-    }
 }
 
 void DataParallel::reset_backward_state() {
@@ -167,6 +164,15 @@ void DataParallel::finish_gradient_sync() {
   for (size_t k = next_to_launch_; k < buckets_.size(); ++k) {
     auto& b = buckets_[k];
     if (b.pending == 0) continue;
+    if (!warned_late_launch_) {
+      warned_late_launch_ = true;
+      spdlog::warn(
+          "DataParallel: bucket {} (holding '{}', ...) was incomplete when backward ended: some "
+          "parameter got no gradient. Such gradients count as zeros (so the optimizer still "
+          "updates those parameters, unlike without data parallelism), and buckets from {} on "
+          "start only after backward, without overlap",
+          k, b.names.front(), k);
+    }
     for (size_t i = 0; i < b.params.size(); ++i) adopt_grad(b, i);
     b.pending = 0;
   }

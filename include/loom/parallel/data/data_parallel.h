@@ -58,8 +58,8 @@ class DataParallel {
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
   // After the synchronizing backward: launches any bucket backward did not complete (a
-  // parameter without a gradient counts as zeros), waits for all of them, and writes the
-  // averaged gradients into each parameter's .grad. A no-op when sync is off.
+  // parameter without a gradient counts as zeros), waits for all of them, and leaves the
+  // dp-average in every .grad (views of the reduced buffers). A no-op when sync is off.
   void finish_gradient_sync();
 
   // Zeros every gradient in place. The parameters' .grad are views of the bucket buffers (so
@@ -87,6 +87,7 @@ class DataParallel {
   std::chrono::steady_clock::time_point first_launch_{};
   size_t next_to_launch_ = 0;  // buckets launch strictly in order: every rank the same
   bool in_backward_ = false;
+  bool warned_late_launch_ = false;
   bool sync_ = true;
   SyncStats stats_;
 };
