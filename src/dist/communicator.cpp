@@ -68,7 +68,11 @@ Communicator::Communicator(std::string name, int rank, int size)
       rank_(rank),
       size_(size),
       timeout_(default_timeout()),
-      debug_(debug_from_env()) {}
+      debug_(debug_from_env()) {
+  const auto p = process_info();
+  world_rank_ = p.world_rank;
+  local_rank_ = p.local_rank;
+}
 
 void Communicator::set_timeout(Seconds timeout) {
   LOOM_CHECK(timeout.count() > 0, "communication timeout must be positive; got {} s",
@@ -106,12 +110,11 @@ void Communicator::check_peer(const char* op, const char* what, int peer, bool a
 Communicator::Call Communicator::make_call(OpKind kind, const at::Tensor& shape_of) {
   Call c;
   c.kind = kind;
-  const auto& p = process_info();
   c.info.group = name_;
   c.info.group_rank = rank_;
   c.info.group_size = size_;
-  c.info.world_rank = p.world_rank;
-  c.info.local_rank = p.local_rank;
+  c.info.world_rank = world_rank_;
+  c.info.local_rank = local_rank_;
   c.info.timeout = timeout_;
   c.debug = debug_;
   auto& f = c.info.call;

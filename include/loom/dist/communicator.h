@@ -113,6 +113,7 @@ class Communicator {
 
   std::string name_;
   int rank_, size_;
+  int world_rank_ = 0, local_rank_ = 0;  // for messages
   Seconds timeout_;
   bool debug_;
   int64_t seq_ = 0;      // collectives issued
