@@ -286,7 +286,8 @@ void MpiCommunicator::execute(Task& task) {
     }
     run(task.call);
     // MPI wrote through a raw pointer: tell autograd the tensor changed.
-    if (task.call.output.defined()) task.call.output.unsafeGetTensorImpl()->bump_version();
+    if (task.call.output.defined() && !task.call.output.is_inference())
+      task.call.output.unsafeGetTensorImpl()->bump_version();
     task.call = Call{};  // release the tensors before anyone is woken
     task.work->complete();
   } catch (...) {
