@@ -328,3 +328,23 @@ TEST(BatchShard, SharesAreContiguousAndCoverTheBatch) {
   EXPECT_TRUE(contains(error_of([] { loom::data::shard_batch(10, 0, 4); }),
                        "cannot be split evenly across 4"));
 }
+
+TEST(TrainerDp, ACheckpointRank0CannotWriteFailsOnEveryRank) {
+  loom::testing::SharedTempDir dir;
+  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 20000, 2000);
+  world().barrier();
+  auto config = dp_config(dir.path(), 1);
+  config.save_dir = (dir / "ckpt").string();
+  train::Trainer t(config, loom::testing::runtime().mesh({}));
+  // After the constructor's checks, the save directory turns into a file: rank 0's write fails.
+  if (world().rank() == 0) {
+    fs::remove_all(dir / "ckpt");
+    std::ofstream(dir / "ckpt") << "not a directory";
+  }
+  world().barrier();
+  const auto msg = error_of([&] { t.save_checkpoint(); });
+  if (world().rank() == 0)
+    EXPECT_TRUE(contains(msg, "cannot create directory")) << msg;
+  else
+    EXPECT_TRUE(contains(msg, "rank 0 failed to write checkpoint step 0")) << msg;
+}
