@@ -109,7 +109,6 @@ void Communicator::check_peer(const char* op, const char* what, int peer, bool a
 
 Communicator::Call Communicator::make_call(OpKind kind, const at::Tensor& shape_of) {
   Call c;
-  c.kind = kind;
   c.info.group = name_;
   c.info.group_rank = rank_;
   c.info.group_size = size_;
@@ -146,7 +145,6 @@ WorkPtr Communicator::issue(Call call) {
 WorkPtr Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   check_tensor("all_reduce", "reduced", tensor, true);
   auto c = make_call(OpKind::AllReduce, tensor);
-  c.reduce = op;
   c.info.call.reduce = static_cast<int64_t>(op);
   c.output = tensor;
   return issue(std::move(c));
@@ -164,7 +162,6 @@ WorkPtr Communicator::reduce_scatter_async(const at::Tensor& output, const at::T
              "elements",
              name_, describe_tensor(input), size_, output.numel());
   auto c = make_call(OpKind::ReduceScatter, input);
-  c.reduce = op;
   c.info.call.reduce = static_cast<int64_t>(op);
   c.output = output;
   c.input = input.contiguous();
@@ -190,7 +187,6 @@ WorkPtr Communicator::broadcast_async(const at::Tensor& tensor, int root) {
   check_tensor("broadcast", "broadcast", tensor, true);
   check_peer("broadcast", "root", root, true);
   auto c = make_call(OpKind::Broadcast, tensor);
-  c.peer = root;
   c.info.call.root = root;
   c.output = tensor;
   return issue(std::move(c));
@@ -218,8 +214,6 @@ WorkPtr Communicator::send_async(const at::Tensor& tensor, int dst, int tag) {
   check_tensor("send", "sent", tensor, false);
   check_peer("send", "destination", dst, false);
   auto c = make_call(OpKind::Send, tensor);
-  c.peer = dst;
-  c.tag = tag;
   c.info.call.root = dst;
   c.info.call.tag = tag;
   c.input = tensor.contiguous();
@@ -230,8 +224,6 @@ WorkPtr Communicator::recv_async(const at::Tensor& tensor, int src, int tag) {
   check_tensor("recv", "receive", tensor, true);
   check_peer("recv", "source", src, false);
   auto c = make_call(OpKind::Recv, tensor);
-  c.peer = src;
-  c.tag = tag;
   c.info.call.root = src;
   c.info.call.tag = tag;
   c.output = tensor;

@@ -24,7 +24,7 @@ WorkPtr LocalCommunicator::launch(Call call) {
   auto work = std::make_shared<HostWork>(call.info);
   work->mark_started();
   try {
-    switch (call.kind) {
+    switch (call.kind()) {
       case OpKind::ReduceScatter:
       case OpKind::AllGather:
       case OpKind::AllToAll:
@@ -38,7 +38,7 @@ WorkPtr LocalCommunicator::launch(Call call) {
       case OpKind::Send:
       case OpKind::Recv:
       case OpKind::Split:
-        fail("internal: {} is not an op of the local communicator", to_string(call.kind));
+        fail("internal: {} is not an op of the local communicator", to_string(call.kind()));
     }
     work->complete();
   } catch (...) {

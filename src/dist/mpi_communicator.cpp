@@ -217,16 +217,16 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key, const s
 }
 
 WorkPtr MpiCommunicator::launch(Call call) {
-  if (call.kind == OpKind::Send || call.kind == OpKind::Recv) {
+  if (call.kind() == OpKind::Send || call.kind() == OpKind::Recv) {
     MPI_Request request = MPI_REQUEST_NULL;
-    const auto& t = call.kind == OpKind::Send ? call.input : call.output;
+    const auto& t = call.kind() == OpKind::Send ? call.input : call.output;
     const int count = mpi_count(t.numel(), call.info);
-    if (call.kind == OpKind::Send)
-      check_mpi(MPI_Isend(t.data_ptr(), count, mpi_type(t.scalar_type()), call.peer, call.tag,
+    if (call.kind() == OpKind::Send)
+      check_mpi(MPI_Isend(t.data_ptr(), count, mpi_type(t.scalar_type()), call.peer(), call.tag(),
                           comm_, &request),
                 "MPI_Isend");
     else
-      check_mpi(MPI_Irecv(t.data_ptr(), count, mpi_type(t.scalar_type()), call.peer, call.tag,
+      check_mpi(MPI_Irecv(t.data_ptr(), count, mpi_type(t.scalar_type()), call.peer(), call.tag(),
                           comm_, &request),
                 "MPI_Irecv");
     return std::make_shared<RequestWork>(call.info, request, t);
@@ -298,22 +298,23 @@ void MpiCommunicator::execute(Task& task) {
 
 void MpiCommunicator::run(Call& c) {
   const auto& info = c.info;
-  switch (c.kind) {
+  switch (c.kind()) {
     case OpKind::AllReduce: {
       auto& t = c.output;
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), mpi_count(t.numel(), info),
-                              mpi_type(t.scalar_type()), mpi_op(c.reduce, t.scalar_type()), comm_),
-                "MPI_Allreduce");
-      if (c.reduce == ReduceOp::Avg) divide_for_avg(t, size());
+      check_mpi(
+          MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), mpi_count(t.numel(), info),
+                        mpi_type(t.scalar_type()), mpi_op(c.reduce(), t.scalar_type()), comm_),
+          "MPI_Allreduce");
+      if (c.reduce() == ReduceOp::Avg) divide_for_avg(t, size());
       break;
     }
     case OpKind::ReduceScatter: {
       auto& out = c.output;
       check_mpi(MPI_Reduce_scatter_block(c.input.data_ptr(), out.data_ptr(),
                                          mpi_count(out.numel(), info), mpi_type(out.scalar_type()),
-                                         mpi_op(c.reduce, out.scalar_type()), comm_),
+                                         mpi_op(c.reduce(), out.scalar_type()), comm_),
                 "MPI_Reduce_scatter_block");
-      if (c.reduce == ReduceOp::Avg) divide_for_avg(out, size());
+      if (c.reduce() == ReduceOp::Avg) divide_for_avg(out, size());
       break;
     }
     case OpKind::AllGather: {
@@ -326,7 +327,7 @@ void MpiCommunicator::run(Call& c) {
     case OpKind::Broadcast: {
       auto& t = c.output;
       check_mpi(MPI_Bcast(t.data_ptr(), mpi_count(t.numel(), info), mpi_type(t.scalar_type()),
-                          c.peer, comm_),
+                          c.peer(), comm_),
                 "MPI_Bcast");
       break;
     }
@@ -343,7 +344,7 @@ void MpiCommunicator::run(Call& c) {
     case OpKind::Send:
     case OpKind::Recv:
     case OpKind::Split:
-      fail("internal: {} does not go through the queue", to_string(c.kind));
+      fail("internal: {} does not go through the queue", to_string(c.kind()));
   }
 }
 

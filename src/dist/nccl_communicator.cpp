@@ -194,7 +194,7 @@ class NcclCommunicator : public Communicator {
   }
 
   WorkPtr launch(Call c) override {
-    if (c.debug && c.kind != OpKind::Send && c.kind != OpKind::Recv) {
+    if (c.debug && c.kind() != OpKind::Send && c.kind() != OpKind::Recv) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
       auto mine =
           at::from_blob(&c.info.call, {static_cast<int64_t>(sizeof(OpFingerprint))}, at::kByte);
@@ -213,17 +213,17 @@ class NcclCommunicator : public Communicator {
 
     auto& out = c.output;
     auto& in = c.input;
-    switch (c.kind) {
+    switch (c.kind()) {
       case OpKind::AllReduce:
-        check_nccl(
-            ncclAllReduce(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                          nccl_type(out.scalar_type()), nccl_op(c.reduce), handle_->comm, stream_),
-            "ncclAllReduce");
+        check_nccl(ncclAllReduce(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                                 nccl_type(out.scalar_type()), nccl_op(c.reduce()), handle_->comm,
+                                 stream_),
+                   "ncclAllReduce");
         break;
       case OpKind::ReduceScatter:
         check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(),
                                      static_cast<size_t>(out.numel()), nccl_type(out.scalar_type()),
-                                     nccl_op(c.reduce), handle_->comm, stream_),
+                                     nccl_op(c.reduce()), handle_->comm, stream_),
                    "ncclReduceScatter");
         break;
       case OpKind::AllGather:
@@ -233,7 +233,7 @@ class NcclCommunicator : public Communicator {
         break;
       case OpKind::Broadcast:
         check_nccl(ncclBroadcast(out.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                                 nccl_type(out.scalar_type()), c.peer, handle_->comm, stream_),
+                                 nccl_type(out.scalar_type()), c.peer(), handle_->comm, stream_),
                    "ncclBroadcast");
         break;
       case OpKind::AllToAll: {
@@ -263,12 +263,12 @@ class NcclCommunicator : public Communicator {
       }
       case OpKind::Send:  // NCCL has no tags: messages to one peer arrive in issue order
         check_nccl(ncclSend(in.data_ptr(), static_cast<size_t>(in.numel()),
-                            nccl_type(in.scalar_type()), c.peer, handle_->comm, stream_),
+                            nccl_type(in.scalar_type()), c.peer(), handle_->comm, stream_),
                    "ncclSend");
         break;
       case OpKind::Recv:
         check_nccl(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()),
-                            nccl_type(out.scalar_type()), c.peer, handle_->comm, stream_),
+                            nccl_type(out.scalar_type()), c.peer(), handle_->comm, stream_),
                    "ncclRecv");
         break;
       case OpKind::Split:
@@ -281,7 +281,7 @@ class NcclCommunicator : public Communicator {
         c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), comm_stream);
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     check_cuda(cudaEventRecord(done, stream_), "cudaEventRecord");
-    return std::make_shared<CudaWork>(c.info, done, device_, handle_, c.kind == OpKind::Barrier);
+    return std::make_shared<CudaWork>(c.info, done, device_, handle_, c.kind() == OpKind::Barrier);
   }
 
  private:

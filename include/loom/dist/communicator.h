@@ -86,11 +86,12 @@ class Communicator {
   Communicator(std::string name, int rank, int size);
 
   // One validated call, handed to the backend.
+  // What the op is (kind, reduce op, root or peer, tag) lives in info.call, once.
   struct Call {
-    OpKind kind{};
-    ReduceOp reduce = ReduceOp::Sum;
-    int peer = -1;  // broadcast root, send destination, recv source
-    int tag = 0;
+    OpKind kind() const { return static_cast<OpKind>(info.call.kind); }
+    ReduceOp reduce() const { return static_cast<ReduceOp>(info.call.reduce); }
+    int peer() const { return static_cast<int>(info.call.root); }  // root, destination, source
+    int tag() const { return static_cast<int>(info.call.tag); }
     at::Tensor output;   // written (all_reduce/broadcast: in place; recv: the buffer)
     at::Tensor input;    // read (contiguous); undefined for in-place ops and barrier
     OpInfo info;         // info.call: the fingerprint the debug check compares
