@@ -77,6 +77,17 @@ int main(int argc, char** argv) {
                  "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
                  "to bfloat16 on the wire)")
       ->capture_default_str();
+  app.add_option("--tp", c.tp,
+                 "Tensor-parallel size: attention heads, MLP and vocabulary split across this "
+                 "many ranks (neighbouring ranks, ideally on one node)")
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", c.sequence_parallel,
+               "With --tp: norms, dropout and residuals on 1/tp of the sequence each, all-reduces "
+               "replaced by all-gather + reduce-scatter");
+  app.add_option("--pad-vocab-multiple", c.pad_vocab_multiple,
+                 "Pad the vocabulary to a multiple of this times --tp (padding is masked out of "
+                 "the loss and never exported)")
+      ->capture_default_str();
   app.add_option("--comm-timeout", comm_timeout,
                  "Seconds a collective may run before the watchdog aborts the job")
       ->capture_default_str();
@@ -95,7 +106,7 @@ int main(int argc, char** argv) {
     // Rank 0 tells the story; the others only warn.
     const bool quiet = runtime->rank() != 0 && log_level != "error" && log_level != "off";
     loom::core::setup_logging(quiet ? "warn" : log_level);
-    trainer = std::make_unique<loom::train::Trainer>(c, runtime->mesh({.dp = c.dp}));
+    trainer = std::make_unique<loom::train::Trainer>(c, runtime->mesh({.dp = c.dp, .tp = c.tp}));
     trainer->fit();
   });
 }

@@ -8,8 +8,61 @@
 #include "loom/core/rng.h"
 #include "loom/models/gpt2.h"
 #include "loom/models/llama.h"
+#include "loom/parallel/tensor/cross_entropy.h"
+#include "loom/parallel/tensor/layers.h"
+#include "loom/parallel/tensor/mappings.h"
 
 namespace loom::models {
+
+namespace pt = parallel::tensor;
+
+CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp)
+    : config_(std::move(config)), tp_(tp ? std::move(tp) : std::make_shared<pt::TpGroup>()) {
+  config_.validate();
+  check_divisible_by_tp();
+}
+
+void CausalLM::check_divisible_by_tp() const {
+  const int64_t tp = tp_->size();
+  if (tp == 1) return;
+  LOOM_CHECK(config_.n_heads % tp == 0,
+             "tensor parallelism splits attention heads: n_heads {} is not divisible by tp {} "
+             "(valid tp: divisors of {})",
+             config_.n_heads, tp, config_.n_heads);
+  LOOM_CHECK(config_.n_kv_heads % tp == 0 || tp % config_.n_kv_heads == 0,
+             "tensor parallelism splits or replicates key/value heads: n_kv_heads {} and tp {} "
+             "must divide one another",
+             config_.n_kv_heads, tp);
+  LOOM_CHECK(config_.d_ff % tp == 0,
+             "tensor parallelism splits the MLP: d_ff {} is not divisible by tp {}", config_.d_ff,
+             tp);
+}
+
+at::Tensor CausalLM::forward(const at::Tensor& tokens) {
+  auto logits = pt::gather_from_tp_region(logits_shard(tokens), *tp_, -1);
+  return logits.size(-1) == config_.vocab_size ? logits : logits.narrow(-1, 0, config_.vocab_size);
+}
+
+at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  auto logits = logits_shard(tokens);
+  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
+    return next_token_loss(logits, targets);
+  LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
+             targets.sizes(), tokens.sizes());
+  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+}
+
+const std::map<std::string, pt::ShardSpec>& CausalLM::shard_specs() const {
+  if (specs_.empty()) specs_ = pt::collect_shard_specs(*this, tp_->sequence_parallel());
+  return specs_;
+}
+
+const pt::ShardSpec& CausalLM::shard_spec(const std::string& name) const {
+  const auto& specs = shard_specs();
+  auto it = specs.find(name);
+  LOOM_CHECK(it != specs.end(), "the model has no parameter '{}'", name);
+  return it->second;
+}
 
 void CausalLM::check_tokens(const at::Tensor& tokens) const {
   LOOM_CHECK(tokens.dim() == 2, "model input must be [batch, seq] token ids; got shape {}",
@@ -19,19 +72,24 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
   LOOM_CHECK(tokens.size(1) <= config_.max_seq_len,
              "sequence length {} exceeds the model's max_seq_len {}", tokens.size(1),
              config_.max_seq_len);
+  LOOM_CHECK(!tp_->sequence_parallel() || tokens.size(1) % tp_->size() == 0,
+             "sequence parallelism splits the sequence: length {} is not divisible by tp {}",
+             tokens.size(1), tp_->size());
 }
 
-std::shared_ptr<CausalLM> make_model(const ModelConfig& config) {
-  if (config.family == Family::kGpt2) return std::make_shared<Gpt2>(config);
-  return std::make_shared<Llama>(config);
+std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp) {
+  if (config.family == Family::kGpt2) return std::make_shared<Gpt2>(config, std::move(tp));
+  return std::make_shared<Llama>(config, std::move(tp));
 }
 
 void init_parameters(CausalLM& model, uint64_t seed) {
   torch::NoGradGuard no_grad;
+  const int64_t tp = model.tp().size(), rank = model.tp().rank();
   for (const auto& item : model.named_parameters()) {
     const auto& name = item.key();
     auto param = item.value();
     const auto rule = model.init_for(name);
+    const auto& spec = model.shard_spec(name);
     switch (rule.kind) {
       case ParamInit::Kind::kZeros:
         param.zero_();
@@ -41,9 +99,11 @@ void init_parameters(CausalLM& model, uint64_t seed) {
         break;
       case ParamInit::Kind::kNormal: {
         // Drawn in fp32 on the CPU so the values are the same for every dtype and device.
+        // The whole single-process tensor, then this rank's shard of it.
         auto gen = core::make_generator(core::mix_seed({seed, core::stable_hash(name)}));
-        auto values = at::empty(param.sizes(), at::kFloat).normal_(0.0, rule.std, gen);
-        param.copy_(values);
+        auto values =
+            at::empty(spec.full_shape(param.sizes(), tp), at::kFloat).normal_(0.0, rule.std, gen);
+        param.copy_(spec.shard(values, rank, tp));
         break;
       }
     }
@@ -53,14 +113,40 @@ void init_parameters(CausalLM& model, uint64_t seed) {
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source) {
   torch::NoGradGuard no_grad;
+  const int64_t tp = model.tp().size(), rank = model.tp().rank();
   for (auto& item : model.named_parameters()) {
     auto it = tensors.find(item.key());
     LOOM_CHECK(it != tensors.end(), "'{}' has no tensor '{}'", source, item.key());
-    LOOM_CHECK(it->second.sizes() == item.value().sizes(),
+    const auto& spec = model.shard_spec(item.key());
+    const auto full_shape = spec.full_shape(item.value().sizes(), tp);
+    LOOM_CHECK(it->second.sizes() == at::IntArrayRef(full_shape),
                "'{}': tensor '{}' has shape {} but the model needs {}", source, item.key(),
-               it->second.sizes(), item.value().sizes());
-    item.value().copy_(it->second);
+               it->second.sizes(), at::IntArrayRef(full_shape));
+    item.value().copy_(spec.shard(it->second, rank, tp));
   }
+}
+
+at::Tensor gather_shard(const CausalLM& model, const std::string& name, const at::Tensor& shard) {
+  const auto& spec = model.shard_spec(name);
+  if (!spec.sharded()) return shard;
+  auto& tp = model.tp();
+  if (tp.size() == 1) return spec.unshard({shard});
+  const auto piece = shard.detach().contiguous();
+  std::vector<int64_t> stacked{tp.size()};
+  for (auto s : piece.sizes()) stacked.push_back(s);
+  auto all = at::empty(stacked, piece.options());
+  tp.comm()->all_gather(all, piece);
+  std::vector<at::Tensor> pieces;
+  for (int64_t r = 0; r < tp.size(); ++r) pieces.push_back(all[r]);
+  return spec.unshard(pieces);
+}
+
+std::map<std::string, at::Tensor> gather_parameters(const CausalLM& model) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters())
+    out.emplace(item.key(), gather_shard(model, item.key(), item.value().detach()));
+  return out;
 }
 
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {

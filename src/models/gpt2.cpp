@@ -6,56 +6,83 @@
 
 #include "loom/core/error.h"
 #include "loom/ops/attention.h"
+#include "loom/parallel/tensor/mappings.h"
+#include "loom/parallel/tensor/random.h"
 
 namespace loom::models {
 
 namespace nn = torch::nn;
+namespace pt = parallel::tensor;
 
-Gpt2Block::Gpt2Block(const ModelConfig& config) : config_(config) {
+Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp)
+    : config_(config), tp_(std::move(tp)) {
   const int64_t d = config.d_model;
   auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({d}).eps(config.norm_eps)); };
   ln_1_ = register_module("ln_1", ln());
   auto attn = register_module("attn", std::make_shared<nn::Module>());
-  c_attn_ = attn->register_module("c_attn", nn::Linear(d, 3 * d));
-  attn_c_proj_ = attn->register_module("c_proj", nn::Linear(d, d));
+  c_attn_ = attn->register_module(
+      "c_attn", std::make_shared<pt::ColumnParallelLinear>(
+                    d, 3 * d, tp_, pt::ColumnParallelOptions{.parts = 3, .units = config.n_heads},
+                    "attn.c_attn"));
+  attn_c_proj_ = attn->register_module(
+      "c_proj",
+      std::make_shared<pt::RowParallelLinear>(d, d, tp_, true, config.n_heads, "attn.c_proj"));
   ln_2_ = register_module("ln_2", ln());
   auto mlp = register_module("mlp", std::make_shared<nn::Module>());
-  c_fc_ = mlp->register_module("c_fc", nn::Linear(d, config.d_ff));
-  mlp_c_proj_ = mlp->register_module("c_proj", nn::Linear(config.d_ff, d));
+  c_fc_ = mlp->register_module(
+      "c_fc", std::make_shared<pt::ColumnParallelLinear>(d, config.d_ff, tp_,
+                                                         pt::ColumnParallelOptions{}, "mlp.c_fc"));
+  mlp_c_proj_ = mlp->register_module("c_proj", std::make_shared<pt::RowParallelLinear>(
+                                                   config.d_ff, d, tp_, true, 0, "mlp.c_proj"));
 }
 
 at::Tensor Gpt2Block::forward(const at::Tensor& x) {
-  const int64_t b = x.size(0), t = x.size(1), h = config_.n_heads, hd = config_.head_dim();
+  auto& tp = *tp_;
+  const int64_t h = config_.n_heads / tp.size(), hd = config_.head_dim();
   const double p = is_training() ? config_.dropout : 0.0;
-  // [B, T, 3D] -> three [B, H, T, hd]
-  auto qkv = c_attn_->forward(ln_1_->forward(x)).view({b, t, 3, h, hd}).permute({2, 0, 3, 1, 4});
-  auto y = ops::attention(qkv[0], qkv[1], qkv[2], {.causal = true, .dropout = p});
+  const int64_t seq_dim = tp.sequence_parallel() ? 1 : -1;  // what residual dropout slices
+  auto a = pt::enter_tp_region(ln_1_->forward(x), tp, 1);   // [B, T, D], the whole sequence
+  const int64_t b = a.size(0), t = a.size(1);
+  // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> three [B, h, T, hd]
+  auto qkv = c_attn_->forward(a).view({b, t, 3, h, hd}).permute({2, 0, 3, 1, 4});
+  auto y = ops::attention(qkv[0], qkv[1], qkv[2],
+                          {.causal = true,
+                           .dropout = p,
+                           .dropout_mask = pt::sharded_dropout_mask(
+                               {b, h, t, t}, qkv.options().dtype(at::kFloat), p, tp, 1)});
   y = y.transpose(1, 2).reshape({b, t, h * hd});
-  auto out = x + at::dropout(attn_c_proj_->forward(y), p, is_training());
-  auto m = mlp_c_proj_->forward(at::gelu(c_fc_->forward(ln_2_->forward(out)), "tanh"));
-  return out + at::dropout(m, p, is_training());
+  auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
+  auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
+  m = mlp_c_proj_->forward(at::gelu(c_fc_->forward(m), "tanh"));
+  return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim);
 }
 
-Gpt2::Gpt2(const ModelConfig& config) : CausalLM(config) {
+Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, std::move(tp)) {
   LOOM_CHECK(config.family == Family::kGpt2, "Gpt2 built from a {} config",
              to_string(config.family));
   auto body = register_module("transformer", std::make_shared<nn::Module>());
-  wte_ = body->register_module("wte", nn::Embedding(config.vocab_size, config.d_model));
+  wte_ = body->register_module("wte", std::make_shared<pt::VocabParallelEmbedding>(
+                                          config.vocab_size, config.d_model, tp_ptr()));
   wpe_ = body->register_module("wpe", nn::Embedding(config.max_seq_len, config.d_model));
   h_ = body->register_module("h", nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layers; ++i) h_->push_back(std::make_shared<Gpt2Block>(config));
+  for (int64_t i = 0; i < config.n_layers; ++i)
+    h_->push_back(std::make_shared<Gpt2Block>(config, tp_ptr()));
   ln_f_ = body->register_module(
       "ln_f", nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps)));
 }
 
-at::Tensor Gpt2::forward(const at::Tensor& tokens) {
+at::Tensor Gpt2::logits_shard(const at::Tensor& tokens) {
   check_tokens(tokens);
-  const auto positions = at::arange(tokens.size(1), tokens.options());
-  auto x = wte_->forward(tokens) + wpe_->forward(positions);
-  x = at::dropout(x, is_training() ? config().dropout : 0.0, is_training());
+  auto& tp = this->tp();
+  // With sequence parallelism the token embeddings arrive reduce-scattered: this rank's chunk
+  // of the sequence, to which its positions' embeddings are added.
+  auto x = wte_->forward(tokens);
+  const int64_t first = tp.sequence_parallel() ? tp.rank() * x.size(1) : 0;
+  x = x + wpe_->forward(at::arange(first, first + x.size(1), tokens.options()));
+  x = pt::sharded_dropout(x, config().dropout, is_training(), tp, tp.sequence_parallel() ? 1 : -1);
   for (const auto& block : *h_) x = block->as<Gpt2Block>()->forward(x);
-  // Tied output head: logits = x · wteᵀ.
-  return at::matmul(ln_f_->forward(x), wte_->weight.t());
+  // Tied output head: logits = x · wteᵀ, this rank's vocabulary rows.
+  return at::matmul(pt::enter_tp_region(ln_f_->forward(x), tp, 1), wte_->weight.t());
 }
 
 ParamInit Gpt2::init_for(const std::string& name) const {

@@ -202,11 +202,17 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
          {"dtype", dtype_name},
          {"torch_dtype", dtype_name}};
   }
+  // Vocabulary padding is dropped; a tensor-parallel model is gathered by the caller first
+  // (gather_parameters is collective, this function is not).
+  LOOM_CHECK(model.tp().size() == 1,
+             "save_hf: the model is split across tp = {} ranks; gather_parameters() on every rank, "
+             "then save a single-process model holding them",
+             model.tp().size());
   core::NamedTensors tensors;
-  for (const auto& item : model.named_parameters()) {
-    auto t = item.value().detach().to(at::kCPU, dtype);
-    if (c.family == Family::kGpt2 && is_conv1d_weight(item.key())) t = t.t().contiguous();
-    tensors.emplace_back(item.key(), t);
+  for (const auto& [name, value] : gather_parameters(model)) {
+    auto t = value.detach().to(at::kCPU, dtype);
+    if (c.family == Family::kGpt2 && is_conv1d_weight(name)) t = t.t().contiguous();
+    tensors.emplace_back(name, t);
   }
   core::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
   core::write_file_atomic(dir / "config.json", j.dump(2) + "\n");

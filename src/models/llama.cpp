@@ -6,15 +6,21 @@
 
 #include "loom/core/error.h"
 #include "loom/ops/attention.h"
+#include "loom/parallel/tensor/mappings.h"
+#include "loom/parallel/tensor/random.h"
 
 namespace loom::models {
 
 namespace nn = torch::nn;
+namespace pt = parallel::tensor;
 
 namespace {
 
-nn::Linear linear(int64_t in, int64_t out) {
-  return nn::Linear(nn::LinearOptions(in, out).bias(false));
+// A bias-free column-parallel projection to `heads` heads (0: rows split evenly).
+std::shared_ptr<pt::ColumnParallelLinear> column(int64_t in, int64_t out, int64_t heads,
+                                                 const pt::TpGroupPtr& tp, const char* what) {
+  return std::make_shared<pt::ColumnParallelLinear>(
+      in, out, tp, pt::ColumnParallelOptions{.bias = false, .units = heads}, what);
 }
 
 // HF's rotate_half: (x1, x2) -> (-x2, x1) over the two halves of the head dimension.
@@ -45,51 +51,71 @@ at::Tensor RmsNorm::forward(const at::Tensor& x) {
   return weight_ * xf.to(x.scalar_type());
 }
 
-LlamaBlock::LlamaBlock(const ModelConfig& config) : config_(config) {
+LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp)
+    : config_(config), tp_(std::move(tp)) {
   const int64_t d = config.d_model, hd = config.head_dim();
   input_layernorm_ =
       register_module("input_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
   auto attn = register_module("self_attn", std::make_shared<nn::Module>());
-  q_proj_ = attn->register_module("q_proj", linear(d, config.n_heads * hd));
-  k_proj_ = attn->register_module("k_proj", linear(d, config.n_kv_heads * hd));
-  v_proj_ = attn->register_module("v_proj", linear(d, config.n_kv_heads * hd));
-  o_proj_ = attn->register_module("o_proj", linear(config.n_heads * hd, d));
+  q_proj_ = attn->register_module(
+      "q_proj", column(d, config.n_heads * hd, config.n_heads, tp_, "self_attn.q_proj"));
+  k_proj_ = attn->register_module(
+      "k_proj", column(d, config.n_kv_heads * hd, config.n_kv_heads, tp_, "self_attn.k_proj"));
+  v_proj_ = attn->register_module(
+      "v_proj", column(d, config.n_kv_heads * hd, config.n_kv_heads, tp_, "self_attn.v_proj"));
+  o_proj_ = attn->register_module(
+      "o_proj", std::make_shared<pt::RowParallelLinear>(config.n_heads * hd, d, tp_, false,
+                                                        config.n_heads, "self_attn.o_proj"));
   post_attention_layernorm_ =
       register_module("post_attention_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
   auto mlp = register_module("mlp", std::make_shared<nn::Module>());
-  gate_proj_ = mlp->register_module("gate_proj", linear(d, config.d_ff));
-  up_proj_ = mlp->register_module("up_proj", linear(d, config.d_ff));
-  down_proj_ = mlp->register_module("down_proj", linear(config.d_ff, d));
+  gate_proj_ = mlp->register_module("gate_proj", column(d, config.d_ff, 0, tp_, "mlp.gate_proj"));
+  up_proj_ = mlp->register_module("up_proj", column(d, config.d_ff, 0, tp_, "mlp.up_proj"));
+  down_proj_ = mlp->register_module(
+      "down_proj",
+      std::make_shared<pt::RowParallelLinear>(config.d_ff, d, tp_, false, 0, "mlp.down_proj"));
 }
 
 at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t b = x.size(0), t = x.size(1), hd = config_.head_dim();
+  auto& tp = *tp_;
+  const int64_t hd = config_.head_dim();
+  const int64_t heads = config_.n_heads / tp.size();
+  const int64_t kv_heads = std::max<int64_t>(1, config_.n_kv_heads / tp.size());
   const double p = is_training() ? config_.dropout : 0.0;
-  auto hn = input_layernorm_->forward(x);
-  auto q = q_proj_->forward(hn).view({b, t, config_.n_heads, hd}).transpose(1, 2);
-  auto k = k_proj_->forward(hn).view({b, t, config_.n_kv_heads, hd}).transpose(1, 2);
-  auto v = v_proj_->forward(hn).view({b, t, config_.n_kv_heads, hd}).transpose(1, 2);
+  auto hn = pt::enter_tp_region(input_layernorm_->forward(x), tp, 1);  // the whole sequence
+  const int64_t b = hn.size(0), t = hn.size(1);
+  auto q = q_proj_->forward(hn).view({b, t, heads, hd}).transpose(1, 2);
+  auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
+  auto v = v_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto y = ops::attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                          {.causal = true, .dropout = p});
-  y = y.transpose(1, 2).reshape({b, t, config_.n_heads * hd});
+                          {.causal = true,
+                           .dropout = p,
+                           .dropout_mask = pt::sharded_dropout_mask(
+                               {b, heads, t, t}, q.options().dtype(at::kFloat), p, tp, 1)});
+  y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   auto out = x + o_proj_->forward(y);
-  auto m = post_attention_layernorm_->forward(out);
+  auto m = pt::enter_tp_region(post_attention_layernorm_->forward(out), tp, 1);
   return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
 }
 
-Llama::Llama(const ModelConfig& config) : CausalLM(config) {
+Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, std::move(tp)) {
   LOOM_CHECK(config.family == Family::kLlama, "Llama built from a {} config",
              to_string(config.family));
   auto body = register_module("model", std::make_shared<nn::Module>());
-  embed_tokens_ =
-      body->register_module("embed_tokens", nn::Embedding(config.vocab_size, config.d_model));
+  embed_tokens_ = body->register_module(
+      "embed_tokens",
+      std::make_shared<pt::VocabParallelEmbedding>(config.vocab_size, config.d_model, tp_ptr()));
   layers_ = body->register_module("layers", nn::ModuleList());
   for (int64_t i = 0; i < config.n_layers; ++i)
-    layers_->push_back(std::make_shared<LlamaBlock>(config));
+    layers_->push_back(std::make_shared<LlamaBlock>(config, tp_ptr()));
   norm_ = body->register_module("norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps));
   if (!config.tie_embeddings)
-    lm_head_ = register_module("lm_head", linear(config.d_model, config.vocab_size));
+    lm_head_ = register_module(
+        "lm_head",
+        std::make_shared<pt::ColumnParallelLinear>(
+            config.d_model, config.vocab_size, tp_ptr(),
+            pt::ColumnParallelOptions{.bias = false, .padded_out = padded_vocab()}, "lm_head"));
 
   // Rotary tables: angle(t, i) = t * theta^(-2i / hd), duplicated over both halves.
   const int64_t hd = config.head_dim();
@@ -101,15 +127,15 @@ Llama::Llama(const ModelConfig& config) : CausalLM(config) {
   rope_sin_ = angles.sin().to(at::kFloat);
 }
 
-at::Tensor Llama::forward(const at::Tensor& tokens) {
+at::Tensor Llama::logits_shard(const at::Tensor& tokens) {
   check_tokens(tokens);
   const int64_t t = tokens.size(1);
   auto cos = rope_cos_.narrow(0, 0, t).to(tokens.device());
   auto sin = rope_sin_.narrow(0, 0, t).to(tokens.device());
   auto x = embed_tokens_->forward(tokens);
   for (const auto& block : *layers_) x = block->as<LlamaBlock>()->forward(x, cos, sin);
-  x = norm_->forward(x);
-  return lm_head_ ? lm_head_->forward(x) : at::matmul(x, embed_tokens_->weight.t());
+  auto h = pt::enter_tp_region(norm_->forward(x), tp(), 1);
+  return lm_head_ ? lm_head_->forward(h) : at::matmul(h, embed_tokens_->weight.t());
 }
 
 ParamInit Llama::init_for(const std::string& name) const {

@@ -32,6 +32,7 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options) {
   check_shapes(q, k, v, options.causal);
+  if (options.dropout_mask.defined()) return attention_reference(q, k, v, options);
   // PyTorch's fused CPU kernel (flash-attention style, with its own backward). Grouped-query
   // attention is handled natively by enable_gqa.
   const bool gqa = q.size(1) != k.size(1);
@@ -53,7 +54,14 @@ at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const a
     scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   }
   auto probs = at::softmax(scores, -1);
-  if (options.dropout > 0) probs = at::dropout(probs, options.dropout, /*train=*/true);
+  if (options.dropout_mask.defined()) {
+    LOOM_CHECK(options.dropout_mask.sizes() == probs.sizes(),
+               "attention: dropout mask {} does not match the attention probabilities {}",
+               options.dropout_mask.sizes(), probs.sizes());
+    probs = probs * options.dropout_mask;
+  } else if (options.dropout > 0) {
+    probs = at::dropout(probs, options.dropout, /*train=*/true);
+  }
   return at::matmul(probs, vv.to(at::kFloat)).to(q.scalar_type());
 }
 

@@ -33,6 +33,13 @@ void TrainConfig::validate() const {
   LOOM_CHECK(bucket_mb > 0, "--bucket-mb {} must be positive", bucket_mb);
   LOOM_CHECK(comm_hook == "avg" || comm_hook == "bf16",
              "--comm-hook '{}' is not valid: use avg or bf16", comm_hook);
+  LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
+  LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
+             pad_vocab_multiple);
+  LOOM_CHECK(!sequence_parallel || seq_len % tp == 0,
+             "--sequence-parallel splits the sequence across tp ranks: --seq-len {} is not "
+             "divisible by --tp {}",
+             seq_len, tp);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
              "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
              "the data)",
@@ -40,13 +47,11 @@ void TrainConfig::validate() const {
 }
 
 // One list of fields for both directions; keys missing from older checkpoints keep defaults.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TrainConfig, model, preset, init_from_hf,
-                                                vocab_size, seed, dropout, data, val_data, seq_len,
-                                                steps, batch_size, grad_accum, lr, min_lr,
-                                                warmup_steps, lr_decay_steps, weight_decay, beta1,
-                                                beta2, grad_clip, precision, metrics_out, save_dir,
-                                                save_every, resume, export_hf, log_every,
-                                                eval_every, eval_batches, dp, bucket_mb, comm_hook)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
+    TrainConfig, model, preset, init_from_hf, vocab_size, seed, dropout, data, val_data, seq_len,
+    steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
+    beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
+    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

@@ -14,6 +14,7 @@
 #include "loom/core/format.h"
 #include "loom/core/rng.h"
 #include "loom/models/hf.h"
+#include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
 
@@ -40,6 +41,17 @@ core::NamedTensors named_parameters(const models::CausalLM& model) {
   core::NamedTensors out;
   for (const auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
   return out;
+}
+
+// The parameter an optimizer-state entry ("<param>.exp_avg", ...) belongs to; empty for the
+// step count and RNG states.
+std::string param_of_state_key(const std::string& key, const models::CausalLM& model) {
+  for (const char* suffix : {".exp_avg_sq", ".exp_avg", ".master"}) {
+    if (!key.ends_with(suffix)) continue;
+    auto name = key.substr(0, key.size() - std::string(suffix).size());
+    if (model.shard_specs().count(name)) return name;
+  }
+  return {};
 }
 
 std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
@@ -95,6 +107,9 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
              "--batch-size {} cannot be split evenly: dp {} x --grad-accum {} = {} must divide "
              "it (the batch size is the global batch, whatever the layout)",
              config_.batch_size, dp_size(), config_.grad_accum, dp_size() * config_.grad_accum);
+  LOOM_CHECK(config_.tp == tp_size(),
+             "--tp {} does not match the mesh, whose tensor-parallel size is {} ({})", config_.tp,
+             tp_size(), mesh_->shape().describe());
   config_.dp = dp_size();  // checkpoints record the layout that was actually used
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
@@ -120,6 +135,12 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
           "resuming at dp {} a run checkpointed at dp {}: it continues the same training up to "
           "float rounding, not bit for bit",
           dp_size(), saved.dp);
+    if (saved.tp != tp_size() || saved.sequence_parallel != config_.sequence_parallel)
+      spdlog::warn(
+          "resuming at tp {}{} a run checkpointed at tp {}{}: it continues the same training up "
+          "to float rounding, not bit for bit",
+          tp_size(), config_.sequence_parallel ? " with sequence parallelism" : "", saved.tp,
+          saved.sequence_parallel ? " with sequence parallelism" : "");
     if (saved.comm_hook != config_.comm_hook)
       spdlog::warn("resuming with --comm-hook {} a run trained with {}", config_.comm_hook,
                    saved.comm_hook);
@@ -161,7 +182,10 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
   if (!config_.export_hf.empty()) core::ensure_writable_dir(config_.export_hf);
 
-  model_ = models::make_model(model_config);
+  auto tp_group = std::make_shared<parallel::tensor::TpGroup>(
+      mesh_->comm_ptr(dist::Dim::tp),
+      parallel::tensor::TpOptions{config_.sequence_parallel, config_.pad_vocab_multiple});
+  model_ = models::make_model(model_config, tp_group);  // checks heads and widths against tp
   if (!config_.init_from_hf.empty() && !resume)
     models::load_parameters(*model_, tensor_map(*models::load_hf(config_.init_from_hf)),
                             config_.init_from_hf);
@@ -175,6 +199,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     dp_ = std::make_unique<parallel::data::DataParallel>(
         named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), dp_options);
   }
+  partial_grads_ = std::make_unique<parallel::tensor::PartialGradSync>(
+      named_parameters(*model_), model_->shard_specs(), tp_group);
   optimizer_ = std::make_unique<AdamW>(
       named_parameters(*model_),
       AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
@@ -189,8 +215,16 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                                                static_cast<uint64_t>(dp_rank())})
                              : core::mix_seed({config_.seed, core::stable_hash("dropout")}));
   } else {
+    // Checkpoints hold single-process tensors: each rank takes its shards.
     models::load_parameters(*model_, resume->model, resume->dir.string());
-    optimizer_->load_state(resume->optimizer);
+    auto opt_state = resume->optimizer;
+    for (auto& [key, tensor] : opt_state) {
+      const auto param = param_of_state_key(key, *model_);
+      if (param.empty()) continue;
+      const auto& spec = model_->shard_spec(param);
+      if (spec.sharded()) tensor = spec.shard(tensor, tp_rank(), tp_size());
+    }
+    optimizer_->load_state(opt_state);
     step_ = resume->step;
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -235,6 +269,14 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
         mesh_->shape().describe(), config_.batch_size / dp_size(), config_.grad_accum,
         config_.micro_batch_size(dp_size()), dp_->buckets().size(), config_.bucket_mb,
         dp_->hook().name());
+  if (tp_size() > 1)
+    spdlog::info(
+        "tensor parallel: tp {}{} | {} of {} heads, {} of {} MLP columns and {} of {} vocabulary "
+        "rows (padded from {}) per rank | {} partial gradients summed across ranks per step",
+        tp_size(), config_.sequence_parallel ? " + sequence parallel" : "",
+        model_config.n_heads / tp_size(), model_config.n_heads, model_config.d_ff / tp_size(),
+        model_config.d_ff, model_->padded_vocab() / tp_size(), model_->padded_vocab(),
+        model_config.vocab_size, partial_grads_->num_params());
   spdlog::info(
       "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
       "(warmup {}, cosine) | precision {}",
@@ -255,7 +297,7 @@ StepResult Trainer::train_step() {
     at::Tensor loss;
     {
       Bf16Autocast autocast(config_.precision == "bf16");
-      loss = models::next_token_loss(model_->forward(batch.inputs), batch.targets);
+      loss = model_->loss(batch.inputs, batch.targets);
     }
     // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
     (loss / static_cast<double>(config_.grad_accum)).backward();
@@ -271,9 +313,9 @@ StepResult Trainer::train_step() {
     mesh_->comm(dist::Dim::dp).all_reduce(loss_t, dist::ReduceOp::Avg);
     local_loss = loss_t.item<double>();
   }
-  std::vector<at::Tensor> params;
-  for (const auto& p : model_->parameters()) params.push_back(p);
-  r.grad_norm = clip_grad_norm(params, config_.grad_clip);
+  // Replicated parameters used on sequence shards and shared key/value heads: sum their parts.
+  partial_grads_->sync();
+  r.grad_norm = clip_grad_norm(*model_, config_.grad_clip);
   // A non-finite gradient would poison the weights and moments: stop before the update.
   LOOM_CHECK(std::isfinite(r.grad_norm),
              "gradient norm is {} at step {} (loss {}): lower --lr or use --grad-clip; the "
@@ -309,8 +351,7 @@ double Trainer::evaluate(int64_t batches) {
   for (int64_t first = begin; first < end; first += micro) {
     const int64_t count = std::min(micro, end - first);
     auto batch = val_sampler_->sequential_batch(first, count);
-    sum += models::next_token_loss(model_->forward(batch.inputs), batch.targets).item<double>() *
-           static_cast<double>(count);
+    sum += model_->loss(batch.inputs, batch.targets).item<double>() * static_cast<double>(count);
   }
   model_->train();
   if (dp_size() > 1) {
@@ -337,11 +378,17 @@ fs::path Trainer::save_checkpoint() {
     mesh_->comm(dist::Dim::dp).all_gather(all, mine);
     for (int64_t r = 1; r < dp_size(); ++r) rng_states.emplace_back(rng_key(r), all[r].clone());
   }
+  // Checkpoints hold single-process tensors, whatever tp is: every rank helps assemble them.
+  const auto params = models::gather_parameters(*model_);
+  auto opt_state = optimizer_->state();
+  for (auto& [key, tensor] : opt_state) {
+    const auto param = param_of_state_key(key, *model_);
+    if (!param.empty()) tensor = models::gather_shard(*model_, param, tensor);
+  }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::exception_ptr failure;
   if (is_rank0()) {
     try {
-      auto opt_state = optimizer_->state();
       for (auto& kv : rng_states) opt_state.push_back(std::move(kv));
       json state = {{"model_config", model_->config().to_json()},
                     {"train_config", config_.to_json()},
@@ -351,8 +398,8 @@ fs::path Trainer::save_checkpoint() {
       std::vector<fs::path> extras;
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);
-      train::save_checkpoint(config_.save_dir, step_, named_parameters(*model_), opt_state, state,
-                             extras);
+      core::NamedTensors named(params.begin(), params.end());
+      train::save_checkpoint(config_.save_dir, step_, named, opt_state, state, extras);
       spdlog::info("saved checkpoint {}", dir.string());
     } catch (...) {
       failure = std::current_exception();
@@ -418,9 +465,15 @@ StepResult Trainer::fit() {
         ((config_.save_every > 0 && step_ % config_.save_every == 0) || final_step))
       save_checkpoint();
   }
-  if (!config_.export_hf.empty() && is_rank0()) {
-    models::save_hf(*model_, config_.export_hf);
-    spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+  if (!config_.export_hf.empty()) {
+    // Assembled from the shards on every rank, written by rank 0 as the single-process model.
+    const auto params = models::gather_parameters(*model_);
+    if (is_rank0()) {
+      auto whole = models::make_model(model_->config());
+      models::load_parameters(*whole, params, "the trained model");
+      models::save_hf(*whole, config_.export_hf);
+      spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+    }
   }
   return last;
 }

@@ -12,9 +12,13 @@
 #include "loom/data/sampler.h"
 #include "loom/parallel/data/data_parallel.h"
 #include "loom/train/trainer.h"
+#include "train_compare.h"
 
 using loom::testing::contains;
 using loom::testing::error_of;
+using loom::testing::expect_same_run;
+using loom::testing::run;
+using loom::testing::RunResult;
 using loom::testing::world;
 namespace dist = loom::dist;
 namespace pd = loom::parallel::data;
@@ -170,72 +174,6 @@ train::TrainConfig dp_config(const fs::path& dir, int64_t grad_accum) {
   c.eval_batches = 1;
   c.bucket_mb = 0.05;  // several buckets even for the tiny model
   return c;
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  double val_loss = 0;
-  std::map<std::string, at::Tensor> params;
-};
-
-RunResult run(train::Trainer& t) {
-  RunResult r;
-  while (t.step() < t.config().steps) r.losses.push_back(t.train_step().loss);
-  r.val_loss = t.evaluate(1);
-  for (const auto& item : t.model().named_parameters())
-    r.params[item.key()] = item.value().detach().clone();
-  return r;
-}
-
-// Losses at every step within `rtol`; parameters within `rtol` as one vector (the norm of the
-// difference over the norm of all parameters) and each tensor within 10 x `rtol`.
-//
-// Why a tensor gets more room: splitting the batch across ranks changes the order of every
-// gradient sum, which moves each gradient element by float rounding (~1e-7 relative). Adam then
-// divides by sqrt(v) + 1e-8, so an element whose gradient is itself near 1e-8 turns that
-// rounding into a visible change of its step; a few such elements per tensor show up as 1e-5
-// to 4e-5 relative in some tensors (the most at 3 ranks, where the average divides by 3). A real
-// bug (a missing bucket, a wrong scale, a misplaced shard) moves a tensor by
-// 1e-3 or more and fails both checks.
-void expect_same_run(const RunResult& got, const RunResult& want, double rtol) {
-  ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (size_t s = 0; s < want.losses.size(); ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], rtol * std::abs(want.losses[s])) << "step " << s + 1;
-    if (std::getenv("LOOM_TEST_VERBOSE"))
-      fmt::print("step {} loss {} vs {}: relative {:.3g}\n", s + 1, got.losses[s], want.losses[s],
-                 std::abs(got.losses[s] - want.losses[s]) / want.losses[s]);
-  }
-  EXPECT_NEAR(got.val_loss, want.val_loss, rtol * std::abs(want.val_loss));
-  double diff2 = 0, norm2 = 0, worst = 0;
-  std::string worst_name;
-  for (const auto& [name, want_p] : want.params) {
-    auto p = want_p, q = got.params.at(name);
-    if (name.ends_with("attn.c_attn.bias")) {
-      // The key bias adds q.b to all of a query's scores, which softmax cancels: its true
-      // gradient is exactly zero, what it gets is rounding noise, and Adam makes steps of that
-      // noise. Its values are held to an absolute bound; query and value biases are compared
-      // like every other tensor.
-      const auto third = p.size(0) / 3;
-      EXPECT_LE((q.narrow(0, third, third) - p.narrow(0, third, third)).abs().max().item<double>(),
-                1e-5)
-          << name << " (key part)";
-      p = at::cat({p.narrow(0, 0, third), p.narrow(0, 2 * third, third)});
-      q = at::cat({q.narrow(0, 0, third), q.narrow(0, 2 * third, third)});
-    }
-    const auto d = q - p;
-    diff2 += d.pow(2).sum().item<double>();
-    norm2 += p.pow(2).sum().item<double>();
-    const double rel = (d.norm() / p.norm()).item<double>();
-    if (std::getenv("LOOM_TEST_VERBOSE") && rel > 1e-6)
-      fmt::print("  {} {:.3g} (max abs {:.3g})\n", name, rel, d.abs().max().item<double>());
-    if (rel > worst) worst = rel, worst_name = name;
-  }
-  const double global = std::sqrt(diff2 / norm2);
-  if (std::getenv("LOOM_TEST_VERBOSE"))
-    fmt::print("parameters: relative difference {:.3g} overall, worst tensor {:.3g} ({})\n", global,
-               worst, worst_name);
-  EXPECT_LE(global, rtol);
-  EXPECT_LE(worst, 10 * rtol) << "parameter " << worst_name;
 }
 
 }  // namespace

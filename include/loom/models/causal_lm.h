@@ -1,6 +1,7 @@
 #pragma once
 // The interface every loom language model implements, and what is common to all of them:
-// construction from a config, layout-invariant initialization, and the next-token loss.
+// construction from a config and a tensor-parallel group, layout-invariant initialization, the
+// next-token loss, and the way between the sharded parameters and the single-process ones.
 #include <torch/nn/module.h>
 
 #include <map>
@@ -8,6 +9,8 @@
 #include <string>
 
 #include "loom/models/config.h"
+#include "loom/parallel/tensor/shard_spec.h"
+#include "loom/parallel/tensor/tp_group.h"
 
 namespace loom::models {
 
@@ -19,37 +22,66 @@ struct ParamInit {
 
 class CausalLM : public torch::nn::Module {
  public:
-  explicit CausalLM(ModelConfig config) : config_(std::move(config)) { config_.validate(); }
+  // tp null: one process (tp = 1, no collectives). With tp > 1 every rank of the group builds
+  // the model with the same config and runs every forward on the same tokens.
+  CausalLM(ModelConfig config, parallel::tensor::TpGroupPtr tp);
   const ModelConfig& config() const { return config_; }
+  parallel::tensor::TpGroup& tp() const { return *tp_; }
+  const parallel::tensor::TpGroupPtr& tp_ptr() const { return tp_; }
+  // Rows of the vocabulary as the output head holds them (padded for tp; see TpOptions).
+  int64_t padded_vocab() const { return tp_->padded_vocab(config_.vocab_size); }
 
-  // tokens: [batch, seq] int64 ids < vocab_size, seq <= max_seq_len.
-  // Returns logits [batch, seq, vocab_size] in the model's parameter dtype.
-  virtual at::Tensor forward(const at::Tensor& tokens) = 0;
+  // tokens: [batch, seq] int64 ids < vocab_size, seq <= max_seq_len (with sequence
+  // parallelism also a multiple of tp). Returns this rank's vocabulary shard of the logits:
+  // [batch, seq, padded_vocab / tp] in the model's compute dtype.
+  virtual at::Tensor logits_shard(const at::Tensor& tokens) = 0;
+  // The whole logits [batch, seq, vocab_size] (gathered across tp, padding dropped).
+  at::Tensor forward(const at::Tensor& tokens);
+  // Mean next-token cross-entropy of tokens against targets [batch, seq], in fp32, computed
+  // from the vocabulary shards without assembling the whole logits.
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
 
   // The rule for the parameter with this fully-qualified name (as named_parameters() spells
   // it). Throws loom::Error for a name the model does not own.
   virtual ParamInit init_for(const std::string& name) const = 0;
+  // How each parameter (by fully-qualified name) is split across tp.
+  const std::map<std::string, parallel::tensor::ShardSpec>& shard_specs() const;
+  const parallel::tensor::ShardSpec& shard_spec(const std::string& name) const;
 
  protected:
   void check_tokens(const at::Tensor& tokens) const;
+  // Heads and widths tp must divide, checked with messages that name them.
+  void check_divisible_by_tp() const;
 
  private:
   ModelConfig config_;
+  parallel::tensor::TpGroupPtr tp_;
+  mutable std::map<std::string, parallel::tensor::ShardSpec> specs_;  // filled at first use
 };
 
-// GPT-2 or Llama, by config.family. Parameters hold LibTorch's default initialization, which
-// depends on construction order: call init_parameters for loom's layout-invariant values.
-std::shared_ptr<CausalLM> make_model(const ModelConfig& config);
+// GPT-2 or Llama, by config.family, sharded over `tp` (null: one process). Parameters are not
+// initialized: call init_parameters for loom's layout-invariant values (or load_parameters).
+std::shared_ptr<CausalLM> make_model(const ModelConfig& config,
+                                     parallel::tensor::TpGroupPtr tp = nullptr);
 
-// Layout-invariant initialization: each parameter is drawn from its own generator seeded by
-// (seed, fully-qualified name), so its values never depend on how the model is split or on
-// the order in which parameters were created.
+// Layout-invariant initialization: each parameter is drawn whole, in its single-process
+// shape, from its own generator seeded by (seed, fully-qualified name), and each rank keeps its
+// shard, so the values never depend on tp or on the order in which parameters were created.
 void init_parameters(CausalLM& model, uint64_t seed);
 
-// Copies tensors[name] into every parameter (cast to its dtype). A missing name or a shape
-// that differs is a loom::Error naming `source` (the file or directory they came from).
+// Copies tensors[name] (single-process shapes) into every parameter, each rank taking its
+// shard (cast to the parameter's dtype). A missing name or a shape that differs is a
+// loom::Error naming `source` (the file or directory they came from).
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source);
+
+// Single-process copies of every parameter (vocabulary padding dropped), assembled from the
+// shards. Collective over the model's tp group: every rank of it must call this.
+std::map<std::string, at::Tensor> gather_parameters(const CausalLM& model);
+
+// A tensor holding a shard of parameter `name` (its optimizer moments, say), made whole the
+// same way. Collective over the tp group.
+at::Tensor gather_shard(const CausalLM& model, const std::string& name, const at::Tensor& shard);
 
 // Mean cross-entropy of logits [B, T, V] against targets [B, T], computed in fp32.
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);

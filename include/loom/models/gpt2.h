@@ -3,34 +3,41 @@
 // Hugging Face's "gelu_new"), tied input/output embeddings. Submodule and parameter names are
 // Hugging Face's GPT2LMHeadModel names (transformer.h.0.attn.c_attn.weight, ...), except that
 // loom stores every projection as [out, in] like nn.Linear (HF's Conv1D stores [in, out]).
+// With tensor parallelism, attention is split by heads (c_attn column-parallel, q/k/v part by
+// part; c_proj row-parallel), the MLP column -> row, and the tied embedding/head by
+// vocabulary rows.
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include "loom/models/causal_lm.h"
+#include "loom/parallel/tensor/layers.h"
 
 namespace loom::models {
 
 class Gpt2Block : public torch::nn::Module {
  public:
-  explicit Gpt2Block(const ModelConfig& config);
+  Gpt2Block(const ModelConfig& config, parallel::tensor::TpGroupPtr tp);
+  // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence).
   at::Tensor forward(const at::Tensor& x);
 
  private:
   const ModelConfig config_;
+  parallel::tensor::TpGroupPtr tp_;
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
-  torch::nn::Linear c_attn_{nullptr}, attn_c_proj_{nullptr}, c_fc_{nullptr}, mlp_c_proj_{nullptr};
+  std::shared_ptr<parallel::tensor::ColumnParallelLinear> c_attn_, c_fc_;
+  std::shared_ptr<parallel::tensor::RowParallelLinear> attn_c_proj_, mlp_c_proj_;
 };
 
 class Gpt2 : public CausalLM {
  public:
-  explicit Gpt2(const ModelConfig& config);
-  at::Tensor forward(const at::Tensor& tokens) override;
+  explicit Gpt2(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr);
+  at::Tensor logits_shard(const at::Tensor& tokens) override;
   ParamInit init_for(const std::string& name) const override;
 
  private:
-  torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
+  std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;
+  torch::nn::Embedding wpe_{nullptr};
   torch::nn::ModuleList h_{nullptr};
   torch::nn::LayerNorm ln_f_{nullptr};
 };

@@ -2,11 +2,14 @@
 // Llama: RMSNorm, rotary position embeddings (RoPE, Hugging Face's rotate-half layout),
 // SwiGLU MLP, grouped-query attention, no biases, untied output head by default. Parameter
 // names are Hugging Face's LlamaForCausalLM names (model.layers.0.self_attn.q_proj.weight, ...).
+// With tensor parallelism, q/k/v are column-parallel by heads (key/value heads replicated over
+// tp / n_kv_heads ranks when there are fewer of them than ranks), o_proj row-parallel,
+// gate/up column-parallel with the same split (so SiLU(gate) * up stays local), down_proj
+// row-parallel, and the embedding and head split by vocabulary rows.
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 
 #include "loom/models/causal_lm.h"
+#include "loom/parallel/tensor/layers.h"
 
 namespace loom::models {
 
@@ -22,29 +25,32 @@ class RmsNorm : public torch::nn::Module {
 
 class LlamaBlock : public torch::nn::Module {
  public:
-  explicit LlamaBlock(const ModelConfig& config);
-  // cos, sin: [seq, head_dim] rotary tables.
+  LlamaBlock(const ModelConfig& config, parallel::tensor::TpGroupPtr tp);
+  // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence);
+  // cos, sin: [seq, head_dim] rotary tables for the whole sequence.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
  private:
   const ModelConfig config_;
+  parallel::tensor::TpGroupPtr tp_;
   std::shared_ptr<RmsNorm> input_layernorm_, post_attention_layernorm_;
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
-  torch::nn::Linear gate_proj_{nullptr}, up_proj_{nullptr}, down_proj_{nullptr};
+  std::shared_ptr<parallel::tensor::ColumnParallelLinear> q_proj_, k_proj_, v_proj_;
+  std::shared_ptr<parallel::tensor::ColumnParallelLinear> gate_proj_, up_proj_;
+  std::shared_ptr<parallel::tensor::RowParallelLinear> o_proj_, down_proj_;
 };
 
 class Llama : public CausalLM {
  public:
-  explicit Llama(const ModelConfig& config);
-  at::Tensor forward(const at::Tensor& tokens) override;
+  explicit Llama(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr);
+  at::Tensor logits_shard(const at::Tensor& tokens) override;
   ParamInit init_for(const std::string& name) const override;
 
  private:
-  torch::nn::Embedding embed_tokens_{nullptr};
+  std::shared_ptr<parallel::tensor::VocabParallelEmbedding> embed_tokens_;
   torch::nn::ModuleList layers_{nullptr};
   std::shared_ptr<RmsNorm> norm_;
-  torch::nn::Linear lm_head_{nullptr};  // null when tied to embed_tokens
-  at::Tensor rope_cos_, rope_sin_;      // [max_seq_len, head_dim], fp32, not parameters
+  std::shared_ptr<parallel::tensor::ColumnParallelLinear> lm_head_;  // null when tied
+  at::Tensor rope_cos_, rope_sin_;  // [max_seq_len, head_dim], fp32, not parameters
 };
 
 }  // namespace loom::models

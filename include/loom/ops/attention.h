@@ -11,6 +11,10 @@ struct AttentionOptions {
   bool causal = true;
   std::optional<double> scale;  // default 1/sqrt(head_dim)
   double dropout = 0.0;         // applied as given: callers pass 0 outside training
+  // When defined, the dropout to apply: a keep-mask [B, Hq, T, S] already scaled by
+  // 1 / (1 - dropout), multiplied into the attention probabilities. Tensor-parallel models pass
+  // one drawn for all heads and sliced, so dropout does not depend on tp. Runs the math path.
+  at::Tensor dropout_mask;
 };
 
 // q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] with Hkv dividing Hq (grouped-query attention:

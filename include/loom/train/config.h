@@ -42,6 +42,12 @@ struct TrainConfig {
   double bucket_mb = 25.0;        // gradient bucket capacity (MiB)
   std::string comm_hook = "avg";  // avg | bf16: how gradient buckets are reduced
 
+  // Tensor parallelism: layers split across tp ranks (Megatron-style); every tp rank of a
+  // data-parallel replica trains on the same samples.
+  int64_t tp = 1;
+  bool sequence_parallel = false;  // norms/dropout/residuals on 1/tp of the sequence
+  int64_t pad_vocab_multiple = 1;  // vocabulary padded to a multiple of this times tp
+
   // Output.
   std::string metrics_out;  // JSON lines; empty = none
   std::string save_dir;     // checkpoints; empty = none

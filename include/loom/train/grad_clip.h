@@ -3,11 +3,22 @@
 
 #include <vector>
 
+namespace loom::models {
+class CausalLM;
+}
+
 namespace loom::train {
 
 // Global L2 norm of all gradients (accumulated in fp32). If max_norm > 0 and the norm exceeds
 // it, scales every gradient by max_norm / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_.
 // Returns the norm before clipping.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
+
+// The same for a (possibly tensor-parallel) model, giving the norm of the single-process
+// model's gradient: squares of sharded gradients are summed across the tp group in one
+// all-reduce, a piece held by several ranks (replicated key/value heads) is counted once, and
+// replicated parameters, whose gradients are equal on every rank, are counted once. Padded
+// vocabulary rows have zero gradients. Collective over the model's tp group.
+double clip_grad_norm(const models::CausalLM& model, double max_norm);
 
 }  // namespace loom::train

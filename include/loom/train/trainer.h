@@ -14,6 +14,7 @@
 #include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
 #include "loom/parallel/data/data_parallel.h"
+#include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
@@ -66,11 +67,14 @@ class Trainer {
 
   int64_t dp_size() const { return mesh_->size(dist::Dim::dp); }
   int64_t dp_rank() const { return mesh_->coord(dist::Dim::dp); }
+  int64_t tp_size() const { return mesh_->size(dist::Dim::tp); }
+  int64_t tp_rank() const { return mesh_->coord(dist::Dim::tp); }
   bool is_rank0() const { return mesh_->rank() == 0; }
 
   TrainConfig config_;
   dist::MeshPtr mesh_;
   std::unique_ptr<parallel::data::DataParallel> dp_;
+  std::unique_ptr<parallel::tensor::PartialGradSync> partial_grads_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;
   std::shared_ptr<data::TokenShard> train_shard_, val_shard_;

@@ -1,0 +1,96 @@
+#pragma once
+// Megatron-style tensor-parallel layers. Each holds only its rank's piece of the weight and
+// describes that piece with a ShardSpec, so the model it belongs to can be initialized,
+// checkpointed and exported as the single-process model it equals. At tp = 1 each layer is
+// exactly its plain twin (nn::Linear, nn::Embedding) and issues no collective.
+//
+// A column-parallel layer splits its output features: its input must already be inside the
+// tensor-parallel region (enter_tp_region, done once by the caller for all the layers that
+// read the same input, e.g. Llama's q/k/v or gate/up), and its output stays sharded. A
+// row-parallel layer splits its input features, takes the sharded activation, and leaves the
+// region itself (all-reduce, or reduce-scatter along the sequence) before adding its bias,
+// so the bias is added once.
+#include <torch/nn/module.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/parallel/tensor/shard_spec.h"
+#include "loom/parallel/tensor/tp_group.h"
+
+namespace loom::parallel::tensor {
+
+// A module whose own parameters (not its children's) are sharded, with their layouts.
+class ShardedModule {
+ public:
+  virtual ~ShardedModule() = default;
+  // Keyed by the parameter's local name ("weight", "bias").
+  virtual std::map<std::string, ShardSpec> shard_specs() const = 0;
+};
+
+struct ColumnParallelOptions {
+  bool bias = true;
+  int64_t parts = 1;       // fused projections split part by part (GPT-2's q, k, v: 3)
+  int64_t units = 0;       // heads per part; rows split evenly when 0
+  int64_t padded_out = 0;  // output features padded to this (a vocabulary head); 0: none
+};
+
+class ColumnParallelLinear : public torch::nn::Module, public ShardedModule {
+ public:
+  // Throws loom::Error naming `what` when tp cannot split the output this way.
+  ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, ColumnParallelOptions options,
+                       const std::string& what);
+  // x: [..., in], already inside the TP region. Returns [..., out / tp] (this rank's features).
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  at::Tensor weight, bias;  // [out / tp, in], [out / tp]
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec spec_;
+};
+
+class RowParallelLinear : public torch::nn::Module, public ShardedModule {
+ public:
+  // units: heads the input features are grouped in (0: rows split evenly).
+  RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, bool bias, int64_t units,
+                    const std::string& what);
+  // x: [batch, seq, in / tp] (this rank's features). Returns [batch, seq, out], summed across
+  // the group; with sequence parallelism [batch, seq / tp, out], this rank's sequence chunk.
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  at::Tensor weight, bias;  // [out, in / tp], [out] (replicated)
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec spec_;
+};
+
+// Embedding table split by vocabulary rows, padded to TpGroup::padded_vocab(vocab).
+class VocabParallelEmbedding : public torch::nn::Module, public ShardedModule {
+ public:
+  VocabParallelEmbedding(int64_t vocab, int64_t dim, TpGroupPtr tp);
+  // tokens: [batch, seq] ids < vocab. Returns [batch, seq, dim]; with sequence parallelism
+  // [batch, seq / tp, dim] (this rank's chunk).
+  at::Tensor forward(const at::Tensor& tokens);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+  // First vocabulary row this rank holds.
+  int64_t vocab_start() const { return tp_->rank() * weight.size(0); }
+
+  at::Tensor weight;  // [padded_vocab / tp, dim]
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec spec_;
+};
+
+// The layout of every parameter of `root`, keyed as root.named_parameters() names them.
+// Parameters of plain modules are replicated; with sequence parallelism their gradients are
+// marked partial (they act on sequence shards).
+std::map<std::string, ShardSpec> collect_shard_specs(const torch::nn::Module& root,
+                                                     bool sequence_parallel);
+
+}  // namespace loom::parallel::tensor

@@ -1,0 +1,101 @@
+#include "loom/parallel/tensor/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <limits>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+
+namespace loom::parallel::tensor {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void count_loss_op(TpGroup& tp, const at::Tensor& t) {
+  auto& s = tp.stats();
+  s.loss_elements += t.numel();
+  s.ops += 1;
+  s.bytes += t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  // logits2d: [N, V_local] any float dtype; targets: [N] int64.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits2d,
+                            const at::Tensor& targets, int64_t vocab, int64_t tp_ptr) {
+    auto& tp = *reinterpret_cast<TpGroup*>(tp_ptr);
+    const int64_t n = logits2d.size(0), v_local = logits2d.size(1);
+    const int64_t start = tp.rank() * v_local;
+    const int64_t valid = std::clamp<int64_t>(vocab - start, 0, v_local);  // unpadded columns
+    auto x = logits2d.narrow(1, 0, valid).to(at::kFloat);
+
+    // Row maximum across the group (a rank holding only padding contributes -inf).
+    auto row_max = valid > 0 ? std::get<0>(x.max(1)).contiguous()
+                             : at::full({n}, -std::numeric_limits<float>::infinity(), x.options());
+    if (tp.size() > 1) {
+      count_loss_op(tp, row_max);
+      tp.comm()->all_reduce(row_max, dist::ReduceOp::Max);
+    }
+    auto exp = (x - row_max.unsqueeze(1)).exp_();
+
+    // Sum of exponentials and the target's shifted logit, summed across the group in one op.
+    auto in_range = (targets >= start).logical_and(targets < start + valid);
+    auto local_target = (targets - start).masked_fill(in_range.logical_not(), 0);
+    auto sums = at::empty({2, n}, x.options());
+    sums[0].copy_(exp.sum(1));
+    sums[1].copy_(valid > 0 ? (x.gather(1, local_target.unsqueeze(1)).squeeze(1) - row_max)
+                                  .masked_fill(in_range.logical_not(), 0.0)
+                            : at::zeros({n}, x.options()));
+    if (tp.size() > 1) {
+      count_loss_op(tp, sums);
+      tp.comm()->all_reduce(sums, dist::ReduceOp::Sum);
+    }
+    auto sum_exp = sums[0];
+    auto loss = (sum_exp.log() - sums[1]).mean();
+
+    // Saved for backward: this rank's softmax shard and where the targets fall in it.
+    auto softmax = exp.div_(sum_exp.unsqueeze(1));
+    ctx->save_for_backward({softmax, local_target, in_range});
+    ctx->saved_data["v_local"] = v_local;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits2d.scalar_type());
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& softmax = saved[0];
+    const auto& local_target = saved[1];
+    const auto& in_range = saved[2];
+    const int64_t n = softmax.size(0), valid = softmax.size(1);
+    const int64_t v_local = ctx->saved_data["v_local"].toInt();
+    // d(mean loss)/d logit = (softmax - onehot(target)) / N, on this rank's columns.
+    auto grad = softmax.clone();
+    if (valid > 0)
+      grad.scatter_add_(1, local_target.unsqueeze(1),
+                        -in_range.to(grad.scalar_type()).unsqueeze(1));
+    grad.mul_(grad_out[0] / static_cast<double>(n));
+    if (valid < v_local) grad = at::cat({grad, at::zeros({n, v_local - valid}, grad.options())}, 1);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t vocab, TpGroup& tp) {
+  LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+             "cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
+             logits.sizes(), targets.sizes());
+  LOOM_CHECK(logits.size(-1) * tp.size() >= vocab,
+             "cross-entropy: {} columns on each of {} ranks cannot hold a vocabulary of {}",
+             logits.size(-1), tp.size(), vocab);
+  auto logits2d = logits.reshape({-1, logits.size(-1)});
+  return VocabParallelCrossEntropy::apply(logits2d, targets.reshape({-1}), vocab,
+                                          reinterpret_cast<int64_t>(&tp));
+}
+
+}  // namespace loom::parallel::tensor

@@ -1,0 +1,123 @@
+#include "loom/parallel/tensor/layers.h"
+
+#include <ATen/ATen.h>
+
+#include "loom/core/error.h"
+#include "loom/parallel/tensor/mappings.h"
+
+namespace loom::parallel::tensor {
+
+namespace {
+
+// LibTorch's default Linear/Embedding initialization does not matter: models overwrite every
+// parameter layout-invariantly. Zeros keep construction cheap and deterministic.
+at::Tensor zeros(std::vector<int64_t> shape) {
+  return at::zeros(shape);
+}
+
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp,
+                                           ColumnParallelOptions options, const std::string& what)
+    : tp_(std::move(tp)) {
+  spec_.dim = 0;
+  spec_.full = out;
+  spec_.padded = options.padded_out;
+  spec_.parts = options.parts;
+  spec_.units = options.units;
+  spec_.check(tp_->size(), what);
+  const int64_t local = spec_.local_size(tp_->size());
+  weight = register_parameter("weight", zeros({local, in}));
+  if (options.bias) bias = register_parameter("bias", zeros({local}));
+}
+
+at::Tensor ColumnParallelLinear::forward(const at::Tensor& x) {
+  return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+}
+
+std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
+  std::map<std::string, ShardSpec> out{{"weight", spec_}};
+  if (bias.defined()) out.emplace("bias", spec_);
+  return out;
+}
+
+RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, bool bias_on,
+                                     int64_t units, const std::string& what)
+    : tp_(std::move(tp)) {
+  spec_.dim = 1;
+  spec_.full = in;
+  spec_.units = units;
+  spec_.check(tp_->size(), what);
+  LOOM_CHECK(spec_.replicas(tp_->size()) == 1,
+             "{}: the input features of a row-parallel layer cannot be replicated ({} units over "
+             "tp = {})",
+             what, units, tp_->size());
+  weight = register_parameter("weight", zeros({out, spec_.local_size(tp_->size())}));
+  if (bias_on) bias = register_parameter("bias", zeros({out}));
+}
+
+at::Tensor RowParallelLinear::forward(const at::Tensor& x) {
+  auto y = exit_tp_region(at::linear(x, weight), *tp_, 1);
+  return bias.defined() ? y + bias : y;
+}
+
+std::map<std::string, ShardSpec> RowParallelLinear::shard_specs() const {
+  std::map<std::string, ShardSpec> out{{"weight", spec_}};
+  if (bias.defined()) {
+    ShardSpec replicated;
+    replicated.grad_partial = tp_->sequence_parallel();  // added to sequence shards
+    out.emplace("bias", replicated);
+  }
+  return out;
+}
+
+VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, TpGroupPtr tp)
+    : tp_(std::move(tp)) {
+  spec_.dim = 0;
+  spec_.full = vocab;
+  const int64_t padded = tp_->padded_vocab(vocab);
+  spec_.padded = padded > vocab ? padded : 0;
+  spec_.check(tp_->size(), "embedding");
+  weight = register_parameter("weight", zeros({spec_.local_size(tp_->size()), dim}));
+}
+
+at::Tensor VocabParallelEmbedding::forward(const at::Tensor& tokens) {
+  if (tp_->size() == 1) return at::embedding(weight, tokens);
+  // Ids outside this rank's rows look up row 0 and are zeroed; the sum across the group then
+  // holds every id's row exactly once.
+  const int64_t start = vocab_start(), rows = weight.size(0);
+  auto outside = (tokens < start).logical_or(tokens >= start + rows);
+  auto local = (tokens - start).masked_fill(outside, 0);
+  auto emb = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return exit_tp_region(emb, *tp_, 1);
+}
+
+std::map<std::string, ShardSpec> VocabParallelEmbedding::shard_specs() const {
+  return {{"weight", spec_}};
+}
+
+std::map<std::string, ShardSpec> collect_shard_specs(const torch::nn::Module& root,
+                                                     bool sequence_parallel) {
+  std::map<std::string, ShardSpec> out;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const auto& prefix = item.key();
+    const auto* sharded = dynamic_cast<const ShardedModule*>(item.value().get());
+    for (const auto& param : item.value()->named_parameters(/*recurse=*/false)) {
+      const auto name = prefix.empty() ? param.key() : prefix + "." + param.key();
+      ShardSpec spec;
+      if (sharded) {
+        auto specs = sharded->shard_specs();
+        auto it = specs.find(param.key());
+        LOOM_CHECK(it != specs.end(), "parallel module '{}' has no layout for parameter '{}'",
+                   prefix, param.key());
+        spec = it->second;
+      } else {
+        spec.grad_partial = sequence_parallel;
+      }
+      out.emplace(name, spec);
+    }
+  }
+  return out;
+}
+
+}  // namespace loom::parallel::tensor

@@ -1,0 +1,519 @@
+// Tensor and sequence parallelism: each layer against its unsharded twin, whole GPT-2 and Llama
+// models (logits, loss, every gradient) against one process, training over dp x tp against one
+// process, the communication volume against its formula, exports, and the errors.
+//
+// The tensor-parallel group is the whole world (tp = 1, 2, 3, 4 as ctest runs the binary), or
+// a divisor of it where a test needs dp x tp.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "../test_util.h"
+#include "dist_util.h"
+#include "loom/models/hf.h"
+#include "loom/parallel/tensor/cross_entropy.h"
+#include "loom/parallel/tensor/layers.h"
+#include "loom/parallel/tensor/mappings.h"
+#include "loom/parallel/tensor/partial_grads.h"
+#include "loom/train/grad_clip.h"
+#include "loom/train/trainer.h"
+#include "train_compare.h"
+
+using loom::testing::contains;
+using loom::testing::error_of;
+using loom::testing::world;
+namespace dist = loom::dist;
+namespace models = loom::models;
+namespace pt = loom::parallel::tensor;
+namespace train = loom::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+pt::TpGroupPtr world_group(bool sequence_parallel = false, int64_t pad_multiple = 1) {
+  return std::make_shared<pt::TpGroup>(loom::testing::runtime().world(),
+                                       pt::TpOptions{sequence_parallel, pad_multiple});
+}
+
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, g);
+}
+
+// Relative difference of two tensors: max |a - b| over max |b| (b is the reference).
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-30);
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+// fp32, ≤ 1e-5 relative to the largest reference element.
+#define EXPECT_CLOSE(a, b, what)                                       \
+  do {                                                                 \
+    ASSERT_EQ((a).sizes(), (b).sizes()) << (what);                     \
+    const double rel = rel_diff((a), (b));                             \
+    EXPECT_LE(rel, 1e-5) << (what) << ": relative difference " << rel; \
+  } while (0)
+
+}  // namespace
+
+// --- The collectives as autograd functions ------------------------------------------------
+
+TEST(TpMappings, EachForwardAndItsDualBackward) {
+  auto tp = world_group();
+  const int64_t n = tp->size(), r = tp->rank();
+  // Rank r's tensor: [2, 3n, 4] filled with values that identify the rank and the position.
+  auto mine = randn({2, 3 * n, 4}, 100 + r);
+  std::vector<at::Tensor> all;
+  for (int64_t k = 0; k < n; ++k) all.push_back(randn({2, 3 * n, 4}, 100 + k));
+  auto sum_all = at::stack(all).sum(0);
+
+  {  // copy: identity forward, all-reduce backward
+    auto x = mine.clone().requires_grad_();
+    auto y = pt::copy_to_tp_region(x, *tp);
+    EXPECT_TRUE(at::equal(y, mine));
+    y.backward(mine);
+    EXPECT_CLOSE(x.grad(), sum_all, "copy_to_tp_region backward");
+  }
+  {  // reduce: all-reduce forward, identity backward
+    auto x = mine.clone().requires_grad_();
+    auto y = pt::reduce_from_tp_region(x, *tp);
+    EXPECT_CLOSE(y, sum_all, "reduce_from_tp_region forward");
+    y.backward(mine);
+    EXPECT_TRUE(at::equal(x.grad(), mine));
+  }
+  {  // gather along the sequence: all-gather forward, reduce-scatter backward
+    auto x = mine.narrow(1, 0, 3).clone().requires_grad_();
+    auto y = pt::gather_from_sequence_region(x, *tp, 1);
+    std::vector<at::Tensor> chunks;
+    for (int64_t k = 0; k < n; ++k) chunks.push_back(all[k].narrow(1, 0, 3));
+    EXPECT_TRUE(at::equal(y, at::cat(chunks, 1)));
+    y.backward(mine);  // [2, 3n, 4]: rank r gets chunk r of the sum of everyone's gradient
+    EXPECT_CLOSE(x.grad(), sum_all.narrow(1, 3 * r, 3), "gather_from_sequence backward");
+  }
+  {  // reduce-scatter along the sequence: reduce-scatter forward, all-gather backward
+    auto x = mine.clone().requires_grad_();
+    auto y = pt::reduce_scatter_to_sequence_region(x, *tp, 1);
+    EXPECT_CLOSE(y, sum_all.narrow(1, 3 * r, 3), "reduce_scatter_to_sequence forward");
+    y.backward(mine.narrow(1, 0, 3).contiguous());
+    std::vector<at::Tensor> chunks;
+    for (int64_t k = 0; k < n; ++k) chunks.push_back(all[k].narrow(1, 0, 3));
+    EXPECT_TRUE(at::equal(x.grad(), at::cat(chunks, 1)));
+  }
+  {  // scatter: own chunk forward, all-gather backward; gather along the last dim and back
+    auto x = sum_all.clone().requires_grad_();
+    auto y = pt::scatter_to_sequence_region(x, *tp, 1);
+    EXPECT_TRUE(at::equal(y, sum_all.narrow(1, 3 * r, 3)));
+    auto z = pt::gather_from_tp_region(y, *tp, 1);
+    EXPECT_TRUE(at::equal(z, sum_all));
+    z.backward(mine);  // rank r's gradient of y is its own chunk; x gets everyone's
+    std::vector<at::Tensor> chunks;
+    for (int64_t k = 0; k < n; ++k) chunks.push_back(all[k].narrow(1, 3 * k, 3));
+    EXPECT_TRUE(at::equal(x.grad(), at::cat(chunks, 1)));
+  }
+  if (n > 1) {  // a sequence that does not split says so
+    auto odd = at::zeros({1, 3 * n + 1, 2});
+    const auto msg = error_of([&] { pt::reduce_scatter_to_sequence_region(odd, *tp, 1); });
+    EXPECT_TRUE(contains(msg, "must be divisible by tp")) << msg;
+  }
+}
+
+// --- Layers against their unsharded twins -------------------------------------------------
+
+class TpLayers : public ::testing::TestWithParam<bool> {};  // sequence parallel?
+
+TEST_P(TpLayers, ColumnThenRowEqualTheirTwins) {
+  const bool sp = GetParam();
+  auto tp = world_group(sp);
+  const int64_t n = tp->size(), r = tp->rank();
+  const int64_t heads = 12, hd = 2, d = 8, seq = 2 * n;  // 12 heads split by 1..4 ranks
+  // Full (single-process) weights: a fused q/k/v projection of 12 heads, then back to d.
+  auto w1 = randn({3 * heads * hd, d}, 1), b1 = randn({3 * heads * hd}, 2);
+  auto w2 = randn({d, heads * hd}, 3), b2 = randn({d}, 4);
+  auto x_full = randn({2, seq, d}, 5), r_full = randn({2, seq, d}, 6);
+  // Between the two layers: q * v + k per head (mixes the three parts, stays head-local).
+  auto mix = [](const at::Tensor& qkv, int64_t width) {
+    auto parts = qkv.view({qkv.size(0), qkv.size(1), 3, width});
+    return parts.select(2, 0) * parts.select(2, 2) + parts.select(2, 1);
+  };
+
+  // The twin, in one process.
+  auto xr = x_full.clone().requires_grad_();
+  auto w1r = w1.clone().requires_grad_(), b1r = b1.clone().requires_grad_();
+  auto w2r = w2.clone().requires_grad_(), b2r = b2.clone().requires_grad_();
+  auto y_ref = at::linear(mix(at::linear(xr, w1r, b1r), heads * hd), w2r, b2r);
+  (y_ref * r_full).sum().backward();
+
+  pt::ColumnParallelLinear col(d, 3 * heads * hd, tp, {.parts = 3, .units = heads}, "test.col");
+  pt::RowParallelLinear row(heads * hd, d, tp, true, heads, "test.row");
+  auto col_specs = col.shard_specs();
+  auto row_specs = row.shard_specs();
+  {
+    torch::NoGradGuard no_grad;
+    col.weight.copy_(col_specs["weight"].shard(w1, r, n));
+    col.bias.copy_(col_specs["bias"].shard(b1, r, n));
+    row.weight.copy_(row_specs["weight"].shard(w2, r, n));
+    row.bias.copy_(b2);
+  }
+  // Sequence parallel: each rank starts from its chunk of the sequence and ends with its chunk.
+  auto chunk = [&](const at::Tensor& t) { return sp ? t.narrow(1, 2 * r, 2) : t; };
+  auto x_in = chunk(x_full).clone().requires_grad_();
+  auto y = row.forward(mix(col.forward(pt::enter_tp_region(x_in, *tp, 1)), heads / n * hd));
+  EXPECT_CLOSE(y.detach(), chunk(y_ref.detach()), "output");
+  // Replicated output: every rank's loss is the whole loss (Megatron's convention). Sequence
+  // parallel: each rank's loss is its chunk's part of the whole.
+  (y * chunk(r_full)).sum().backward();
+  EXPECT_CLOSE(x_in.grad(), chunk(xr.grad()), "input gradient");
+  EXPECT_CLOSE(col.weight.grad(), col_specs["weight"].shard(w1r.grad(), r, n),
+               "column weight gradient");
+  EXPECT_CLOSE(col.bias.grad(), col_specs["bias"].shard(b1r.grad(), r, n), "column bias gradient");
+  EXPECT_CLOSE(row.weight.grad(), row_specs["weight"].shard(w2r.grad(), r, n),
+               "row weight gradient");
+  // The row bias is replicated: complete on every rank, or (sequence parallel) a partial sum
+  // that PartialGradSync completes.
+  EXPECT_EQ(row_specs["bias"].grad_partial, sp && n > 1);
+  pt::PartialGradSync sync({{"bias", row.bias}}, {{"bias", row_specs["bias"]}}, tp);
+  sync.sync();
+  EXPECT_CLOSE(row.bias.grad(), b2r.grad(), "row bias gradient");
+}
+
+INSTANTIATE_TEST_SUITE_P(SequenceParallel, TpLayers, ::testing::Bool());
+
+TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
+  for (const int64_t pad_multiple : {1, 8}) {
+    auto tp = world_group(false, pad_multiple);
+    const int64_t n = tp->size(), vocab = 37, d = 6;  // 37 is prime: never divisible by tp > 1
+    auto table = randn({vocab, d}, 11);
+    auto tokens = at::tensor({0, 36, 5, 17, 36, 1, 30, 12}, at::kLong).view({2, 4});
+    tokens[1][3] = vocab - 1;
+
+    auto table_ref = table.clone().requires_grad_();
+    auto emb_ref = at::embedding(table_ref, tokens);
+    auto r = randn({2, 4, d}, 12);
+    (emb_ref * r).sum().backward();
+
+    pt::VocabParallelEmbedding emb(vocab, d, tp);
+    const auto spec = emb.shard_specs()["weight"];
+    EXPECT_EQ(spec.padded_size(), tp->padded_vocab(vocab));
+    EXPECT_EQ(spec.padded_size() % (pad_multiple * n), 0);
+    {
+      torch::NoGradGuard no_grad;
+      emb.weight.copy_(spec.shard(table, tp->rank(), n));
+    }
+    auto out = emb.forward(tokens);
+    EXPECT_CLOSE(out.detach(), emb_ref.detach(), "embedding output");
+    (out * r).sum().backward();  // replicated output: each rank's backward sees the whole grad
+    EXPECT_CLOSE(emb.weight.grad(), spec.shard(table_ref.grad(), tp->rank(), n),
+                 "embedding gradient (padded rows zero)");
+
+    // Cross-entropy over vocabulary shards; the padded columns hold huge values that would
+    // dominate the softmax if they were not masked.
+    auto logits = randn({2, 4, vocab}, 13) * 3;
+    auto logits_ref = logits.clone().requires_grad_();
+    auto loss_ref = at::cross_entropy_loss(logits_ref.view({-1, vocab}), tokens.view({-1}));
+    loss_ref.backward();
+    const int64_t padded = tp->padded_vocab(vocab), local = padded / n;
+    auto padded_logits = at::cat({logits, at::full({2, 4, padded - vocab}, 1e4)}, -1);
+    auto mine = padded_logits.narrow(-1, tp->rank() * local, local).clone().requires_grad_();
+    tp->stats().reset();
+    auto loss = pt::vocab_parallel_cross_entropy(mine, tokens, vocab, *tp);
+    EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>(), 1e-5 * loss_ref.item<double>());
+    EXPECT_EQ(tp->stats().loss_elements, n > 1 ? 3 * tokens.numel() : 0);
+    loss.backward();
+    auto grad_want = at::cat({logits_ref.grad(), at::zeros({2, 4, padded - vocab})}, -1)
+                         .narrow(-1, tp->rank() * local, local);
+    EXPECT_CLOSE(mine.grad(), grad_want, "cross-entropy gradient");
+  }
+}
+
+// --- Whole models against one process -----------------------------------------------------
+
+namespace {
+
+models::ModelConfig small_config(models::Family family, int64_t world_size) {
+  models::ModelConfig c;
+  c.family = family;
+  c.vocab_size = 101;  // prime: padded for every tp > 1
+  c.max_seq_len = 24;
+  c.d_model = 48;
+  c.n_layers = 2;
+  c.n_heads = 12;
+  c.d_ff = 96;
+  if (family == models::Family::kLlama) {
+    // Grouped-query attention: 2 kv heads are split at tp 2 and replicated at tp 4; tp 3 needs
+    // a count it divides or that divides it.
+    c.n_kv_heads = world_size == 3 ? 3 : 2;
+    c.tie_embeddings = false;
+  } else {
+    c.n_kv_heads = c.n_heads;
+  }
+  return c;
+}
+
+struct Case {
+  models::Family family;
+  bool sequence_parallel;
+  double dropout;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return fmt::format("{}{}{}", models::to_string(info.param.family),
+                     info.param.sequence_parallel ? "_sp" : "",
+                     info.param.dropout > 0 ? "_dropout" : "");
+}
+
+}  // namespace
+
+class TpModel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TpModel, LogitsLossAndEveryGradientEqualOneProcess) {
+  const auto [family, sp, dropout] = GetParam();
+  auto tp = world_group(sp);
+  auto config = small_config(family, tp->size());
+  config.dropout = dropout;
+  auto reference = models::make_model(config);
+  auto sharded = models::make_model(config, tp);
+  models::init_parameters(*reference, 42);
+  models::init_parameters(*sharded, 42);
+  // Initialization is layout-invariant: the shards assemble into the reference, bit for bit.
+  const auto assembled = models::gather_parameters(*sharded);
+  for (const auto& item : reference->named_parameters())
+    EXPECT_TRUE(at::equal(assembled.at(item.key()), item.value())) << item.key();
+
+  auto tokens = at::randint(0, config.vocab_size, {3, 12}, at::kLong);
+  auto targets = at::randint(0, config.vocab_size, {3, 12}, at::kLong);
+  world().broadcast(tokens, 0);
+  world().broadcast(targets, 0);
+  if (dropout > 0) {
+    reference->train();
+    sharded->train();
+  } else {
+    reference->eval();
+    sharded->eval();
+  }
+  // The same generator state for both forwards (dropout masks must not depend on tp).
+  auto seed = [] {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(7);
+  };
+
+  seed();
+  auto ref_loss = reference->loss(tokens, targets);
+  ref_loss.backward();
+  seed();
+  auto loss = sharded->loss(tokens, targets);
+  loss.backward();
+  EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
+
+  pt::PartialGradSync sync(
+      [&] {
+        pt::PartialGradSync::NamedParams p;
+        for (const auto& item : sharded->named_parameters())
+          p.emplace_back(item.key(), item.value());
+        return p;
+      }(),
+      sharded->shard_specs(), tp);
+  sync.sync();
+  for (const auto& item : reference->named_parameters()) {
+    const auto& name = item.key();
+    auto grad = models::gather_shard(*sharded, name, sharded->named_parameters()[name].grad());
+    EXPECT_CLOSE(grad, item.value().grad(), name + " gradient");
+  }
+  // The global gradient norm counts every distinct element once.
+  std::vector<at::Tensor> ref_params;
+  for (const auto& p : reference->parameters()) ref_params.push_back(p);
+  const double ref_norm = train::clip_grad_norm(ref_params, 0);
+  EXPECT_NEAR(train::clip_grad_norm(*sharded, 0), ref_norm, 1e-5 * ref_norm);
+
+  // Whole logits, gathered across tp (evaluation mode: no dropout).
+  reference->eval();
+  sharded->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_CLOSE(sharded->forward(tokens), reference->forward(tokens), "logits");
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TpModel,
+                         ::testing::Values(Case{models::Family::kGpt2, false, 0.0},
+                                           Case{models::Family::kGpt2, true, 0.0},
+                                           Case{models::Family::kLlama, false, 0.0},
+                                           Case{models::Family::kLlama, true, 0.0},
+                                           Case{models::Family::kGpt2, true, 0.2},
+                                           Case{models::Family::kLlama, false, 0.2}),
+                         case_name);
+
+TEST(TpModel, CommunicationVolumeMatchesTheFormula) {
+  for (const bool sp : {false, true}) {
+    auto tp = world_group(sp);
+    for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
+      auto config = small_config(family, tp->size());
+      auto model = models::make_model(config, tp);
+      models::init_parameters(*model, 1);
+      const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
+      auto tokens = at::zeros({b, s}, at::kLong);
+      tp->stats().reset();
+      model->loss(tokens, tokens).backward();
+      const auto& st = tp->stats();
+      // Per block: 2 region entries (attention, MLP) and 2 exits, each a b*s*h tensor, forward
+      // and backward; plus the embedding's exit and the head's entry.
+      const int64_t ops = (4 * layers + 2) * b * s * h;
+      if (tp->size() == 1) {
+        EXPECT_EQ(st.activation_elements(), 0);
+        EXPECT_EQ(st.ops, 0);
+      } else if (sp) {
+        EXPECT_EQ(st.all_gather_elements, ops);
+        EXPECT_EQ(st.reduce_scatter_elements, ops);
+        EXPECT_EQ(st.all_reduce_elements, 0);
+      } else {
+        EXPECT_EQ(st.all_reduce_elements, ops);
+        EXPECT_EQ(st.all_gather_elements + st.reduce_scatter_elements, 0);
+      }
+      if (tp->size() > 1) {
+        EXPECT_EQ(st.loss_elements, 3 * b * s);
+      }
+    }
+  }
+}
+
+TEST(TpModel, ShapesThatDoNotSplitAreClearErrors) {
+  if (world().size() == 1) GTEST_SKIP() << "tp = 1 splits every shape";
+  auto tp = world_group();
+  const int64_t n = tp->size();
+  auto config = small_config(models::Family::kLlama, n);
+  config.n_heads = n + 1;  // never divisible by n > 1
+  config.d_model = 4 * (n + 1);
+  config.n_kv_heads = n + 1;
+  auto msg = error_of([&] { models::make_model(config, tp); });
+  EXPECT_TRUE(contains(msg, fmt::format("n_heads {} is not divisible by tp {}", n + 1, n))) << msg;
+  if (n == 4) {
+    config = small_config(models::Family::kLlama, n);
+    config.n_kv_heads = 3;  // 12 heads, 3 kv heads, tp 4: neither divides the other
+    msg = error_of([&] { models::make_model(config, tp); });
+    EXPECT_TRUE(contains(msg, "n_kv_heads 3 and tp 4 must divide one another")) << msg;
+  }
+  config = small_config(models::Family::kGpt2, n);
+  auto sp_model = models::make_model(config, world_group(true));
+  msg = error_of([&] { sp_model->forward(at::zeros({1, n + 1}, at::kLong)); });
+  EXPECT_TRUE(contains(msg, fmt::format("length {} is not divisible by tp {}", n + 1, n))) << msg;
+}
+
+// --- Training over dp x tp against one process --------------------------------------------
+
+namespace {
+
+train::TrainConfig tp_config(const fs::path& dir, const std::string& model) {
+  train::TrainConfig c;
+  c.model = model;
+  c.preset = model == "gpt2" ? "gpt2-tiny" : "llama-tiny";
+  c.vocab_size = 257;  // the byte data uses ids < 256; 257 makes tp pad the vocabulary
+  c.data = (dir / "train.bin").string();
+  c.val_data = (dir / "val.bin").string();
+  c.seq_len = 32;
+  c.batch_size = 8;
+  c.steps = 3;
+  c.lr = 3e-3;
+  c.warmup_steps = 1;
+  c.log_every = 1000;
+  c.eval_batches = 1;
+  return c;
+}
+
+}  // namespace
+
+TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks (tp 2, dp x tp = 2 x 2, tp 4)";
+  loom::testing::SharedTempDir dir;
+  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
+  world().barrier();
+  struct Layout {
+    const char* model;
+    int64_t tp;
+    bool sp;
+    int64_t grad_accum;
+  };
+  std::vector<Layout> layouts = {{"gpt2", 2, false, 2}, {"llama", 2, true, 1}};
+  if (n == 4) layouts.insert(layouts.end(), {{"gpt2", 4, true, 1}, {"llama", 4, false, 2}});
+  std::map<std::string, loom::testing::RunResult> single;
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(fmt::format("{} tp {} dp {}{} accum {}", layout.model, layout.tp, n / layout.tp,
+                             layout.sp ? " sp" : "", layout.grad_accum));
+    auto config = tp_config(dir.path(), layout.model);
+    config.grad_accum = layout.grad_accum;
+    config.dropout = 0.0;
+    const auto key = fmt::format("{}{}", layout.model, layout.grad_accum);
+    if (!single.count(key)) {
+      train::Trainer t(config);
+      single[key] = loom::testing::run(t);
+    }
+    config.tp = layout.tp;
+    config.sequence_parallel = layout.sp;
+    config.export_hf = (dir / fmt::format("hf_{}_{}", layout.model, layout.tp)).string();
+    train::Trainer t(config, loom::testing::runtime().mesh({.tp = layout.tp}));
+    EXPECT_EQ(t.mesh().size(dist::Dim::dp), n / layout.tp);
+    auto distributed = loom::testing::run(t);
+    loom::testing::expect_same_run(distributed, single[key], 1e-5);
+
+    // The export holds the single-process model: its logits are the sharded model's.
+    t.fit();  // already at the last step: only exports
+    auto tokens = at::randint(0, 256, {2, 16}, at::kLong);
+    world().broadcast(tokens, 0);
+    torch::NoGradGuard no_grad;
+    t.model().eval();
+    auto logits = t.model().forward(tokens);
+    if (world().rank() == 0) {
+      auto exported = models::load_hf(config.export_hf);
+      exported->eval();
+      EXPECT_CLOSE(exported->forward(tokens), logits, "exported logits");
+      EXPECT_EQ(exported->config().vocab_size, 257);
+    }
+    world().barrier();
+  }
+}
+
+TEST(TrainerTp, CheckpointAtTpResumesAtAnotherTp) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks";
+  loom::testing::SharedTempDir dir;
+  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
+  world().barrier();
+  auto config = tp_config(dir.path(), "llama");
+  config.steps = 4;
+  config.lr_decay_steps = 4;  // the first half stops at step 2 on the same schedule
+  loom::testing::RunResult straight;
+  {
+    train::Trainer t(config);
+    straight = loom::testing::run(t);
+  }
+  // Two steps at tp = n (checkpoint), then two more at tp = n / 2 with dp = 2 from it.
+  auto first = config;
+  first.tp = n;
+  first.save_dir = (dir / "ckpt").string();
+  first.save_every = 2;
+  first.steps = 2;
+  {
+    train::Trainer t(first, loom::testing::runtime().mesh({.tp = n}));
+    t.fit();
+  }
+  auto second = config;
+  second.tp = n / 2;
+  second.resume = (dir / "ckpt").string();
+  train::Trainer t(second, loom::testing::runtime().mesh({.tp = n / 2}));
+  EXPECT_EQ(t.step(), 2);
+  auto resumed = loom::testing::run(t);
+  resumed.losses.insert(resumed.losses.begin(), straight.losses.begin(),
+                        straight.losses.begin() + 2);
+  loom::testing::expect_same_run(resumed, straight, 1e-5);
+}
+
+TEST(TrainerTp, TpThatDoesNotDivideTheHeadsIsAClearError) {
+  if (world().size() != 3) GTEST_SKIP() << "needs 3 ranks (gpt2-tiny has 4 heads)";
+  loom::testing::SharedTempDir dir;
+  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
+  world().barrier();
+  auto config = tp_config(dir.path(), "gpt2");
+  config.tp = 3;
+  config.batch_size = 3;
+  const auto msg =
+      error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 3})); });
+  EXPECT_TRUE(contains(msg, "n_heads 4 is not divisible by tp 3")) << msg;
+}
