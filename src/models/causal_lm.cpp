@@ -44,11 +44,12 @@ at::Tensor CausalLM::forward(const at::Tensor& tokens) {
 }
 
 at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
+             targets.sizes(), tokens.sizes());
+  check_ids(targets, "target");
   auto logits = logits_shard(tokens);
   if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
     return next_token_loss(logits, targets);
-  LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
-             targets.sizes(), tokens.sizes());
   return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
 }
 
@@ -64,6 +65,17 @@ const pt::ShardSpec& CausalLM::shard_spec(const std::string& name) const {
   return it->second;
 }
 
+void CausalLM::check_ids(const at::Tensor& ids, const char* what) const {
+  // On the CPU only: on a GPU this would stall the stream every forward (the embedding's
+  // device-side check catches ids >= vocab there). Vocabulary-parallel lookups and padded
+  // heads would otherwise turn a bad id into a silent zero embedding or a loss without target.
+  if (!ids.is_cpu() || ids.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(ids);
+  LOOM_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config_.vocab_size,
+             "{} ids must be in [0, {}) (the vocabulary); got ids from {} to {}", what,
+             config_.vocab_size, lo.item<int64_t>(), hi.item<int64_t>());
+}
+
 void CausalLM::check_tokens(const at::Tensor& tokens) const {
   LOOM_CHECK(tokens.dim() == 2, "model input must be [batch, seq] token ids; got shape {}",
              tokens.sizes());
@@ -72,6 +84,7 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
   LOOM_CHECK(tokens.size(1) <= config_.max_seq_len,
              "sequence length {} exceeds the model's max_seq_len {}", tokens.size(1),
              config_.max_seq_len);
+  check_ids(tokens, "token");
   LOOM_CHECK(!tp_->sequence_parallel() || tokens.size(1) % tp_->size() == 0,
              "sequence parallelism splits the sequence: length {} is not divisible by tp {}",
              tokens.size(1), tp_->size());
@@ -90,23 +103,24 @@ void init_parameters(CausalLM& model, uint64_t seed) {
     auto param = item.value();
     const auto rule = model.init_for(name);
     const auto& spec = model.shard_spec(name);
+    // The whole single-process tensor, in fp32 on the CPU (the same values for every dtype,
+    // device and tp), then this rank's shard of it (padding rows zero).
+    const auto shape = spec.full_shape(param.sizes(), tp);
+    at::Tensor values;
     switch (rule.kind) {
       case ParamInit::Kind::kZeros:
-        param.zero_();
+        values = at::zeros(shape, at::kFloat);
         break;
       case ParamInit::Kind::kOnes:
-        param.fill_(1.0);
+        values = at::ones(shape, at::kFloat);
         break;
       case ParamInit::Kind::kNormal: {
-        // Drawn in fp32 on the CPU so the values are the same for every dtype and device.
-        // The whole single-process tensor, then this rank's shard of it.
         auto gen = core::make_generator(core::mix_seed({seed, core::stable_hash(name)}));
-        auto values =
-            at::empty(spec.full_shape(param.sizes(), tp), at::kFloat).normal_(0.0, rule.std, gen);
-        param.copy_(spec.shard(values, rank, tp));
+        values = at::empty(shape, at::kFloat).normal_(0.0, rule.std, gen);
         break;
       }
     }
+    param.copy_(spec.shard(values, rank, tp));
   }
 }
 

@@ -25,7 +25,8 @@ using nlohmann::json;
 
 namespace {
 
-// The checkpoint entry holding data-parallel rank r's dropout generator.
+// The checkpoint entry holding data-parallel rank r's dropout generator (TpGroup::generator(),
+// the same on the tp ranks of a replica).
 std::string rng_key(int64_t dp_rank) {
   return dp_rank == 0 ? "rng.cpu" : fmt::format("rng.cpu.dp{}", dp_rank);
 }
@@ -205,10 +206,10 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       named_parameters(*model_),
       AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
   if (!resume) {
-    // Dropout draws from the process-wide CPU generator: seed it, so that two runs with the
-    // same flags are the same run (a resume restores its saved state instead).
-    // Data-parallel ranks draw different masks for their different samples.
-    auto gen = at::detail::getDefaultCPUGenerator();
+    // Dropout draws from the model's generator: seed it, so that two runs with the same flags
+    // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
+    // different masks for their different samples; the tp ranks of a replica draw alike.
+    auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(dp_size() > 1
                              ? core::mix_seed({config_.seed, core::stable_hash("dropout"),
@@ -222,11 +223,11 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       const auto param = param_of_state_key(key, *model_);
       if (param.empty()) continue;
       const auto& spec = model_->shard_spec(param);
-      if (spec.sharded()) tensor = spec.shard(tensor, tp_rank(), tp_size());
+      if (spec.sharded()) tensor = spec.shard(tensor, model_->tp().rank(), model_->tp().size());
     }
     optimizer_->load_state(opt_state);
     step_ = resume->step;
-    auto gen = at::detail::getDefaultCPUGenerator();
+    auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     auto rng = resume->optimizer.find(rng_key(dp_rank()));
     if (rng != resume->optimizer.end()) {
@@ -368,7 +369,7 @@ fs::path Trainer::save_checkpoint() {
   // are gathered, then rank 0 writes everything while the others wait for the outcome.
   core::NamedTensors rng_states;
   {
-    auto gen = at::detail::getDefaultCPUGenerator();
+    auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng_states.emplace_back(rng_key(0), gen.get_state());
   }
@@ -378,12 +379,17 @@ fs::path Trainer::save_checkpoint() {
     mesh_->comm(dist::Dim::dp).all_gather(all, mine);
     for (int64_t r = 1; r < dp_size(); ++r) rng_states.emplace_back(rng_key(r), all[r].clone());
   }
-  // Checkpoints hold single-process tensors, whatever tp is: every rank helps assemble them.
-  const auto params = models::gather_parameters(*model_);
-  auto opt_state = optimizer_->state();
-  for (auto& [key, tensor] : opt_state) {
-    const auto param = param_of_state_key(key, *model_);
-    if (!param.empty()) tensor = models::gather_shard(*model_, param, tensor);
+  // Checkpoints hold single-process tensors, whatever tp is: the tp ranks of replica 0 assemble
+  // them (the other replicas hold the same values and skip the work and the memory).
+  std::map<std::string, at::Tensor> params;
+  core::NamedTensors opt_state;
+  if (dp_rank() == 0) {
+    params = models::gather_parameters(*model_);
+    opt_state = optimizer_->state();
+    for (auto& [key, tensor] : opt_state) {
+      const auto param = param_of_state_key(key, *model_);
+      if (!param.empty()) tensor = models::gather_shard(*model_, param, tensor);
+    }
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::exception_ptr failure;
@@ -405,18 +411,22 @@ fs::path Trainer::save_checkpoint() {
       failure = std::current_exception();
     }
   }
+  share_rank0_outcome(failure,
+                      fmt::format("write checkpoint step {} into '{}'", step_, config_.save_dir));
+  return dir;
+}
+
+void Trainer::share_rank0_outcome(const std::exception_ptr& failure, const std::string& what) {
   if (mesh_->world_size() > 1) {
     // However long the write takes, the others wait for it (not the watchdog's limit), and they
     // learn whether it failed rather than hanging in the next collective.
     auto outcome = at::full({1}, failure ? 1 : 0, at::kInt);
     dist::ScopedTimeout patient(mesh_->world(), dist::Seconds(24 * 3600.0));
     mesh_->world().broadcast(outcome, 0);
-    LOOM_CHECK(is_rank0() || outcome.item<int>() == 0,
-               "rank 0 failed to write checkpoint step {} into '{}' (its error says why)", step_,
-               config_.save_dir);
+    LOOM_CHECK(is_rank0() || outcome.item<int>() == 0, "rank 0 failed to {} (its error says why)",
+               what);
   }
   if (failure) std::rethrow_exception(failure);
-  return dir;
 }
 
 void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_s) const {
@@ -466,14 +476,23 @@ StepResult Trainer::fit() {
       save_checkpoint();
   }
   if (!config_.export_hf.empty()) {
-    // Assembled from the shards on every rank, written by rank 0 as the single-process model.
-    const auto params = models::gather_parameters(*model_);
+    // Assembled from the shards by replica 0's tp ranks, written by rank 0 as the
+    // single-process model.
+    std::map<std::string, at::Tensor> params;
+    if (dp_rank() == 0) params = models::gather_parameters(*model_);
+    std::exception_ptr failure;
     if (is_rank0()) {
-      auto whole = models::make_model(model_->config());
-      models::load_parameters(*whole, params, "the trained model");
-      models::save_hf(*whole, config_.export_hf);
-      spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+      try {
+        auto whole = models::make_model(model_->config());
+        models::load_parameters(*whole, params, "the trained model");
+        models::save_hf(*whole, config_.export_hf);
+        spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+      } catch (...) {
+        failure = std::current_exception();
+      }
     }
+    share_rank0_outcome(failure,
+                        fmt::format("export the Hugging Face model to '{}'", config_.export_hf));
   }
   return last;
 }

@@ -3,7 +3,9 @@
 #  1. a rank that skips a collective: the watchdog aborts the job within seconds, naming the op,
 #     the group, its sequence number, the rank and the tensor;
 #  2. a mesh that does not fit the world: every rank exits with status 2 and the numbers;
-#  3. the same training run on 1 and on 2 ranks writes the same losses (one metrics file).
+#  3. the same training run on 1 and on 2 ranks writes the same losses (one metrics file), as
+#     data-parallel replicas and as tensor-parallel (+ sequence-parallel) shards;
+#  4. a --tp that does not divide the heads or the world: status 2 and the numbers.
 set -uo pipefail
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -56,4 +58,31 @@ for x, y in zip(a, b):
 print("ok: 1-rank and 2-rank losses agree:", [round(x["loss"], 6) for x in a])
 PY
 then say "FAIL: losses differ between 1 and 2 ranks"; fail=1; fi
+"$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m3.jsonl" --tp 2 --sequence-parallel \
+  --pad-vocab-multiple 8 --export-hf "$work/hf_tp2" || { say "FAIL: 2-rank tp run"; fail=1; }
+if ! python3 - "$work/m1.jsonl" "$work/m3.jsonl" "$work/hf_tp2/config.json" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 3, (len(a), len(b))
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+vocab = json.load(open(sys.argv[3]))["vocab_size"]
+assert vocab == 256, vocab  # the byte vocabulary, not the padded 272
+print("ok: tp 2 + sequence parallel losses agree with 1 rank:", [round(y["loss"], 6) for y in b])
+PY
+then say "FAIL: tp 2 losses differ from 1 rank (or the export is padded)"; fail=1; fi
+
+# 4. Tensor-parallel sizes that cannot be.
+out=$("$MPIEXEC" -np 2 "${run[@]}" --tp 3 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "tp 3" <<< "$out"; then
+  say "FAIL: --tp 3 on 2 ranks -> status $status: $out"; fail=1
+else say "ok: --tp 3 on 2 ranks rejected with status 2"; fi
+out=$("$MPIEXEC" -np 2 "$TOOLS/loom-pretrain" --data "$work/data/train.bin" --steps 3 --seq-len 15 \
+  --batch-size 4 --model llama --preset llama-tiny --tp 2 --sequence-parallel 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "seq-len 15 is not divisible by --tp 2" <<< "$out"; then
+  say "FAIL: --seq-len 15 --tp 2 --sequence-parallel -> status $status: $out"; fail=1
+else say "ok: a sequence tp cannot split rejected with status 2"; fi
 exit $fail

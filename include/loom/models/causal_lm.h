@@ -50,6 +50,8 @@ class CausalLM : public torch::nn::Module {
 
  protected:
   void check_tokens(const at::Tensor& tokens) const;
+  // Ids in [0, vocab_size); `what` names them in the error ("token", "target").
+  void check_ids(const at::Tensor& ids, const char* what) const;
   // Heads and widths tp must divide, checked with messages that name them.
   void check_divisible_by_tp() const;
 

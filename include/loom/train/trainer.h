@@ -64,11 +64,13 @@ class Trainer {
  private:
   void resume_from(const std::filesystem::path& path);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
+  // After rank 0 wrote something (checkpoint, export) while the others waited: every rank
+  // learns whether it worked; rank 0 rethrows its error, the others throw naming `what`.
+  void share_rank0_outcome(const std::exception_ptr& failure, const std::string& what);
 
   int64_t dp_size() const { return mesh_->size(dist::Dim::dp); }
   int64_t dp_rank() const { return mesh_->coord(dist::Dim::dp); }
   int64_t tp_size() const { return mesh_->size(dist::Dim::tp); }
-  int64_t tp_rank() const { return mesh_->coord(dist::Dim::tp); }
   bool is_rank0() const { return mesh_->rank() == 0; }
 
   TrainConfig config_;

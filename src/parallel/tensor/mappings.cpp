@@ -21,7 +21,12 @@ void count(TpGroup& tp, int64_t TpCommStats::*field, const at::Tensor& whole) {
 }
 
 int64_t normalize_dim(const at::Tensor& x, int64_t dim) {
-  return dim < 0 ? dim + x.dim() : dim;
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  LOOM_CHECK(d >= 0 && d < x.dim(),
+             "tensor-parallel collective: dim {} is out of range for a "
+             "tensor of shape {}",
+             dim, x.sizes());
+  return d;
 }
 
 void check_divisible(const at::Tensor& x, TpGroup& tp, int64_t dim, const char* op) {

@@ -14,7 +14,7 @@ at::Tensor sharded_dropout_mask(at::IntArrayRef local_shape, const at::TensorOpt
   const bool sliced = dim >= 0 && tp.size() > 1;
   if (sliced) shape.at(static_cast<size_t>(dim)) *= tp.size();
   // Drawn in fp32 on the CPU whatever x is, so the draws are the same for every dtype.
-  auto keep = at::empty(shape, at::kFloat).bernoulli_(1.0 - p);
+  auto keep = at::empty(shape, at::kFloat).bernoulli_(1.0 - p, tp.generator());
   if (sliced) keep = keep.narrow(dim, tp.rank() * local_shape[dim], local_shape[dim]);
   return keep.div_(1.0 - p).to(options);
 }

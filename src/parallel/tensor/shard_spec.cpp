@@ -79,6 +79,7 @@ void ShardSpec::check(int64_t tp, const std::string& what) const {
 
 at::Tensor ShardSpec::shard(const at::Tensor& full_tensor, int64_t rank, int64_t tp) const {
   if (!sharded() || (tp == 1 && padded_size() == full)) return full_tensor.contiguous();
+  LOOM_CHECK(rank >= 0 && rank < tp, "shard: rank {} is not in [0, tp = {})", rank, tp);
   LOOM_CHECK(full_tensor.dim() > dim && full_tensor.size(dim) == full,
              "cannot shard a tensor of shape {} along dim {}: expected size {} ({})",
              full_tensor.sizes(), dim, full, describe());
@@ -102,6 +103,10 @@ at::Tensor ShardSpec::unshard(const std::vector<at::Tensor>& pieces) const {
   if (!sharded()) return pieces[0];
   const int64_t reps = replicas(tp);
   const int64_t rows = local_size(tp) / parts;
+  for (const auto& piece : pieces)
+    LOOM_CHECK(piece.dim() > dim && piece.size(dim) == local_size(tp),
+               "unshard: a piece of shape {} does not hold {} rows along dim {} ({} over tp = {})",
+               piece.sizes(), local_size(tp), dim, describe(), tp);
   std::vector<at::Tensor> out;
   for (int64_t p = 0; p < parts; ++p)
     for (int64_t r = 0; r < tp; r += reps)

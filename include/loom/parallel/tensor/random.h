@@ -1,12 +1,13 @@
 #pragma once
 // Dropout that does not depend on how a tensor is split. Megatron forks a separate generator
 // per tensor-parallel rank for dropout inside TP regions, so its masks (and results) change
-// with tp. loom instead draws the mask of the whole logical tensor from the default CPU
-// generator and keeps this rank's slice: the tp ranks of one data-parallel replica share that
-// generator's seed and make the same draws, so their generators stay in lockstep, each rank
-// applies exactly the slice the single-process model would, and training with dropout is the
-// same at every tp (and with or without sequence parallelism). The cost is drawing the whole
-// mask on every rank.
+// with tp. loom instead draws the mask of the whole logical tensor from the group's generator
+// (TpGroup::generator()) and keeps this rank's slice: the tp ranks of one data-parallel replica
+// seed that generator alike and make the same draws, so their generators stay in lockstep, each
+// rank applies exactly the slice the single-process model would, and training with dropout is
+// the same at every tp (and with or without sequence parallelism). The cost: every rank draws
+// the whole mask (on the CPU), and attention with dropout runs the math path with an explicit
+// [b, h, s, s] mask. Pretraining recipes use dropout 0, where none of this runs.
 #include <ATen/core/Tensor.h>
 
 #include "loom/parallel/tensor/tp_group.h"

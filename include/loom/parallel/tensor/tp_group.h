@@ -2,6 +2,8 @@
 // The tensor-parallel group a model is sharded over: its communicator (none at tp = 1, where
 // every parallel layer runs as its plain twin with no collective), whether sequence
 // parallelism is on, how the vocabulary is padded, and a count of what the TP collectives move.
+#include <ATen/core/Generator.h>
+
 #include <cstdint>
 #include <memory>
 
@@ -58,10 +60,17 @@ class TpGroup {
   TpCommStats& stats() { return stats_; }
   const TpCommStats& stats() const { return stats_; }
 
+  // The generator every dropout of the model draws from (see random.h). Its own, not the
+  // process-wide one, so that a random draw elsewhere on some ranks (a model built on rank 0
+  // only, user code) cannot put the tp ranks' masks out of step. Seed it the same on every tp
+  // rank of a replica (the Trainer does, and saves it in checkpoints); default seed 0.
+  at::Generator& generator() { return generator_; }
+
  private:
   dist::CommunicatorPtr comm_;
   TpOptions options_;
   TpCommStats stats_;
+  at::Generator generator_;
 };
 
 using TpGroupPtr = std::shared_ptr<TpGroup>;
