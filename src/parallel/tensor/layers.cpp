@@ -15,11 +15,16 @@ at::Tensor zeros(std::vector<int64_t> shape) {
   return at::zeros(shape);
 }
 
+// A layer built without a group is its single-process twin.
+TpGroupPtr or_single(TpGroupPtr tp) {
+  return tp ? std::move(tp) : std::make_shared<TpGroup>();
+}
+
 }  // namespace
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp,
                                            ColumnParallelOptions options, const std::string& what)
-    : tp_(std::move(tp)) {
+    : tp_(or_single(std::move(tp))) {
   spec_.dim = 0;
   spec_.full = out;
   spec_.padded = options.padded_out;
@@ -43,7 +48,7 @@ std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
 
 RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, bool bias_on,
                                      int64_t units, const std::string& what)
-    : tp_(std::move(tp)) {
+    : tp_(or_single(std::move(tp))) {
   spec_.dim = 1;
   spec_.full = in;
   spec_.units = units;
@@ -72,7 +77,7 @@ std::map<std::string, ShardSpec> RowParallelLinear::shard_specs() const {
 }
 
 VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, TpGroupPtr tp)
-    : tp_(std::move(tp)) {
+    : tp_(or_single(std::move(tp))) {
   spec_.dim = 0;
   spec_.full = vocab;
   const int64_t padded = tp_->padded_vocab(vocab);
@@ -99,14 +104,13 @@ std::map<std::string, ShardSpec> VocabParallelEmbedding::shard_specs() const {
 std::map<std::string, ShardSpec> collect_shard_specs(const torch::nn::Module& root,
                                                      bool sequence_parallel) {
   std::map<std::string, ShardSpec> out;
-  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
-    const auto& prefix = item.key();
-    const auto* sharded = dynamic_cast<const ShardedModule*>(item.value().get());
-    for (const auto& param : item.value()->named_parameters(/*recurse=*/false)) {
+  auto add = [&](const std::string& prefix, const torch::nn::Module& module) {
+    const auto* sharded = dynamic_cast<const ShardedModule*>(&module);
+    const auto specs = sharded ? sharded->shard_specs() : std::map<std::string, ShardSpec>{};
+    for (const auto& param : module.named_parameters(/*recurse=*/false)) {
       const auto name = prefix.empty() ? param.key() : prefix + "." + param.key();
       ShardSpec spec;
       if (sharded) {
-        auto specs = sharded->shard_specs();
         auto it = specs.find(param.key());
         LOOM_CHECK(it != specs.end(), "parallel module '{}' has no layout for parameter '{}'",
                    prefix, param.key());
@@ -116,7 +120,11 @@ std::map<std::string, ShardSpec> collect_shard_specs(const torch::nn::Module& ro
       }
       out.emplace(name, spec);
     }
-  }
+  };
+  // The root by reference (it may live on the stack), then its descendants.
+  add("", root);
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    add(item.key(), *item.value());
   return out;
 }
 

@@ -9,7 +9,7 @@
 // read the same input, e.g. Llama's q/k/v or gate/up), and its output stays sharded. A
 // row-parallel layer splits its input features, takes the sharded activation, and leaves the
 // region itself (all-reduce, or reduce-scatter along the sequence) before adding its bias,
-// so the bias is added once.
+// so the bias is added once. A layer given no group (null) is built for tp = 1.
 #include <torch/nn/module.h>
 
 #include <map>
