@@ -15,16 +15,14 @@
 #include <nlohmann/json.hpp>
 
 #include "../examples/common/app_main.h"
+#include "bench_util.h"
 #include "loom/loom.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using loom::bench::median;
 
 }  // namespace
 

@@ -21,16 +21,14 @@
 #include <nlohmann/json.hpp>
 
 #include "../examples/common/app_main.h"
+#include "bench_util.h"
 #include "loom/loom.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using loom::bench::median;
 
 }  // namespace
 
@@ -55,6 +53,9 @@ int main(int argc, char** argv) {
     auto world = runtime->world();
     const int64_t n = world->size();
     LOOM_CHECK(batch % n == 0, "--batch-size {} must be divisible by the {} ranks", batch, n);
+    LOOM_CHECK(seq_len % n == 0,
+               "--seq-len {} must be divisible by the {} ranks (sequence parallelism splits it)",
+               seq_len, n);
     auto config = loom::models::ModelConfig::preset(preset);
     config.vocab_size = vocab;
     config.n_layers = layers;

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <random>
 
+#include "../test_util.h"
 #include "loom/dist/runtime.h"
 
 namespace loom::testing {
@@ -49,5 +50,12 @@ class SharedTempDir {
  private:
   std::filesystem::path path_;
 };
+
+// Rank 0 writes the byte-level corpus (train.bin, val.bin, tokenizer meta) into `dir`; every
+// rank returns once it is there.
+inline void write_shared_corpus(const SharedTempDir& dir, size_t train_bytes, size_t val_bytes) {
+  if (world().rank() == 0) write_corpus_data(dir.path(), train_bytes, val_bytes);
+  world().barrier();
+}
 
 }  // namespace loom::testing

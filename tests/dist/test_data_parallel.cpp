@@ -182,8 +182,7 @@ class TrainerDp : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 60000, 4000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 60000, 4000);
   const auto config = dp_config(dir.path(), GetParam());
   RunResult single;
   {
@@ -209,8 +208,7 @@ INSTANTIATE_TEST_SUITE_P(GradAccum, TrainerDp, ::testing::Values(1, 2));
 
 TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact) {
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 60000, 4000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 60000, 4000);
   auto mesh = loom::testing::runtime().mesh({});
   auto config = dp_config(dir.path(), 1);
   config.metrics_out = (dir / "metrics.jsonl").string();
@@ -246,8 +244,7 @@ TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact)
 TEST(TrainerDp, ABatchThatDoesNotSplitIsRejectedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "any batch splits over one rank";
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 20000, 2000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 20000, 2000);
   auto config = dp_config(dir.path(), 1);
   config.batch_size = world().size() + 1;
   const auto msg = error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({})); });
@@ -269,8 +266,7 @@ TEST(BatchShard, SharesAreContiguousAndCoverTheBatch) {
 
 TEST(TrainerDp, ACheckpointRank0CannotWriteFailsOnEveryRank) {
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 20000, 2000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 20000, 2000);
   auto config = dp_config(dir.path(), 1);
   config.save_dir = (dir / "ckpt").string();
   train::Trainer t(config, loom::testing::runtime().mesh({}));

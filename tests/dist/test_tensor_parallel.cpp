@@ -445,8 +445,7 @@ TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
   const int64_t n = world().size();
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks (tp 2, dp x tp = 2 x 2, tp 4)";
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
   struct Layout {
     const char* model;
     int64_t tp;
@@ -513,8 +512,7 @@ TEST(TrainerTp, CheckpointAtTpResumesAtAnotherTp) {
   const int64_t n = world().size();
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks";
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
   auto config = tp_config(dir.path(), "llama");
   config.steps = 4;
   config.lr_decay_steps = 4;  // the first half stops at step 2 on the same schedule
@@ -547,8 +545,7 @@ TEST(TrainerTp, CheckpointAtTpResumesAtAnotherTp) {
 TEST(TrainerTp, TpThatDoesNotDivideTheHeadsIsAClearError) {
   if (world().size() != 3) GTEST_SKIP() << "needs 3 ranks (gpt2-tiny has 4 heads)";
   loom::testing::SharedTempDir dir;
-  if (world().rank() == 0) loom::testing::write_corpus_data(dir.path(), 30000, 4000);
-  world().barrier();
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
   auto config = tp_config(dir.path(), "gpt2");
   config.tp = 3;
   config.batch_size = 3;

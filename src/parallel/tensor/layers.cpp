@@ -62,8 +62,12 @@ RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, boo
 }
 
 at::Tensor RowParallelLinear::forward(const at::Tensor& x) {
+  const auto b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  if (tp_->size() == 1) return at::linear(x, weight, b);  // exactly nn::Linear
+  // The bias is added once, after the sum, in the activation's dtype (bf16 under autocast, as
+  // nn::Linear would).
   auto y = exit_tp_region(at::linear(x, weight), *tp_, 1);
-  return bias.defined() ? y + bias : y;
+  return b ? y + b->to(y.scalar_type()) : y;
 }
 
 std::map<std::string, ShardSpec> RowParallelLinear::shard_specs() const {

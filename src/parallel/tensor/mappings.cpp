@@ -64,57 +64,26 @@ struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
-// All-gather along dim | own chunk.
-struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+// A collective along a dimension forward and its dual backward (both plain functions below).
+using DimOp = at::Tensor (*)(const at::Tensor&, TpGroup&, int64_t);
+
+template <DimOp Forward, DimOp Backward>
+struct DimMapping : torch::autograd::Function<DimMapping<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp, int64_t dim) {
     ctx->saved_data["tp"] = tp;
     ctx->saved_data["dim"] = dim;
-    return all_gather_along(x, *reinterpret_cast<TpGroup*>(tp), dim);
+    return Forward(x, *reinterpret_cast<TpGroup*>(tp), dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {chunk_along(g[0], unpack(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+    return {Backward(g[0], unpack(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
             at::Tensor()};
   }
 };
 
-// All-gather along dim | reduce-scatter along dim.
-struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp, int64_t dim) {
-    ctx->saved_data["tp"] = tp;
-    ctx->saved_data["dim"] = dim;
-    return all_gather_along(x, *reinterpret_cast<TpGroup*>(tp), dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {reduce_scatter_along(g[0], unpack(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-// Reduce-scatter along dim | all-gather along dim.
-struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp, int64_t dim) {
-    ctx->saved_data["tp"] = tp;
-    ctx->saved_data["dim"] = dim;
-    return reduce_scatter_along(x, *reinterpret_cast<TpGroup*>(tp), dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], unpack(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-// Own chunk along dim | all-gather along dim.
-struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp, int64_t dim) {
-    ctx->saved_data["tp"] = tp;
-    ctx->saved_data["dim"] = dim;
-    return chunk_along(x, *reinterpret_cast<TpGroup*>(tp), dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {all_gather_along(g[0], unpack(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
-            at::Tensor()};
-  }
-};
+using GatherFromRegion = DimMapping<all_gather_along, chunk_along>;
+using GatherFromSequence = DimMapping<all_gather_along, reduce_scatter_along>;
+using ReduceScatterToSequence = DimMapping<reduce_scatter_along, all_gather_along>;
+using ScatterToSequence = DimMapping<chunk_along, all_gather_along>;
 
 }  // namespace
 
