@@ -77,8 +77,10 @@ void init_parameters(CausalLM& model, uint64_t seed);
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source);
 
-// Single-process copies of every parameter (vocabulary padding dropped), assembled from the
-// shards. Collective over the model's tp group: every rank of it must call this.
+// Every parameter in its single-process shape (vocabulary padding dropped), assembled from the
+// shards. Sharded parameters come back as new tensors; replicated ones as detached aliases of
+// the live parameters (clone them to keep a snapshot). Collective over the model's tp group:
+// every rank of it must call this.
 std::map<std::string, at::Tensor> gather_parameters(const CausalLM& model);
 
 // A tensor holding a shard of parameter `name` (its optimizer moments, say), made whole the
