@@ -401,22 +401,28 @@ TEST(TpModel, ShapesThatDoNotSplitAreClearErrors) {
     msg = error_of([&] { models::make_model(config, tp); });
     EXPECT_TRUE(contains(msg, "n_kv_heads 3 and tp 4 must divide one another")) << msg;
   }
-  // Ids outside the vocabulary would become zero embeddings or targets without a logit: errors.
   config = small_config(models::Family::kGpt2, n);
+  auto sp_model = models::make_model(config, world_group(true));
+  msg = error_of([&] { sp_model->forward(at::zeros({1, n + 1}, at::kLong)); });
+  EXPECT_TRUE(contains(msg, fmt::format("length {} is not divisible by tp {}", n + 1, n))) << msg;
+}
+
+TEST(TpModel, IdsOutsideTheVocabularyAreClearErrors) {
+  // Vocabulary-parallel lookups and padded heads would turn them into zero embeddings or loss
+  // terms without a target; every rank refuses them before any collective (tp = 1 included).
+  auto tp = world_group(false, 4);  // padded at every tp
+  auto config = small_config(models::Family::kGpt2, tp->size());
   auto model = models::make_model(config, tp);
   auto ids = at::zeros({1, 4}, at::kLong);
   auto bad = ids.clone();
   bad[0][2] = config.vocab_size;
-  msg = error_of([&] { model->loss(bad, ids); });
+  auto msg = error_of([&] { model->loss(bad, ids); });
   EXPECT_TRUE(
       contains(msg, "token ids must be in [0, 101) (the vocabulary); got ids from 0 to 101"))
       << msg;
   bad[0][2] = -100;
   msg = error_of([&] { model->loss(ids, bad); });
   EXPECT_TRUE(contains(msg, "target ids must be in [0, 101)")) << msg;
-  auto sp_model = models::make_model(config, world_group(true));
-  msg = error_of([&] { sp_model->forward(at::zeros({1, n + 1}, at::kLong)); });
-  EXPECT_TRUE(contains(msg, fmt::format("length {} is not divisible by tp {}", n + 1, n))) << msg;
 }
 
 // --- Training over dp x tp against one process --------------------------------------------
