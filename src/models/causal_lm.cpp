@@ -105,7 +105,7 @@ void init_parameters(CausalLM& model, uint64_t seed) {
     const auto& spec = model.shard_spec(name);
     // The whole single-process tensor, in fp32 on the CPU (the same values for every dtype,
     // device and tp), then this rank's shard of it (padding rows zero).
-    const auto shape = spec.full_shape(param.sizes(), tp);
+    const auto shape = spec.full_shape(param.sizes());
     at::Tensor values;
     switch (rule.kind) {
       case ParamInit::Kind::kZeros:
@@ -132,7 +132,7 @@ void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& t
     auto it = tensors.find(item.key());
     LOOM_CHECK(it != tensors.end(), "'{}' has no tensor '{}'", source, item.key());
     const auto& spec = model.shard_spec(item.key());
-    const auto full_shape = spec.full_shape(item.value().sizes(), tp);
+    const auto full_shape = spec.full_shape(item.value().sizes());
     LOOM_CHECK(it->second.sizes() == at::IntArrayRef(full_shape),
                "'{}': tensor '{}' has shape {} but the model needs {}", source, item.key(),
                it->second.sizes(), at::IntArrayRef(full_shape));

@@ -44,15 +44,8 @@ int64_t ShardSpec::local_size(int64_t tp) const {
   return rows_of(*this, 0, tp).second * parts;
 }
 
-std::vector<int64_t> ShardSpec::local_shape(at::IntArrayRef full_shape, int64_t tp) const {
-  std::vector<int64_t> out(full_shape.begin(), full_shape.end());
-  if (sharded()) out.at(static_cast<size_t>(dim)) = local_size(tp);
-  return out;
-}
-
-std::vector<int64_t> ShardSpec::full_shape(at::IntArrayRef local_shape, int64_t tp) const {
+std::vector<int64_t> ShardSpec::full_shape(at::IntArrayRef local_shape) const {
   std::vector<int64_t> out(local_shape.begin(), local_shape.end());
-  (void)tp;
   if (sharded()) out.at(static_cast<size_t>(dim)) = full;
   return out;
 }

@@ -36,10 +36,8 @@ struct ShardSpec {
   int64_t replicas(int64_t tp) const;
   // Rows of `dim` one rank holds.
   int64_t local_size(int64_t tp) const;
-  // The shape a rank holds, given the single-process shape.
-  std::vector<int64_t> local_shape(at::IntArrayRef full_shape, int64_t tp) const;
   // The single-process shape, given the shape a rank holds.
-  std::vector<int64_t> full_shape(at::IntArrayRef local_shape, int64_t tp) const;
+  std::vector<int64_t> full_shape(at::IntArrayRef local_shape) const;
 
   // Throws loom::Error, naming `what`, when tp cannot split the dimension this way.
   void check(int64_t tp, const std::string& what) const;
