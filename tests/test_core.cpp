@@ -1,9 +1,14 @@
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
+#include "loom/core/format.h"
+#include "loom/core/memory.h"
 #include "loom/core/rng.h"
 #include "loom/core/safetensors.h"
 #include "test_util.h"
@@ -99,4 +104,164 @@ TEST(Core, EnsureWritableDirNamesTheProblem) {
               core::ensure_writable_dir("/proc/loom-cannot-be-here");
             }).find("/proc/loom-cannot-be-here"),
             std::string::npos);
+}
+
+namespace {
+
+constexpr int64_t kMiB = 1024 * 1024;
+
+// Lifts the memory cap at scope exit, so a failing test does not leave it on for the rest.
+struct MemoryCapGuard {
+  MemoryCapGuard() { core::install_memory_tracking(); }
+  ~MemoryCapGuard() { core::set_memory_cap(0); }
+  MemoryCapGuard(const MemoryCapGuard&) = delete;
+  MemoryCapGuard& operator=(const MemoryCapGuard&) = delete;
+};
+
+}  // namespace
+
+TEST(MemoryFormat, BytesUseBinaryUnits) {
+  EXPECT_EQ(core::format_bytes(0), "0 B");
+  EXPECT_EQ(core::format_bytes(512), "512 B");
+  EXPECT_EQ(core::format_bytes(1024), "1.0 KiB");
+  EXPECT_EQ(core::format_bytes(3 * kMiB / 2), "1.5 MiB");
+  EXPECT_EQ(core::format_bytes(2048 * kMiB), "2.0 GiB");
+  EXPECT_EQ(core::format_bytes(-4 * kMiB), "-4.0 MiB");
+}
+
+TEST(MemoryTracking, CountsATensorUntilItIsFreed) {
+  core::install_memory_tracking();
+  core::install_memory_tracking();  // idempotent
+  ASSERT_TRUE(core::memory_tracking_installed());
+  const auto before = core::memory_counters();
+  auto tensor = at::empty({kMiB / 4}, at::kFloat);
+  const auto holding = core::memory_counters();
+  EXPECT_GE(holding.current_bytes - before.current_bytes, kMiB);
+  EXPECT_GE(holding.allocations - before.allocations, 1);
+  EXPECT_GE(holding.peak_bytes, holding.current_bytes);
+  tensor.reset();
+  const auto after = core::memory_counters();
+  EXPECT_LE(after.current_bytes, holding.current_bytes - kMiB);
+}
+
+TEST(MemoryTracking, PeakKeepsTheHighestUntilReset) {
+  core::install_memory_tracking();
+  core::reset_peak_memory();
+  const auto start = core::memory_counters();
+  EXPECT_EQ(start.peak_bytes, start.current_bytes);
+  at::empty({2 * kMiB}, at::kByte).fill_(1);  // a temporary, freed at the end of the statement
+  const auto after = core::memory_counters();
+  EXPECT_GE(after.peak_bytes - start.current_bytes, 2 * kMiB);
+  EXPECT_LT(after.current_bytes, after.peak_bytes);
+  core::reset_peak_memory();
+  const auto reset = core::memory_counters();
+  EXPECT_LT(reset.peak_bytes - reset.current_bytes, kMiB);
+}
+
+TEST(MemoryTracking, RawAllocationsAndForeignFreesKeepTheCountRight) {
+  core::install_memory_tracking();
+  auto* allocator = c10::GetCPUAllocator();
+  const auto before = core::memory_counters();
+  // oneDNN allocates scratch memory with raw_allocate and frees it through whatever allocator is
+  // current, so raw pointers must round-trip, including ones allocated before tracking began.
+  void* raw = allocator->raw_allocate(kMiB);
+  EXPECT_GE(core::memory_counters().current_bytes - before.current_bytes, kMiB);
+  allocator->raw_deallocate(raw);
+  void* foreign = c10::GetDefaultCPUAllocator()->raw_allocate(kMiB);
+  allocator->raw_deallocate(foreign);
+  EXPECT_LE(core::memory_counters().current_bytes, before.current_bytes);
+  // A storage from the untracked allocator (as from before install) is not counted, and it
+  // frees through its own deleter without touching the count.
+  auto untracked = at::detail::empty_generic({kMiB}, c10::GetDefaultCPUAllocator(),
+                                             c10::DispatchKeySet(c10::DispatchKey::CPU), at::kByte,
+                                             std::nullopt);
+  EXPECT_LE(core::memory_counters().current_bytes, before.current_bytes);
+  untracked.reset();
+  EXPECT_LE(core::memory_counters().current_bytes, before.current_bytes);
+}
+
+TEST(MemoryStorageBytes, CountsEachStorageOnce) {
+  const auto matrix = at::empty({16, 16}, at::kFloat);  // 1024 bytes
+  const auto other = at::empty({10}, at::kDouble);      // 80 bytes
+  EXPECT_EQ(core::storage_bytes({matrix}), 1024);
+  EXPECT_EQ(core::storage_bytes({matrix.slice(0, 0, 2)}), 1024);  // a view holds all of it
+  EXPECT_EQ(core::storage_bytes({matrix, matrix.t(), matrix.view({256}), matrix[3], other}),
+            1024 + 80);
+  EXPECT_EQ(core::storage_bytes({at::Tensor(), at::empty({0, 4}), other}), 80);
+  EXPECT_EQ(core::storage_bytes({}), 0);
+}
+
+TEST(MemoryCap, RefusesAnAllocationOverTheCapAndLeavesTheCountsAlone) {
+  MemoryCapGuard guard;
+  const auto start = core::memory_counters();
+  core::set_memory_cap(start.current_bytes + kMiB, "--memory-cap-mb");
+  EXPECT_EQ(core::memory_cap(), start.current_bytes + kMiB);
+  auto small = at::empty({64 * 1024}, at::kByte);  // fits under the cap
+  const auto before = core::memory_counters();
+  std::string message;
+  bool is_loom_error = false;
+  try {
+    at::empty({kMiB}, at::kFloat);  // 4 MiB
+  } catch (const std::exception& e) {
+    message = e.what();
+    is_loom_error = dynamic_cast<const loom::Error*>(&e) != nullptr;
+  }
+  EXPECT_TRUE(is_loom_error) << message;
+  EXPECT_TRUE(loom::testing::contains(message, "loom memory cap")) << message;
+  EXPECT_TRUE(loom::testing::contains(message, "allocating 4.0 MiB")) << message;
+  EXPECT_TRUE(loom::testing::contains(message, "--memory-cap-mb")) << message;
+  const auto after = core::memory_counters();
+  EXPECT_EQ(after.current_bytes, before.current_bytes);
+  EXPECT_EQ(after.allocations, before.allocations);
+  EXPECT_EQ(after.peak_bytes, before.peak_bytes);
+  core::set_memory_cap(0);
+  EXPECT_EQ(core::memory_cap(), 0);
+  EXPECT_EQ(at::empty({kMiB}, at::kFloat).numel(), kMiB);
+}
+
+TEST(MemoryCap, TrainingContinuesAfterAStepThatHitTheCap) {
+  MemoryCapGuard guard;
+  const auto weight = at::randn({64, 64}).set_requires_grad(true);
+  const auto inputs = at::randn({512, 64});
+  const auto step = [&](at::ScalarType dtype) {
+    weight.mutable_grad() = at::Tensor();
+    at::matmul(inputs.to(dtype), weight.to(dtype)).to(at::kFloat).square().sum().backward();
+  };
+  core::set_memory_cap(core::memory_counters().current_bytes + 4096);
+  EXPECT_THROW(step(at::kFloat), std::exception);  // the 128 KiB product does not fit
+  core::set_memory_cap(0);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {  // bf16 matmuls may go through oneDNN
+    step(dtype);
+    ASSERT_TRUE(weight.grad().defined());
+    EXPECT_TRUE(weight.grad().isfinite().all().item<bool>());
+  }
+}
+
+TEST(MemoryCounters, RefuseDevicesTheyCannotMeasure) {
+  const auto message = error_of([] { core::memory_counters(at::Device(at::kMeta)); });
+  EXPECT_TRUE(loom::testing::contains(message, "meta")) << message;
+}
+
+TEST(MemoryReport, DescribeAndJsonNameEveryField) {
+  core::MemoryReport report;
+  report.parameters = 12 * kMiB;
+  report.gradients = 12 * kMiB;
+  report.optimizer = 24 * kMiB;
+  report.peak_activations = 3 * kMiB / 2;
+  report.current_total = 48 * kMiB;
+  report.peak_total = 50 * kMiB;
+  report.device = "cpu";
+  const auto line = report.describe();
+  for (const char* part :
+       {"memory (cpu)", "parameters 12.0 MiB", "gradients 12.0 MiB", "optimizer 24.0 MiB",
+        "peak activations 1.5 MiB", "allocated now 48.0 MiB", "(peak 50.0 MiB)"})
+    EXPECT_TRUE(loom::testing::contains(line, part)) << part << " not in: " << line;
+  const auto json = report.to_json();
+  EXPECT_EQ(json.at("device"), "cpu");
+  EXPECT_EQ(json.at("parameters_bytes"), 12 * kMiB);
+  EXPECT_EQ(json.at("gradients_bytes"), 12 * kMiB);
+  EXPECT_EQ(json.at("optimizer_bytes"), 24 * kMiB);
+  EXPECT_EQ(json.at("peak_activations_bytes"), 3 * kMiB / 2);
+  EXPECT_EQ(json.at("current_bytes"), 48 * kMiB);
+  EXPECT_EQ(json.at("peak_bytes"), 50 * kMiB);
 }

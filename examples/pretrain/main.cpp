@@ -88,6 +88,20 @@ int main(int argc, char** argv) {
                  "Pad the vocabulary to a multiple of this times --tp (padding is masked out of "
                  "the loss and never exported)")
       ->capture_default_str();
+  app.add_option("--zero", c.zero,
+                 "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
+                 "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")
+      ->capture_default_str();
+  app.add_option("--activation-checkpointing", c.activation_checkpointing,
+                 "none | full (recompute each block in backward) | selective (recompute the "
+                 "attention core only)")
+      ->capture_default_str();
+  app.add_flag("--offload-optimizer", c.offload_optimizer,
+               "With --zero: optimizer state and the AdamW step on the host (ZeRO-Offload)");
+  app.add_option("--memory-cap-mb", c.memory_cap_mb,
+                 "Fail any CPU allocation that would hold more than this many MiB on a rank "
+                 "(simulates a smaller device; 0: no cap)")
+      ->capture_default_str();
   app.add_option("--comm-timeout", comm_timeout,
                  "Seconds a collective may run before the watchdog aborts the job")
       ->capture_default_str();

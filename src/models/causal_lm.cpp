@@ -8,13 +8,35 @@
 #include "loom/core/rng.h"
 #include "loom/models/gpt2.h"
 #include "loom/models/llama.h"
+#include "loom/ops/attention.h"
+#include "loom/parallel/memory/activation_checkpoint.h"
 #include "loom/parallel/tensor/cross_entropy.h"
 #include "loom/parallel/tensor/layers.h"
 #include "loom/parallel/tensor/mappings.h"
+#include "loom/parallel/tensor/random.h"
 
 namespace loom::models {
 
 namespace pt = parallel::tensor;
+
+std::string to_string(ActivationCheckpointing mode) {
+  switch (mode) {
+    case ActivationCheckpointing::kNone:
+      return "none";
+    case ActivationCheckpointing::kFull:
+      return "full";
+    case ActivationCheckpointing::kSelective:
+      return "selective";
+  }
+  fail("unknown ActivationCheckpointing value {}", static_cast<int>(mode));
+}
+
+ActivationCheckpointing parse_activation_checkpointing(const std::string& name) {
+  for (auto mode : {ActivationCheckpointing::kNone, ActivationCheckpointing::kFull,
+                    ActivationCheckpointing::kSelective})
+    if (name == to_string(mode)) return mode;
+  fail("activation checkpointing '{}' is not known; valid values: none, full, selective", name);
+}
 
 CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp)
     : config_(std::move(config)), tp_(tp ? std::move(tp) : std::make_shared<pt::TpGroup>()) {
@@ -36,6 +58,46 @@ void CausalLM::check_divisible_by_tp() const {
   LOOM_CHECK(config_.d_ff % tp == 0,
              "tensor parallelism splits the MLP: d_ff {} is not divisible by tp {}", config_.d_ff,
              tp);
+}
+
+void CausalLM::set_activation_checkpointing(ActivationCheckpointing mode) {
+  execution_->checkpointing = mode;
+}
+
+void CausalLM::add_block_wrapper(BlockWrapper wrapper) {
+  LOOM_CHECK(wrapper, "add_block_wrapper: the wrapper is empty");
+  block_wrappers_.push_back(std::move(wrapper));
+}
+
+void CausalLM::register_blocks(std::string prefix, torch::nn::ModuleList blocks) {
+  blocks_prefix_ = std::move(prefix);
+  blocks_ = std::move(blocks);
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> CausalLM::blocks() const {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+  if (!blocks_) return out;
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    out.emplace_back(fmt::format("{}.{}", blocks_prefix_, i), blocks_->ptr(i));
+  return out;
+}
+
+at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn) {
+  BlockFn run = fn;
+  if (execution_->checkpointing == ActivationCheckpointing::kFull) {
+    parallel::memory::CheckpointOptions options;
+    // Replayed only when something inside draws from it (the state is copied per block).
+    if (is_training() && config_.dropout > 0) options.generators.push_back(tp_->generator());
+    run = [fn, options](const at::Tensor& in) {
+      return parallel::memory::checkpoint(
+          [fn](const std::vector<at::Tensor>& args) { return fn(args[0]); }, {in}, options);
+    };
+  }
+  for (const auto& wrapper : block_wrappers_)
+    run = [wrapper, layer, inner = std::move(run)](const at::Tensor& in) {
+      return wrapper(layer, in, inner);
+    };
+  return run(x);
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& tokens) {
@@ -88,6 +150,25 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
   LOOM_CHECK(!tp_->sequence_parallel() || tokens.size(1) % tp_->size() == 0,
              "sequence parallelism splits the sequence: length {} is not divisible by tp {}",
              tokens.size(1), tp_->size());
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                            const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
+  // Holds the group by value: with kSelective this runs again in backward.
+  auto attend = [p, tp](const std::vector<at::Tensor>& qkv) {
+    const auto& query = qkv[0];
+    const int64_t b = query.size(0), h = query.size(1), t = query.size(2);
+    return ops::attention(query, qkv[1], qkv[2],
+                          {.causal = true,
+                           .dropout = p,
+                           .dropout_mask = pt::sharded_dropout_mask(
+                               {b, h, t, t}, query.options().dtype(at::kFloat), p, *tp, 1)});
+  };
+  if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
+    return attend({q, k, v});
+  parallel::memory::CheckpointOptions options;
+  if (p > 0) options.generators.push_back(tp->generator());
+  return parallel::memory::checkpoint(attend, {q, k, v}, options);
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp) {

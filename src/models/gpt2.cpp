@@ -5,7 +5,6 @@
 #include <cmath>
 
 #include "loom/core/error.h"
-#include "loom/ops/attention.h"
 #include "loom/parallel/tensor/mappings.h"
 #include "loom/parallel/tensor/random.h"
 
@@ -14,8 +13,8 @@ namespace loom::models {
 namespace nn = torch::nn;
 namespace pt = parallel::tensor;
 
-Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp)
-    : config_(config), tp_(std::move(tp)) {
+Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, BlockExecutionPtr execution)
+    : config_(config), tp_(std::move(tp)), execution_(std::move(execution)) {
   const int64_t d = config.d_model;
   auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({d}).eps(config.norm_eps)); };
   ln_1_ = register_module("ln_1", ln());
@@ -45,11 +44,7 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   const int64_t b = a.size(0), t = a.size(1);
   // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> three [B, h, T, hd]
   auto qkv = c_attn_->forward(a).view({b, t, 3, h, hd}).permute({2, 0, 3, 1, 4});
-  auto y = ops::attention(qkv[0], qkv[1], qkv[2],
-                          {.causal = true,
-                           .dropout = p,
-                           .dropout_mask = pt::sharded_dropout_mask(
-                               {b, h, t, t}, qkv.options().dtype(at::kFloat), p, tp, 1)});
+  auto y = causal_attention(qkv[0], qkv[1], qkv[2], p, tp_, execution_);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
@@ -66,7 +61,8 @@ Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, std:
   wpe_ = body->register_module("wpe", nn::Embedding(config.max_seq_len, config.d_model));
   h_ = body->register_module("h", nn::ModuleList());
   for (int64_t i = 0; i < config.n_layers; ++i)
-    h_->push_back(std::make_shared<Gpt2Block>(config, tp_ptr()));
+    h_->push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), execution()));
+  register_blocks("transformer.h", h_);
   ln_f_ = body->register_module(
       "ln_f", nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps)));
 }
@@ -80,7 +76,10 @@ at::Tensor Gpt2::logits_shard(const at::Tensor& tokens) {
   const int64_t first = tp.sequence_parallel() ? tp.rank() * x.size(1) : 0;
   x = x + wpe_->forward(at::arange(first, first + x.size(1), tokens.options()));
   x = pt::sharded_dropout(x, config().dropout, is_training(), tp, tp.sequence_parallel() ? 1 : -1);
-  for (const auto& block : *h_) x = block->as<Gpt2Block>()->forward(x);
+  for (int64_t i = 0; i < static_cast<int64_t>(h_->size()); ++i) {
+    auto block = h_->ptr<Gpt2Block>(static_cast<size_t>(i));
+    x = run_block(i, x, [block](const at::Tensor& in) { return block->forward(in); });
+  }
   // Tied output head: logits = x · wteᵀ, this rank's vocabulary rows.
   return at::matmul(pt::enter_tp_region(ln_f_->forward(x), tp, 1), wte_->weight.t());
 }

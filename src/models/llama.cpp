@@ -5,9 +5,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
-#include "loom/ops/attention.h"
 #include "loom/parallel/tensor/mappings.h"
-#include "loom/parallel/tensor/random.h"
 
 namespace loom::models {
 
@@ -51,8 +49,8 @@ at::Tensor RmsNorm::forward(const at::Tensor& x) {
   return weight_ * xf.to(x.scalar_type());
 }
 
-LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp)
-    : config_(config), tp_(std::move(tp)) {
+LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, BlockExecutionPtr execution)
+    : config_(config), tp_(std::move(tp)), execution_(std::move(execution)) {
   const int64_t d = config.d_model, hd = config.head_dim();
   input_layernorm_ =
       register_module("input_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
@@ -87,11 +85,8 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   auto q = q_proj_->forward(hn).view({b, t, heads, hd}).transpose(1, 2);
   auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto v = v_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
-  auto y = ops::attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                          {.causal = true,
-                           .dropout = p,
-                           .dropout_mask = pt::sharded_dropout_mask(
-                               {b, heads, t, t}, q.options().dtype(at::kFloat), p, tp, 1)});
+  auto y =
+      causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_);
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   auto out = x + o_proj_->forward(y);
@@ -108,7 +103,8 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, st
       std::make_shared<pt::VocabParallelEmbedding>(config.vocab_size, config.d_model, tp_ptr()));
   layers_ = body->register_module("layers", nn::ModuleList());
   for (int64_t i = 0; i < config.n_layers; ++i)
-    layers_->push_back(std::make_shared<LlamaBlock>(config, tp_ptr()));
+    layers_->push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), execution()));
+  register_blocks("model.layers", layers_);
   norm_ = body->register_module("norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps));
   if (!config.tie_embeddings)
     lm_head_ = register_module(
@@ -133,7 +129,12 @@ at::Tensor Llama::logits_shard(const at::Tensor& tokens) {
   auto cos = rope_cos_.narrow(0, 0, t).to(tokens.device());
   auto sin = rope_sin_.narrow(0, 0, t).to(tokens.device());
   auto x = embed_tokens_->forward(tokens);
-  for (const auto& block : *layers_) x = block->as<LlamaBlock>()->forward(x, cos, sin);
+  // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
+  for (int64_t i = 0; i < static_cast<int64_t>(layers_->size()); ++i) {
+    auto block = layers_->ptr<LlamaBlock>(static_cast<size_t>(i));
+    x = run_block(i, x,
+                  [block, cos, sin](const at::Tensor& in) { return block->forward(in, cos, sin); });
+  }
   auto h = pt::enter_tp_region(norm_->forward(x), tp(), 1);
   return lm_head_ ? lm_head_->forward(h) : at::matmul(h, embed_tokens_->weight.t());
 }

@@ -30,7 +30,8 @@ fs::path checkpoint_dir(const fs::path& dir, int64_t step) {
 
 fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTensors& model,
                          const core::NamedTensors& optimizer, json state,
-                         const std::vector<fs::path>& extra_files, int keep_last) {
+                         const std::vector<fs::path>& extra_files, int keep_last,
+                         const std::vector<fs::path>& moved_files) {
   core::ensure_writable_dir(dir);
   const auto final_dir = checkpoint_dir(dir, step);
   const auto name = final_dir.filename().string();
@@ -51,6 +52,14 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
     fs::copy_file(file, target, fs::copy_options::overwrite_existing, ec);
     LOOM_CHECK(!ec, "cannot copy '{}' into the checkpoint: {}", file.string(), ec.message());
     core::fsync_path(target);
+    checksums[file.filename().string()] = core::file_crc32(target);
+  }
+  for (const auto& file : moved_files) {
+    LOOM_CHECK(fs::exists(file), "cannot complete the checkpoint: '{}' was not written",
+               file.string());
+    const auto target = tmp_dir / file.filename();
+    fs::rename(file, target, ec);
+    LOOM_CHECK(!ec, "cannot move '{}' into the checkpoint: {}", file.string(), ec.message());
     checksums[file.filename().string()] = core::file_crc32(target);
   }
   state["format_version"] = kFormatVersion;

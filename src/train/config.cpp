@@ -40,6 +40,18 @@ void TrainConfig::validate() const {
              "--sequence-parallel splits the sequence across tp ranks: --seq-len {} is not "
              "divisible by --tp {}",
              seq_len, tp);
+  LOOM_CHECK(zero >= 0 && zero <= 3,
+             "--zero {} is not valid: 0 (replicated), 1 (optimizer state sharded), 2 (plus "
+             "gradients) or 3 (plus parameters)",
+             zero);
+  LOOM_CHECK(activation_checkpointing == "none" || activation_checkpointing == "full" ||
+                 activation_checkpointing == "selective",
+             "--activation-checkpointing '{}' is not valid: none, full or selective",
+             activation_checkpointing);
+  LOOM_CHECK(!offload_optimizer || zero >= 1,
+             "--offload-optimizer moves the ZeRO optimizer shards to the host: it needs --zero "
+             "1, 2 or 3");
+  LOOM_CHECK(memory_cap_mb >= 0, "--memory-cap-mb {} must be >= 0 (0: no cap)", memory_cap_mb);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
              "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
              "the data)",
@@ -51,7 +63,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     TrainConfig, model, preset, init_from_hf, vocab_size, seed, dropout, data, val_data, seq_len,
     steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
-    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple)
+    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
+    zero, activation_checkpointing, offload_optimizer, memory_cap_mb)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

@@ -20,12 +20,7 @@ bool default_decays(const std::string& name, const at::Tensor& param) {
 AdamW::AdamW(const core::NamedTensors& named_params, AdamWOptions options,
              std::function<bool(const std::string&, const at::Tensor&)> decays)
     : options_(options) {
-  LOOM_CHECK(options.beta1 >= 0 && options.beta1 < 1, "AdamW: beta1 = {} must be in [0, 1)",
-             options.beta1);
-  LOOM_CHECK(options.beta2 >= 0 && options.beta2 < 1, "AdamW: beta2 = {} must be in [0, 1)",
-             options.beta2);
-  LOOM_CHECK(options.weight_decay >= 0, "AdamW: weight_decay = {} must be >= 0",
-             options.weight_decay);
+  ops::check_adamw_options(options);
   for (const auto& [name, param] : named_params) {
     Slot s;
     s.name = name;
@@ -48,19 +43,13 @@ int64_t AdamW::num_not_decayed() const {
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++steps_;
-  const double b1 = options_.beta1, b2 = options_.beta2;
-  const double bias1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
-  const double bias2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
   for (auto& s : slots_) {
     const auto& grad_any = s.param.grad();
     if (!grad_any.defined()) continue;
     const auto grad = grad_any.to(at::kFloat);
     auto& w = s.master.defined() ? s.master : s.param;
-    if (s.decay && options_.weight_decay > 0) w.mul_(1.0 - lr * options_.weight_decay);
-    s.exp_avg.lerp_(grad, 1.0 - b1);
-    s.exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
-    auto denom = (s.exp_avg_sq / bias2).sqrt_().add_(options_.eps);
-    w.addcdiv_(s.exp_avg, denom, -lr / bias1);
+    if (s.decay) ops::adamw_decay_(w, lr, options_);
+    ops::adamw_update_(w, grad, s.exp_avg, s.exp_avg_sq, lr, steps_, options_);
     if (s.master.defined()) s.param.copy_(s.master);
   }
 }

@@ -55,6 +55,11 @@ std::string param_of_state_key(const std::string& key, const models::CausalLM& m
   return {};
 }
 
+// The file holding dp rank r's ZeRO optimizer shard inside a checkpoint.
+std::string zero_shard_name(int64_t dp_rank, int64_t dp_size) {
+  return fmt::format("zero-dp{:05d}-of-{:05d}.safetensors", dp_rank, dp_size);
+}
+
 std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
   std::map<std::string, at::Tensor> out;
   for (const auto& item : model.named_parameters()) out.emplace(item.key(), item.value());
@@ -101,6 +106,8 @@ std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointCon
 Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     : config_(std::move(config)), mesh_(mesh ? std::move(mesh) : dist::Mesh::single_process()) {
   config_.validate();
+  // Before anything is allocated, so that memory reports count every tensor of the run.
+  core::install_memory_tracking();
   LOOM_CHECK(config_.dp == 0 || config_.dp == dp_size(),
              "--dp {} does not match the mesh, whose data-parallel size is {} ({})", config_.dp,
              dp_size(), mesh_->shape().describe());
@@ -192,19 +199,55 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                             config_.init_from_hf);
   else
     models::init_parameters(*model_, config_.seed);
+  // Checkpoints hold single-process tensors: each rank takes its shards (before ZeRO takes the
+  // parameters over).
+  if (resume) models::load_parameters(*model_, resume->model, resume->dir.string());
   model_->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
-  if (dp_size() > 1) {
-    parallel::data::DataParallelOptions dp_options;
-    dp_options.bucket_mb = config_.bucket_mb;
-    dp_options.hook = parallel::data::make_comm_hook(config_.comm_hook);
-    dp_ = std::make_unique<parallel::data::DataParallel>(
-        named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), dp_options);
+  model_->set_activation_checkpointing(
+      models::parse_activation_checkpointing(config_.activation_checkpointing));
+  const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
+  if (config_.zero > 0) {
+    LOOM_CHECK(tp_size() == 1,
+               "--zero {} with --tp {}: ZeRO over a tensor-parallel model is not supported yet "
+               "(it comes with 3D parallelism); use --zero 0 with --tp, or --tp 1",
+               config_.zero, tp_size());
+    LOOM_CHECK(config_.comm_hook == "avg",
+               "--comm-hook {} compresses plain data parallelism's all-reduce; ZeRO "
+               "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
+               config_.comm_hook);
+    parallel::zero::ZeroOptions zero_options;
+    zero_options.stage = static_cast<int>(config_.zero);
+    zero_options.bucket_mb = config_.bucket_mb;
+    zero_options.adamw = adamw;
+    zero_options.decays = default_decays;
+    zero_options.offload_optimizer = config_.offload_optimizer;
+    // Stage 3 gathers one transformer block at a time; the rest (embeddings, final norm) is
+    // the root unit.
+    std::vector<parallel::zero::ZeroUnit> units;
+    for (const auto& [prefix, block] : model_->blocks()) {
+      parallel::zero::ZeroUnit unit{prefix, {}};
+      for (const auto& p : block->named_parameters()) unit.params.push_back(prefix + "." + p.key());
+      units.push_back(std::move(unit));
+    }
+    zero_ = std::make_unique<parallel::zero::ZeroOptimizer>(
+        named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), zero_options, units);
+    if (config_.zero == 3)
+      model_->add_block_wrapper([zero = zero_.get()](int64_t layer, const at::Tensor& x,
+                                                     const models::CausalLM::BlockFn& run) {
+        return zero->run_unit(static_cast<size_t>(layer), [&] { return run(x); });
+      });
+  } else {
+    if (dp_size() > 1) {
+      parallel::data::DataParallelOptions dp_options;
+      dp_options.bucket_mb = config_.bucket_mb;
+      dp_options.hook = parallel::data::make_comm_hook(config_.comm_hook);
+      dp_ = std::make_unique<parallel::data::DataParallel>(
+          named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), dp_options);
+    }
+    optimizer_ = std::make_unique<AdamW>(named_parameters(*model_), adamw);
   }
   partial_grads_ = std::make_unique<parallel::tensor::PartialGradSync>(
       named_parameters(*model_), model_->shard_specs(), tp_group);
-  optimizer_ = std::make_unique<AdamW>(
-      named_parameters(*model_),
-      AdamWOptions{config_.beta1, config_.beta2, 1e-8, config_.weight_decay});
   if (!resume) {
     // Dropout draws from the model's generator: seed it, so that two runs with the same flags
     // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
@@ -216,16 +259,34 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                                                static_cast<uint64_t>(dp_rank())})
                              : core::mix_seed({config_.seed, core::stable_hash("dropout")}));
   } else {
-    // Checkpoints hold single-process tensors: each rank takes its shards.
-    models::load_parameters(*model_, resume->model, resume->dir.string());
-    auto opt_state = resume->optimizer;
-    for (auto& [key, tensor] : opt_state) {
-      const auto param = param_of_state_key(key, *model_);
-      if (param.empty()) continue;
-      const auto& spec = model_->shard_spec(param);
-      if (spec.sharded()) tensor = spec.shard(tensor, model_->tp().rank(), model_->tp().size());
+    const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
+    if (zero_) {
+      LOOM_CHECK(saved.zero == config_.zero && saved.dp == dp_size(),
+                 "checkpoint '{}' was written at --zero {} with dp {}; this run is --zero {} "
+                 "with dp {}. ZeRO optimizer shards resume only at the stage and dp size that "
+                 "wrote them",
+                 resume->dir.string(), saved.zero, saved.dp, config_.zero, dp_size());
+      const auto shard_file = resume->dir / zero_shard_name(dp_rank(), dp_size());
+      LOOM_CHECK(std::filesystem::exists(shard_file),
+                 "checkpoint '{}' has no ZeRO optimizer shard for dp rank {} of {}: '{}' is "
+                 "missing",
+                 resume->dir.string(), dp_rank(), dp_size(), shard_file.string());
+      auto shard = core::load_safetensors(shard_file);
+      zero_->load_state(shard.tensors, shard.metadata, shard_file.string());
+    } else {
+      LOOM_CHECK(saved.zero == 0,
+                 "checkpoint '{}' holds ZeRO-{} optimizer shards (dp {}); resume it with --zero "
+                 "{} at dp {}",
+                 resume->dir.string(), saved.zero, saved.dp, saved.zero, saved.dp);
+      auto opt_state = resume->optimizer;
+      for (auto& [key, tensor] : opt_state) {
+        const auto param = param_of_state_key(key, *model_);
+        if (param.empty()) continue;
+        const auto& spec = model_->shard_spec(param);
+        if (spec.sharded()) tensor = spec.shard(tensor, model_->tp().rank(), model_->tp().size());
+      }
+      optimizer_->load_state(opt_state);
     }
-    optimizer_->load_state(opt_state);
     step_ = resume->step;
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -278,11 +339,67 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
         model_config.n_heads / tp_size(), model_config.n_heads, model_config.d_ff / tp_size(),
         model_config.d_ff, model_->padded_vocab() / tp_size(), model_->padded_vocab(),
         model_config.vocab_size, partial_grads_->num_params());
+  if (zero_)
+    spdlog::info("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}",
+                 config_.zero, zero_->num_buckets(), config_.zero == 3 ? "units" : "buckets",
+                 dp_size(), config_.zero >= 2 ? ", gradients" : "",
+                 config_.zero == 3 ? ", parameters" : "",
+                 config_.offload_optimizer ? " | optimizer on the host" : "",
+                 dp_size() == 1 ? " (one rank: nothing to split)" : "");
+  if (config_.activation_checkpointing != "none")
+    spdlog::info("activation checkpointing: {}", config_.activation_checkpointing);
   spdlog::info(
       "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
       "(warmup {}, cosine) | precision {}",
-      optimizer_->num_decayed(), config_.weight_decay, optimizer_->num_not_decayed(), config_.lr,
-      config_.min_lr, config_.warmup_steps, config_.precision);
+      zero_ ? zero_->num_decayed() : optimizer_->num_decayed(), config_.weight_decay,
+      zero_ ? zero_->num_not_decayed() : optimizer_->num_not_decayed(), config_.lr, config_.min_lr,
+      config_.warmup_steps, config_.precision);
+  spdlog::info("{}", memory_report().describe());
+  // The cap simulates a smaller device for training itself: the model was built (whole, even
+  // at stage 3) before it applies.
+  if (config_.memory_cap_mb > 0)
+    core::set_memory_cap(static_cast<int64_t>(config_.memory_cap_mb * 1024.0 * 1024.0),
+                         "--memory-cap-mb");
+}
+
+std::map<std::string, at::Tensor> Trainer::gather_parameters() {
+  return zero_ ? zero_->gather_parameters() : models::gather_parameters(*model_);
+}
+
+Trainer::~Trainer() {
+  if (config_.memory_cap_mb > 0) core::set_memory_cap(0);
+}
+
+core::MemoryReport Trainer::memory_report() const {
+  core::MemoryReport m;
+  if (zero_) {
+    const auto z = zero_->memory();
+    m.parameters = z.parameters;
+    m.gradients = z.gradients;
+    m.optimizer = z.optimizer;
+  } else {
+    std::vector<at::Tensor> params, grads, state;
+    for (const auto& p : model_->parameters()) {
+      params.push_back(p);
+      grads.push_back(p.grad());
+    }
+    if (dp_)
+      for (const auto& b : dp_->buckets()) grads.push_back(b.buffer);
+    for (const auto& [name, t] : optimizer_->state()) state.push_back(t);
+    m.parameters = core::storage_bytes(params);
+    m.gradients = core::storage_bytes(grads);
+    m.optimizer = core::storage_bytes(state);
+  }
+  m.peak_activations = last_peak_activations_;
+  const auto device =
+      model_->parameters().empty() ? at::Device(at::kCPU) : model_->parameters().front().device();
+  m.device = device.str();
+  if (device.is_cuda() || core::memory_tracking_installed()) {
+    const auto counters = core::memory_counters(device);
+    m.current_total = counters.current_bytes;
+    m.peak_total = counters.peak_bytes;
+  }
+  return m;
 }
 
 StepResult Trainer::train_step() {
@@ -291,9 +408,20 @@ StepResult Trainer::train_step() {
   // This rank's share of the global batch; sample indices are global, so the data does not
   // depend on the layout.
   const auto shard = data::shard_batch(config_.batch_size, dp_rank(), dp_size());
+  // Activations: the peak above what the step starts with (parameters, gradients, state).
+  const auto device = model_->parameters().front().device();
+  const bool measure = device.is_cuda() || core::memory_tracking_installed();
+  const int64_t baseline = measure ? core::memory_counters(device).current_bytes : 0;
+  if (measure) core::reset_peak_memory(device);
+  if (zero_) zero_->reset_comm_stats();
   double loss_sum = 0;
   for (int64_t k = 0; k < config_.grad_accum; ++k) {
-    if (dp_) dp_->set_sync(k == config_.grad_accum - 1);  // sync on the last micro-batch only
+    const bool last = k == config_.grad_accum - 1;
+    if (dp_) dp_->set_sync(last);  // sync on the last micro-batch only
+    if (zero_) {
+      zero_->set_sync(last);
+      zero_->prepare_forward();
+    }
     auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
     at::Tensor loss;
     {
@@ -302,13 +430,18 @@ StepResult Trainer::train_step() {
     }
     // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
     (loss / static_cast<double>(config_.grad_accum)).backward();
+    if (zero_) zero_->finish_gradient_sync();
     loss_sum += loss.item<double>();
   }
   StepResult r;
+  if (measure) {
+    r.peak_activation_bytes = core::memory_counters(device).peak_bytes - baseline;
+    last_peak_activations_ = r.peak_activation_bytes;
+  }
   double local_loss = loss_sum / static_cast<double>(config_.grad_accum);
-  if (dp_) {
-    dp_->finish_gradient_sync();
-    r.comm_wait_s = dp_->last_sync().wait_seconds;
+  if (dp_ || zero_) {
+    if (dp_) dp_->finish_gradient_sync();
+    r.comm_wait_s = dp_ ? dp_->last_sync().wait_seconds : zero_->comm_stats().wait_seconds;
     // Equal shares: the global mean is the mean of the ranks' means.
     auto loss_t = at::full({1}, local_loss, at::kDouble);
     mesh_->comm(dist::Dim::dp).all_reduce(loss_t, dist::ReduceOp::Avg);
@@ -316,18 +449,25 @@ StepResult Trainer::train_step() {
   }
   // Replicated parameters used on sequence shards and shared key/value heads: sum their parts.
   partial_grads_->sync();
-  r.grad_norm = clip_grad_norm(*model_, config_.grad_clip);
+  r.grad_norm =
+      zero_ ? zero_->clip_grad_norm(config_.grad_clip) : clip_grad_norm(*model_, config_.grad_clip);
   // A non-finite gradient would poison the weights and moments: stop before the update.
   LOOM_CHECK(std::isfinite(r.grad_norm),
              "gradient norm is {} at step {} (loss {}): lower --lr or use --grad-clip; the "
              "parameters were not updated",
              r.grad_norm, step_ + 1, local_loss);
   r.lr = schedule_.at(step_);
-  optimizer_->step(r.lr);
-  if (dp_)
-    dp_->zero_grad();  // in place: the gradients are views of the communication buckets
-  else
-    optimizer_->zero_grad();
+  if (zero_) {
+    zero_->step(r.lr);
+    zero_->zero_grad();
+    r.comm_wait_s = zero_->comm_stats().wait_seconds;
+  } else {
+    optimizer_->step(r.lr);
+    if (dp_)
+      dp_->zero_grad();  // in place: the gradients are views of the communication buckets
+    else
+      optimizer_->zero_grad();
+  }
   ++step_;
   r.step = step_;
   r.loss = local_loss;
@@ -352,8 +492,10 @@ double Trainer::evaluate(int64_t batches) {
   for (int64_t first = begin; first < end; first += micro) {
     const int64_t count = std::min(micro, end - first);
     auto batch = val_sampler_->sequential_batch(first, count);
+    if (zero_) zero_->prepare_forward();
     sum += model_->loss(batch.inputs, batch.targets).item<double>() * static_cast<double>(count);
   }
+  if (zero_) zero_->release_parameters();
   model_->train();
   if (dp_size() > 1) {
     auto sum_t = at::full({1}, sum, at::kDouble);
@@ -380,10 +522,15 @@ fs::path Trainer::save_checkpoint() {
     for (int64_t r = 1; r < dp_size(); ++r) rng_states.emplace_back(rng_key(r), all[r].clone());
   }
   // Checkpoints hold single-process tensors, whatever tp is: the tp ranks of replica 0 assemble
-  // them (the other replicas hold the same values and skip the work and the memory).
+  // them (the other replicas hold the same values and skip the work and the memory). With ZeRO
+  // the parameters are assembled from the dp ranks (stage 3) and each rank writes its own
+  // optimizer shard, which rank 0 moves into the checkpoint with the rest.
   std::map<std::string, at::Tensor> params;
   core::NamedTensors opt_state;
-  if (dp_rank() == 0) {
+  if (zero_) {
+    params = zero_->gather_parameters();
+    opt_state.emplace_back("step", at::tensor(zero_->steps_taken(), at::kLong));
+  } else if (dp_rank() == 0) {
     params = models::gather_parameters(*model_);
     opt_state = optimizer_->state();
     for (auto& [key, tensor] : opt_state) {
@@ -392,6 +539,39 @@ fs::path Trainer::save_checkpoint() {
     }
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
+  std::vector<fs::path> shard_files;
+  if (zero_) {
+    const auto staging = fs::path(config_.save_dir) / (dir.filename().string() + ".zero-staging");
+    std::exception_ptr failure;
+    if (is_rank0()) {
+      try {
+        std::error_code ec;
+        fs::remove_all(staging, ec);  // leftovers of an interrupted save
+        fs::create_directories(staging, ec);
+        LOOM_CHECK(!ec, "cannot create '{}': {}", staging.string(), ec.message());
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    share_rank0_outcome(failure, fmt::format("prepare '{}'", staging.string()));
+    int failed = 0;
+    std::string error;
+    try {
+      core::save_safetensors(staging / zero_shard_name(dp_rank(), dp_size()), zero_->state(),
+                             zero_->state_metadata());
+    } catch (const std::exception& e) {
+      failed = 1;
+      error = e.what();
+    }
+    auto any = at::full({1}, failed, at::kInt);
+    mesh_->world().all_reduce(any, dist::ReduceOp::Sum);
+    LOOM_CHECK(failed == 0, "{}", error);
+    LOOM_CHECK(any.item<int>() == 0,
+               "{} rank(s) failed to write their ZeRO optimizer shard for step {} into '{}'",
+               any.item<int>(), step_, staging.string());
+    for (int64_t r = 0; r < dp_size(); ++r)
+      shard_files.push_back(staging / zero_shard_name(r, dp_size()));
+  }
   std::exception_ptr failure;
   if (is_rank0()) {
     try {
@@ -405,7 +585,12 @@ fs::path Trainer::save_checkpoint() {
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);
       core::NamedTensors named(params.begin(), params.end());
-      train::save_checkpoint(config_.save_dir, step_, named, opt_state, state, extras);
+      train::save_checkpoint(config_.save_dir, step_, named, opt_state, state, extras, 2,
+                             shard_files);
+      if (!shard_files.empty()) {
+        std::error_code ec;
+        fs::remove_all(shard_files.front().parent_path(), ec);
+      }
       spdlog::info("saved checkpoint {}", dir.string());
     } catch (...) {
       failure = std::current_exception();
@@ -460,6 +645,7 @@ StepResult Trainer::fit() {
                    {"grad_norm", last.grad_norm},
                    {"tokens_per_s", tokens_per_s},
                    {"comm_wait_s", last.comm_wait_s},
+                   {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
     const bool final_step = step_ == config_.steps;
     if (val_sampler_ &&
@@ -479,7 +665,10 @@ StepResult Trainer::fit() {
     // Assembled from the shards by replica 0's tp ranks, written by rank 0 as the
     // single-process model.
     std::map<std::string, at::Tensor> params;
-    if (dp_rank() == 0) params = models::gather_parameters(*model_);
+    if (zero_)
+      params = zero_->gather_parameters();  // collective over dp
+    else if (dp_rank() == 0)
+      params = models::gather_parameters(*model_);
     std::exception_ptr failure;
     if (is_rank0()) {
       try {

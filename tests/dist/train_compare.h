@@ -25,8 +25,8 @@ inline RunResult run(loom::train::Trainer& t) {
   RunResult r;
   while (t.step() < t.config().steps) r.losses.push_back(t.train_step().loss);
   r.val_loss = t.evaluate(1);
-  // Single-process tensors, assembled from tensor-parallel shards (collective over tp).
-  for (const auto& [name, p] : loom::models::gather_parameters(t.model()))
+  // Single-process tensors, assembled from tensor-parallel or ZeRO-3 shards (collective).
+  for (const auto& [name, p] : t.gather_parameters())
     r.params[name] = p.clone();
   return r;
 }

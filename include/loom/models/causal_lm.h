@@ -3,10 +3,14 @@
 // construction from a config and a tensor-parallel group, layout-invariant initialization, the
 // next-token loss, and the way between the sharded parameters and the single-process ones.
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "loom/models/config.h"
 #include "loom/parallel/tensor/shard_spec.h"
@@ -19,6 +23,24 @@ struct ParamInit {
   enum class Kind { kZeros, kOnes, kNormal } kind = Kind::kNormal;
   double std = 0.0;  // for kNormal
 };
+
+// What a model recomputes in backward instead of keeping.
+//   kNone       everything is kept.
+//   kFull       each transformer block keeps only its input; the block runs again in backward.
+//   kSelective  only the attention core (q·kᵀ, softmax, dropout, ·v) runs again, as Megatron's
+//               selective recompute: the [batch, heads, seq, seq] scores, probabilities and
+//               dropout mask are not kept, the projections' and MLP's activations are.
+enum class ActivationCheckpointing { kNone, kFull, kSelective };
+std::string to_string(ActivationCheckpointing mode);
+// "none" | "full" | "selective"; anything else is a loom::Error naming it and the valid values.
+ActivationCheckpointing parse_activation_checkpointing(const std::string& name);
+
+// How the blocks of a model execute: owned by the model, shared with its blocks, so a setting
+// changed on the model reaches every block.
+struct BlockExecution {
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kNone;
+};
+using BlockExecutionPtr = std::shared_ptr<const BlockExecution>;
 
 class CausalLM : public torch::nn::Module {
  public:
@@ -48,7 +70,36 @@ class CausalLM : public torch::nn::Module {
   const std::map<std::string, parallel::tensor::ShardSpec>& shard_specs() const;
   const parallel::tensor::ShardSpec& shard_spec(const std::string& name) const;
 
+  // Applies to the forwards that follow (the default is kNone). Dropout inside recomputed parts
+  // draws the same masks again (the dropout generator is replayed), so losses and gradients are
+  // those of kNone.
+  void set_activation_checkpointing(ActivationCheckpointing mode);
+  ActivationCheckpointing activation_checkpointing() const { return execution_->checkpointing; }
+
+  // One transformer block applied to its input. It may be called again in backward (activation
+  // checkpointing), so whatever it uses it holds by value.
+  using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
+  // Runs block `layer` (an index into blocks()) on x by calling run(x) (once, in forward), and
+  // may act around it: gather sharded parameters before and release them after, offload, time.
+  // A wrapper that needs the block's parameters in backward must arrange that itself (with
+  // kFull the block's forward runs again inside its backward).
+  using BlockWrapper =
+      std::function<at::Tensor(int64_t layer, const at::Tensor& x, const BlockFn& run)>;
+  // Wrappers nest in the order added: the first added is innermost, activation checkpointing
+  // (kFull) is inside all of them.
+  void add_block_wrapper(BlockWrapper wrapper);
+
+  // The transformer blocks, in order, each with its fully-qualified name prefix as
+  // named_parameters() spells it ("transformer.h.0", "model.layers.0").
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks() const;
+
  protected:
+  // The models' constructors name their list of blocks (prefix: its path, "transformer.h").
+  void register_blocks(std::string prefix, torch::nn::ModuleList blocks);
+  // Blocks receive this at construction and read the checkpointing mode from it.
+  BlockExecutionPtr execution() const { return execution_; }
+  // Runs block `layer` as fn(x), with kFull checkpointing and the wrappers around it.
+  at::Tensor run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn);
   void check_tokens(const at::Tensor& tokens) const;
   // Ids in [0, vocab_size); `what` names them in the error ("token", "target").
   void check_ids(const at::Tensor& ids, const char* what) const;
@@ -59,7 +110,19 @@ class CausalLM : public torch::nn::Module {
   ModelConfig config_;
   parallel::tensor::TpGroupPtr tp_;
   mutable std::map<std::string, parallel::tensor::ShardSpec> specs_;  // filled at first use
+  std::shared_ptr<BlockExecution> execution_ = std::make_shared<BlockExecution>();
+  std::vector<BlockWrapper> block_wrappers_;
+  std::string blocks_prefix_;
+  torch::nn::ModuleList blocks_{nullptr};
 };
+
+// The attention core of the models' blocks: causal ops::attention of q [B, h, T, hd] with k, v
+// [B, h_kv, T, hd], with attention dropout p (0 outside training) drawn over all heads from tp's
+// generator and sliced (tp-invariant masks). Recomputed in backward, dropout mask included, when
+// `execution` asks for kSelective.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                            const parallel::tensor::TpGroupPtr& tp,
+                            const BlockExecutionPtr& execution);
 
 // GPT-2 or Llama, by config.family, sharded over `tp` (null: one process). Parameters are not
 // initialized: call init_parameters for loom's layout-invariant values (or load_parameters).

@@ -17,13 +17,16 @@ namespace loom::models {
 
 class Gpt2Block : public torch::nn::Module {
  public:
-  Gpt2Block(const ModelConfig& config, parallel::tensor::TpGroupPtr tp);
+  // execution: the owning model's settings (null: plain execution, no recompute).
+  Gpt2Block(const ModelConfig& config, parallel::tensor::TpGroupPtr tp,
+            BlockExecutionPtr execution = nullptr);
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence).
   at::Tensor forward(const at::Tensor& x);
 
  private:
   const ModelConfig config_;
   parallel::tensor::TpGroupPtr tp_;
+  BlockExecutionPtr execution_;
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> c_attn_, c_fc_;
   std::shared_ptr<parallel::tensor::RowParallelLinear> attn_c_proj_, mlp_c_proj_;

@@ -25,7 +25,9 @@ class RmsNorm : public torch::nn::Module {
 
 class LlamaBlock : public torch::nn::Module {
  public:
-  LlamaBlock(const ModelConfig& config, parallel::tensor::TpGroupPtr tp);
+  // execution: the owning model's settings (null: plain execution, no recompute).
+  LlamaBlock(const ModelConfig& config, parallel::tensor::TpGroupPtr tp,
+             BlockExecutionPtr execution = nullptr);
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence);
   // cos, sin: [seq, head_dim] rotary tables for the whole sequence.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -33,6 +35,7 @@ class LlamaBlock : public torch::nn::Module {
  private:
   const ModelConfig config_;
   parallel::tensor::TpGroupPtr tp_;
+  BlockExecutionPtr execution_;
   std::shared_ptr<RmsNorm> input_layernorm_, post_attention_layernorm_;
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> q_proj_, k_proj_, v_proj_;
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> gate_proj_, up_proj_;

@@ -31,13 +31,15 @@ struct CheckpointContents {
 std::filesystem::path checkpoint_dir(const std::filesystem::path& dir, int64_t step);
 
 // Writes DIR/step-<step> and points DIR/latest at it. `extra_files` are copied into the
-// checkpoint (a tokenizer's meta.json, say). Keeps the newest `keep_last` checkpoints (0 = all).
-// Returns the checkpoint's directory.
+// checkpoint (a tokenizer's meta.json, say); `moved_files` are moved into it (files other ranks
+// wrote, such as ZeRO optimizer shards), checksummed like the rest. Keeps the newest
+// `keep_last` checkpoints (0 = all). Returns the checkpoint's directory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& dir, int64_t step,
                                       const core::NamedTensors& model,
                                       const core::NamedTensors& optimizer, nlohmann::json state,
                                       const std::vector<std::filesystem::path>& extra_files = {},
-                                      int keep_last = 2);
+                                      int keep_last = 2,
+                                      const std::vector<std::filesystem::path>& moved_files = {});
 
 // `path` is either a save directory (its `latest` is used) or one checkpoint directory.
 // Verifies every checksum; throws loom::Error naming the file that is missing or corrupt.

@@ -48,6 +48,13 @@ struct TrainConfig {
   bool sequence_parallel = false;  // norms/dropout/residuals on 1/tp of the sequence
   int64_t pad_vocab_multiple = 1;  // vocabulary padded to a multiple of this times tp
 
+  // Memory. ZeRO shards the training state across the dp ranks: 1 optimizer state, 2 plus
+  // gradients, 3 plus parameters (0: plain replicated data parallelism).
+  int64_t zero = 0;
+  std::string activation_checkpointing = "none";  // none | full | selective
+  bool offload_optimizer = false;  // with --zero: optimizer state and step on the host
+  double memory_cap_mb = 0;        // CPU: refuse allocations above this per rank (0: none)
+
   // Output.
   std::string metrics_out;  // JSON lines; empty = none
   std::string save_dir;     // checkpoints; empty = none

@@ -12,15 +12,11 @@
 #include <string>
 
 #include "loom/core/safetensors.h"
+#include "loom/ops/adamw.h"
 
 namespace loom::train {
 
-struct AdamWOptions {
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;
-};
+using AdamWOptions = ops::AdamWOptions;
 
 // Default grouping rule: decay 2-D weights, except embedding tables.
 bool default_decays(const std::string& name, const at::Tensor& param);

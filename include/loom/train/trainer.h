@@ -7,14 +7,17 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <map>
 #include <optional>
 
+#include "loom/core/memory.h"
 #include "loom/data/sampler.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
 #include "loom/parallel/data/data_parallel.h"
 #include "loom/parallel/tensor/partial_grads.h"
+#include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
@@ -30,6 +33,9 @@ struct StepResult {
   double lr = 0;
   double seconds = 0;
   double comm_wait_s = 0;  // time the step blocked on gradient communication (dp > 1)
+  // Peak bytes allocated during the step's forwards and backwards above what was allocated
+  // when it began (activations, temporaries, and at ZeRO-3 the gathered units).
+  int64_t peak_activation_bytes = 0;
 };
 
 class Trainer {
@@ -39,6 +45,7 @@ class Trainer {
   // training happens. `mesh` null: one process. Every rank of the mesh must construct its
   // Trainer with the same config.
   explicit Trainer(TrainConfig config, dist::MeshPtr mesh = nullptr);
+  ~Trainer();  // lifts the --memory-cap-mb cap it set
 
   // Trains from the current step to config.steps, logging progress, evaluating and saving as
   // configured. Returns the last step's result.
@@ -58,8 +65,17 @@ class Trainer {
   const models::ModelConfig& model_config() const { return model_->config(); }
   const data::Tokenizer& tokenizer() const { return *tokenizer_; }
   const dist::Mesh& mesh() const { return *mesh_; }
-  // The gradient synchronization, when dp > 1 (else null).
+  // The gradient synchronization, when dp > 1 without ZeRO (else null).
   const parallel::data::DataParallel* data_parallel() const { return dp_.get(); }
+  // The ZeRO engine, with --zero 1-3 (else null).
+  const parallel::zero::ZeroOptimizer* zero() const { return zero_.get(); }
+  // Every parameter in its single-process shape, assembled from tp shards or ZeRO-3 shards
+  // (sharded ones as new tensors; replicated ones may alias the live parameters). Collective:
+  // every rank calls it.
+  std::map<std::string, at::Tensor> gather_parameters();
+  // This rank's memory now: parameters, gradients and optimizer state counted from their
+  // tensors, peak activations from the last step (0 before the first).
+  core::MemoryReport memory_report() const;
 
  private:
   void resume_from(const std::filesystem::path& path);
@@ -76,6 +92,7 @@ class Trainer {
   TrainConfig config_;
   dist::MeshPtr mesh_;
   std::unique_ptr<parallel::data::DataParallel> dp_;
+  std::unique_ptr<parallel::zero::ZeroOptimizer> zero_;
   std::unique_ptr<parallel::tensor::PartialGradSync> partial_grads_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;
@@ -86,6 +103,7 @@ class Trainer {
   LrSchedule schedule_;
   MetricsWriter metrics_;
   int64_t step_ = 0;
+  int64_t last_peak_activations_ = 0;
   // Wall time of the run so far: what earlier processes spent (from the checkpoint) plus this
   // one's since construction, so elapsed_s keeps counting across a resume.
   double elapsed_before_ = 0;
@@ -98,3 +116,10 @@ std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const std::filesyst
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt);
 
 }  // namespace loom::train
+
+namespace loom {
+// The memory report of a trainer's rank (Trainer::memory_report()).
+inline core::MemoryReport memory_report(const train::Trainer& trainer) {
+  return trainer.memory_report();
+}
+}  // namespace loom

@@ -1,0 +1,34 @@
+#pragma once
+// The AdamW update as one op on fp32 tensors, shared by the replicated optimizer (train/) and the
+// ZeRO-sharded one (parallel/zero/): both must apply exactly the same arithmetic, element by
+// element, so that a sharded run trains the same model as one process. A fused CUDA kernel can
+// replace the body later without touching either caller.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace loom::ops {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+};
+
+// Throws loom::Error naming the first hyperparameter out of range.
+void check_adamw_options(const AdamWOptions& options);
+
+// Decoupled weight decay on `weight` (fp32, in place): weight *= 1 - lr * weight_decay.
+void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& options);
+
+// The moment updates and the step for optimizer step number `step` (1-based), all fp32 and in
+// place, without weight decay (apply adamw_decay_ first, to the elements that decay):
+//   exp_avg    = lerp(exp_avg, grad, 1 - beta1)
+//   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2
+//   weight    -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^step)) + eps)
+void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, double lr, int64_t step,
+                   const AdamWOptions& options);
+
+}  // namespace loom::ops

@@ -1,0 +1,47 @@
+#pragma once
+// Activation checkpointing: run a function without keeping its intermediate activations, and run
+// it again in backward to get them back. Only the inputs are kept; memory goes from "every
+// activation inside fn" to "fn's inputs", for the price of a second forward of fn in backward.
+//
+// Why reentrant. PyTorch's Python checkpoint has a non-reentrant form built on saved-tensor hooks
+// (the recompute happens inside the original graph, and torch.autograd.grad works). LibTorch's
+// C++ API has no saved-tensor hooks, so loom uses the reentrant form: checkpoint() is one
+// autograd node whose backward recomputes fn with grad enabled on detached copies of the inputs
+// and calls torch::autograd::backward on that fresh graph. What this implies:
+//   - Parameters used inside fn get their gradients through their own AccumulateGrad nodes in
+//     that inner backward, so .grad and post-accumulate-grad hooks (data-parallel buckets, ZeRO)
+//     work as without checkpointing. Only .backward() is supported: torch::autograd::grad with
+//     explicit inputs cannot see those gradients, and is refused with a loom::Error.
+//   - fn must not capture tensors that need gradients other than parameters (leaves): a captured
+//     activation would be recomputed from nowhere and its gradient lost. Pass such tensors as
+//     inputs. Captured tensors that need no gradient (rotary tables, masks) are fine.
+//   - fn runs again in backward, possibly after the caller's locals are gone: it must hold what it
+//     needs by value (shared pointers, tensors), and must not change its inputs in place.
+//   - Randomness inside fn must come from generators listed in options.generators: their state
+//     at forward is restored for the recompute (so dropout draws the same masks), and put back
+//     afterwards, so code running after the recompute draws what it would have drawn anyway.
+//   - Autocast (thread-local, while backward may run on another thread) is captured at forward
+//     for the CPU and CUDA and re-established for the recompute.
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <vector>
+
+namespace loom::parallel::memory {
+
+struct CheckpointOptions {
+  // The generators fn draws random numbers from (handles: copies share the generator).
+  std::vector<at::Generator> generators;
+};
+
+using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+// fn(inputs), computed without saving fn's activations; in backward fn(inputs) is recomputed and
+// differentiated. Inputs may be undefined or non-floating (integer ids): they get no gradient.
+// With grad mode off this is fn(inputs). With grad mode on and no input needing a gradient, the
+// node is still recorded (so parameters inside fn get gradients), and the result requires grad.
+at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
+                      const CheckpointOptions& options = {});
+
+}  // namespace loom::parallel::memory

@@ -1,0 +1,190 @@
+#include "loom/parallel/memory/activation_checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/ivalue.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <mutex>
+
+#include "loom/core/error.h"
+
+namespace loom::parallel::memory {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The devices whose autocast state is carried from forward to the recompute.
+constexpr at::DeviceType kAutocastDevices[] = {at::kCPU, at::kCUDA};
+
+struct AutocastState {
+  bool enabled[2] = {false, false};
+  at::ScalarType dtype[2] = {at::kBFloat16, at::kHalf};
+  bool cache_enabled = true;
+
+  static AutocastState current() {
+    AutocastState s;
+    for (size_t i = 0; i < 2; ++i) {
+      s.enabled[i] = at::autocast::is_autocast_enabled(kAutocastDevices[i]);
+      s.dtype[i] = at::autocast::get_autocast_dtype(kAutocastDevices[i]);
+    }
+    s.cache_enabled = at::autocast::is_autocast_cache_enabled();
+    return s;
+  }
+  void make_current() const {
+    for (size_t i = 0; i < 2; ++i) {
+      at::autocast::set_autocast_dtype(kAutocastDevices[i], dtype[i]);
+      at::autocast::set_autocast_enabled(kAutocastDevices[i], enabled[i]);
+    }
+    at::autocast::set_autocast_cache_enabled(cache_enabled);
+  }
+};
+
+// Runs its scope under `state`'s autocast settings with the cast cache off, then restores what
+// was there. The cache is off because a cast cached while fn runs under no-grad would be a copy
+// of the weight without autograd history, and a later use of that weight in the same autocast
+// region would silently lose its gradient; inside fn each weight is cast once anyway.
+class AutocastScope {
+ public:
+  explicit AutocastScope(AutocastState state) : previous_(AutocastState::current()) {
+    // mutated
+    state.make_current();
+  }
+  ~AutocastScope() { previous_.make_current(); }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  AutocastState previous_;
+};
+
+at::Tensor get_rng_state(at::Generator& generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_rng_state(at::Generator& generator, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+// Sets each generator to the state it had at forward for its scope, then puts back the state it
+// had on entry (draws made since forward by code outside fn are not replayed or lost).
+class RngReplay {
+ public:
+  RngReplay(std::vector<at::Generator>& generators, const std::vector<at::Tensor>& replay)
+      : generators_(generators) {
+    for (size_t i = 0; i < generators_.size(); ++i) {
+      entry_states_.push_back(get_rng_state(generators_[i]));
+      set_rng_state(generators_[i], replay[i]);
+    }
+  }
+  ~RngReplay() {
+    for (size_t i = 0; i < entry_states_.size(); ++i)
+      set_rng_state(generators_[i], entry_states_[i]);
+  }
+  RngReplay(const RngReplay&) = delete;
+  RngReplay& operator=(const RngReplay&) = delete;
+
+ private:
+  std::vector<at::Generator>& generators_;
+  std::vector<at::Tensor> entry_states_;
+};
+
+// What backward needs besides the saved inputs. It travels in the autograd context as a capsule
+// (the context's saved data holds IValues only), owned by the node.
+struct CheckpointState : torch::CustomClassHolder {
+  CheckpointFn fn;
+  // fn's argument list: slot i is the tensor the node received at slots[i], or undefined (-1).
+  std::vector<int64_t> slots;
+  std::vector<at::Generator> generators;
+  std::vector<at::Tensor> rng_states;  // the generators' states when forward ran fn
+  AutocastState autocast;
+
+  std::vector<at::Tensor> arguments(const std::vector<at::Tensor>& node_inputs) const {
+    std::vector<at::Tensor> args;
+    args.reserve(slots.size());
+    for (const int64_t slot : slots)
+      args.push_back(slot < 0 ? at::Tensor() : node_inputs.at(static_cast<size_t>(slot)));
+    return args;
+  }
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // `inputs` holds the defined tensors only (autograd's bookkeeping cannot describe an undefined
+  // one), plus a placeholder that needs a gradient when none of them does.
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList inputs,
+                            const c10::intrusive_ptr<CheckpointState>& state) {
+    for (auto& generator : state->generators) state->rng_states.push_back(get_rng_state(generator));
+    state->autocast = AutocastState::current();
+    std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["state"] = at::IValue::make_capsule(state);
+    at::Tensor out;
+    {
+      AutocastScope autocast(state->autocast);
+      out = state->fn(state->arguments(saved));  // grad mode is off here (Function::apply)
+    }
+    LOOM_CHECK(out.defined(), "checkpoint: the checkpointed function returned an undefined tensor");
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    LOOM_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+               "activation checkpointing supports .backward() only: torch::autograd::grad (or "
+               "backward with explicit inputs) cannot see the gradients the recompute "
+               "accumulates into parameters");
+    const auto capsule = ctx->saved_data.at("state").toCapsule();
+    auto& state = dynamic_cast<CheckpointState&>(*capsule);
+    // Fresh leaves for the recompute, so its graph ends here and their .grad is the answer.
+    std::vector<at::Tensor> leaves;
+    for (const auto& saved : ctx->get_saved_variables())
+      leaves.push_back(saved.detach().requires_grad_(saved.requires_grad()));
+    at::Tensor out;
+    {
+      RngReplay rng(state.generators, state.rng_states);
+      AutocastScope autocast(state.autocast);
+      at::AutoGradMode grad_mode(true);
+      out = state.fn(state.arguments(leaves));
+    }
+    // Nothing in fn needs a gradient (no input or parameter does): nothing to propagate.
+    if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs.at(0)});
+    variable_list grads;
+    for (const auto& leaf : leaves)
+      grads.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
+    grads.emplace_back();  // for `state`, not a tensor
+    return grads;
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
+                      const CheckpointOptions& options) {
+  // No graph will be recorded: there is nothing to save or recompute.
+  if (!at::GradMode::is_enabled()) return fn(inputs);
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->fn = fn;
+  state->generators = options.generators;
+  std::vector<at::Tensor> node_inputs;
+  bool any_requires_grad = false;
+  for (const auto& x : inputs) {
+    if (!x.defined()) {
+      state->slots.push_back(-1);
+      continue;
+    }
+    state->slots.push_back(static_cast<int64_t>(node_inputs.size()));
+    node_inputs.push_back(x);
+    any_requires_grad = any_requires_grad || x.requires_grad();
+  }
+  // Autograd records a node only when some input needs a gradient; parameters used inside fn
+  // still need it (a frozen embedding feeding checkpointed blocks, say), so give it one. Its
+  // gradient is never computed.
+  if (!any_requires_grad) node_inputs.push_back(at::empty({0}).requires_grad_());
+  return CheckpointFunction::apply(at::TensorList(node_inputs), state);
+}
+
+}  // namespace loom::parallel::memory

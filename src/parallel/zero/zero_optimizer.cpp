@@ -1,0 +1,599 @@
+#include "loom/parallel/zero/zero_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+#include <optional>
+
+#include "loom/core/error.h"
+#include "loom/parallel/data/grad_bucket.h"
+
+namespace loom::parallel::zero {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Runs after a parameter's AccumulateGrad node: its .grad is complete for this backward.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Stage 3 frees a released unit's memory by detaching the storage's allocation, not by dropping
+// the tensor: the parameters (and the views autograd saved for backward) keep pointing at the
+// same storage, which gets memory again when the unit is gathered.
+void free_storage(const at::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  impl->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  const auto nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  LOOM_CHECK(impl->allocator() != nullptr, "ZeRO-3: a unit buffer's storage has no allocator");
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+int64_t storage_nbytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+// Sum of squares in float64 (see train/grad_clip.cpp for why not at::norm).
+double squared_norm(const at::Tensor& g) {
+  return g.to(at::kFloat).pow(2).sum().to(at::kDouble).item<double>();
+}
+
+}  // namespace
+
+// Identity in forward; in backward, before the unit's own gradients are computed, gathers the
+// unit's parameters again (and prefetches the unit backward reaches next).
+struct PreBackwardGather : public torch::autograd::Function<PreBackwardGather> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t engine, int64_t bucket) {
+    ctx->saved_data["engine"] = engine;
+    ctx->saved_data["bucket"] = bucket;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* engine = reinterpret_cast<ZeroOptimizer*>(ctx->saved_data["engine"].toInt());
+    engine->pre_backward(static_cast<size_t>(ctx->saved_data["bucket"].toInt()));
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, ZeroOptions options,
+                             std::vector<ZeroUnit> units)
+    : options_(std::move(options)), comm_(std::move(comm)) {
+  LOOM_CHECK(comm_ != nullptr, "ZeRO needs a data-parallel communicator");
+  LOOM_CHECK(options_.stage >= 1 && options_.stage <= 3,
+             "--zero {} is invalid; ZeRO stages are 1, 2 and 3 (0 is plain data parallelism)",
+             options_.stage);
+  LOOM_CHECK(options_.bucket_mb > 0, "--bucket-mb {} is invalid; it must be positive",
+             options_.bucket_mb);
+  ops::check_adamw_options(options_.adamw);
+  rank_ = comm_->rank();
+  ranks_ = comm_->size();
+  for (auto& [name, p] : params) {
+    if (!p.requires_grad()) continue;
+    LOOM_CHECK(p.is_leaf(), "ZeRO: parameter '{}' is not a leaf tensor", name);
+    params_.emplace_back(name, p);
+  }
+  LOOM_CHECK(!params_.empty(), "ZeRO: the model has no parameter that requires a gradient");
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < params_.size(); ++i) index.emplace(params_[i].first, i);
+
+  // Which parameters share a flat buffer.
+  std::vector<std::pair<std::string, std::vector<size_t>>> plan;
+  if (options_.stage == 3) {
+    std::vector<bool> taken(params_.size(), false);
+    for (const auto& unit : units) {
+      unit_names_.push_back(unit.name);
+      std::vector<size_t> members;
+      for (const auto& name : unit.params) {
+        auto it = index.find(name);
+        LOOM_CHECK(it != index.end(),
+                   "ZeRO-3 unit '{}' names parameter '{}', which the model does not have (or "
+                   "which needs no gradient)",
+                   unit.name, name);
+        LOOM_CHECK(!taken[it->second], "ZeRO-3: parameter '{}' is in two units ('{}' and another)",
+                   name, unit.name);
+        taken[it->second] = true;
+        members.push_back(it->second);
+      }
+      std::sort(members.begin(), members.end());  // registration order
+      if (members.empty()) {
+        bucket_of_unit_.push_back(std::nullopt);
+        continue;
+      }
+      bucket_of_unit_.push_back(plan.size());
+      plan.emplace_back(unit.name, std::move(members));
+    }
+    std::vector<size_t> rest;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!taken[i]) rest.push_back(i);
+    if (!rest.empty()) {
+      root_ = plan.size();
+      plan.emplace_back("root", std::move(rest));
+    }
+  } else {
+    std::vector<at::Tensor> tensors;
+    for (const auto& [name, p] : params_) tensors.push_back(p);
+    const auto bucket_bytes = static_cast<int64_t>(options_.bucket_mb * 1024.0 * 1024.0);
+    for (auto& members : data::assign_buckets(tensors, std::max<int64_t>(bucket_bytes, 1)))
+      plan.emplace_back(fmt::format("bucket {}", plan.size()), std::move(members));
+  }
+
+  const bool on_gpu = params_.front().second.is_cuda();
+  const auto state_device = options_.offload_optimizer ? host_ : params_.front().second.device();
+  bucket_of_param_.assign(params_.size(), 0);
+  torch::NoGradGuard no_grad;
+  for (size_t bi = 0; bi < plan.size(); ++bi) {
+    Bucket b;
+    b.name = plan[bi].first;
+    b.params = std::move(plan[bi].second);
+    std::vector<int64_t> numels;
+    const auto& first = params_[b.params.front()].second;
+    for (size_t k : b.params) {
+      const auto& [name, p] = params_[k];
+      LOOM_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+                 "ZeRO: '{}' ({} on {}) shares a flat buffer ({}) with '{}' ({} on {}); a buffer "
+                 "holds one dtype on one device",
+                 name, c10::toString(p.scalar_type()), p.device().str(), b.name,
+                 params_[b.params.front()].first, c10::toString(first.scalar_type()),
+                 first.device().str());
+      numels.push_back(p.numel());
+      bucket_of_param_[k] = bi;
+    }
+    b.layout = FlatLayout(numels, ranks_);
+    const auto options = first.options().requires_grad(false);
+    // Rank 0's values, so every replica starts from the same parameters.
+    b.full = at::zeros({b.layout.padded_total()}, options);
+    for (size_t s = 0; s < b.params.size(); ++s)
+      param_view(b, s, b.full).copy_(params_[b.params[s]].second);
+    comm_->broadcast(b.full, 0);
+    for (size_t s = 0; s < b.params.size(); ++s)
+      params_[b.params[s]].second.set_data(param_view(b, s, b.full));
+    if (options_.stage == 3) {
+      b.param_shard = shard_view(b, b.full).clone();
+      b.gathered = Gathered::kYes;
+    } else {
+      b.param_shard = shard_view(b, b.full);
+    }
+    if (options_.stage == 1) {
+      b.full_grads = at::zeros({b.layout.padded_total()}, options);
+      b.grad_shard = shard_view(b, b.full_grads);
+      for (size_t s = 0; s < b.params.size(); ++s)
+        params_[b.params[s]].second.mutable_grad() = param_view(b, s, b.full_grads);
+    } else {
+      b.grad_shard = at::zeros({b.layout.shard_numel()}, options);
+    }
+    auto fp32 = at::TensorOptions(at::kFloat).device(state_device);
+    if (options_.offload_optimizer && on_gpu) fp32 = fp32.pinned_memory(true);
+    if (first.scalar_type() != at::kFloat || options_.offload_optimizer) {
+      b.master = at::empty({b.layout.shard_numel()}, fp32);
+      b.master.copy_(b.param_shard);
+    }
+    b.exp_avg = at::zeros({b.layout.shard_numel()}, fp32);
+    b.exp_avg_sq = at::zeros({b.layout.shard_numel()}, fp32);
+    b.segments = b.layout.segments(rank_);
+    for (const auto& seg : b.segments) {
+      const auto& [name, p] = params_[b.params[seg.param]];
+      b.segment_decays.push_back(options_.decays ? options_.decays(name, p) : p.dim() >= 2);
+    }
+    buckets_.push_back(std::move(b));
+  }
+  for (const auto& [name, p] : params_)
+    if (options_.decays ? options_.decays(name, p) : p.dim() >= 2) ++decayed_;
+
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    auto& b = buckets_[bi];
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      const auto& [name, p] = params_[b.params[s]];
+      auto acc = torch::autograd::impl::grad_accumulator(p);
+      LOOM_CHECK(acc != nullptr, "ZeRO: parameter '{}' has no gradient accumulator", name);
+      const auto key = acc->add_post_hook(
+          std::make_unique<GradReadyHook>([this, bi, s] { on_grad_ready(bi, s); }));
+      hooks_.emplace_back(acc, key);
+    }
+    b.pending = static_cast<int64_t>(b.params.size());
+  }
+  // Stage 3 starts with every unit released: only the shards stay.
+  if (options_.stage == 3)
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) release(bi);
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+}
+
+size_t ZeroOptimizer::unit_index(const std::string& name) const {
+  for (size_t u = 0; u < unit_names_.size(); ++u)
+    if (unit_names_[u] == name) return u;
+  fail("ZeRO has no unit '{}'", name);
+}
+
+at::Tensor ZeroOptimizer::shard_view(const Bucket& b, const at::Tensor& flat) const {
+  return flat.narrow(0, rank_ * b.layout.shard_numel(), b.layout.shard_numel());
+}
+
+at::Tensor ZeroOptimizer::param_view(const Bucket& b, size_t slot, const at::Tensor& flat) const {
+  const auto& p = params_[b.params[slot]].second;
+  return flat.narrow(0, b.layout.offset(slot), b.layout.numel(slot)).view(p.sizes());
+}
+
+// ---- Stage 3: gathering units --------------------------------------------------------------
+
+void ZeroOptimizer::gather(size_t bucket, bool prefetch) {
+  auto& b = buckets_[bucket];
+  if (b.gathered != Gathered::kNo) return;
+  allocate_storage(b.full);
+  b.gather_work = comm_->all_gather_async(b.full, b.param_shard);
+  b.gathered = Gathered::kInFlight;
+  stats_.all_gather_bytes += static_cast<double>(b.full.numel() * b.full.element_size());
+  ++stats_.gathers;
+  if (prefetch) ++stats_.prefetched;
+}
+
+void ZeroOptimizer::wait_gathered(size_t bucket) {
+  auto& b = buckets_[bucket];
+  if (b.gathered != Gathered::kInFlight) return;
+  const auto start = Clock::now();
+  b.gather_work->wait();
+  stats_.wait_seconds += seconds_since(start);
+  b.gather_work = nullptr;
+  b.gathered = Gathered::kYes;
+}
+
+void ZeroOptimizer::release(size_t bucket) {
+  auto& b = buckets_[bucket];
+  if (b.gathered == Gathered::kNo) return;
+  wait_gathered(bucket);  // never free memory a collective is still writing
+  free_storage(b.full);
+  b.gathered = Gathered::kNo;
+}
+
+void ZeroOptimizer::prefetch_after(size_t bucket, int direction) {
+  if (!options_.prefetch || order_broken_ || !order_recorded_) return;
+  auto it = std::find(forward_order_.begin(), forward_order_.end(), bucket);
+  if (it == forward_order_.end()) return;
+  const auto pos = static_cast<int64_t>(it - forward_order_.begin()) + direction;
+  if (pos < 0 || pos >= static_cast<int64_t>(forward_order_.size())) return;
+  gather(forward_order_[static_cast<size_t>(pos)], true);
+}
+
+void ZeroOptimizer::prepare_forward() {
+  forward_pos_ = 0;
+  if (options_.stage != 3 || !root_) return;
+  gather(*root_, false);
+  wait_gathered(*root_);
+}
+
+at::Tensor ZeroOptimizer::run_unit(size_t unit, const std::function<at::Tensor()>& fn) {
+  if (options_.stage != 3) return fn();
+  LOOM_CHECK(unit < bucket_of_unit_.size(), "ZeRO-3: unit {} does not exist ({} units)", unit,
+             bucket_of_unit_.size());
+  if (!bucket_of_unit_[unit]) return fn();  // a unit without trainable parameters
+  const size_t bucket = *bucket_of_unit_[unit];
+  // The order of the first forward is the order prefetching follows; a forward that runs
+  // units in another order turns prefetching off rather than gathering the wrong unit.
+  if (!order_recorded_) {
+    forward_order_.push_back(bucket);
+  } else if (!order_broken_ &&
+             (forward_pos_ >= forward_order_.size() || forward_order_[forward_pos_] != bucket)) {
+    order_broken_ = true;
+    spdlog::warn(
+        "ZeRO-3: units ran in another order than in the first forward ('{}' at position "
+        "{}); prefetching is off from now on",
+        buckets_[bucket].name, forward_pos_);
+  }
+  ++forward_pos_;
+  gather(bucket, false);
+  wait_gathered(bucket);
+  prefetch_after(bucket, +1);
+  auto out = fn();
+  if (!is_root(bucket)) release(bucket);
+  if (torch::GradMode::is_enabled() && out.requires_grad())
+    out = PreBackwardGather::apply(out, reinterpret_cast<int64_t>(this),
+                                   static_cast<int64_t>(bucket));
+  return out;
+}
+
+void ZeroOptimizer::pre_backward(size_t bucket) {
+  if (!order_recorded_ && !forward_order_.empty()) order_recorded_ = true;
+  gather(bucket, false);
+  wait_gathered(bucket);
+  prefetch_after(bucket, -1);
+}
+
+void ZeroOptimizer::release_parameters() {
+  if (options_.stage != 3) return;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) release(bi);
+}
+
+// ---- Gradients -----------------------------------------------------------------------------
+
+void ZeroOptimizer::on_grad_ready(size_t bucket, size_t slot) {
+  if (options_.stage == 1 && !sync_) return;  // stage 1 accumulates in its full buffer
+  auto& b = buckets_[bucket];
+  LOOM_CHECK(b.pending > 0,
+             "ZeRO: gradient of '{}' became ready twice in one backward; call "
+             "finish_gradient_sync() after each backward",
+             params_[b.params[slot]].first);
+  if (options_.stage == 1) {
+    // The gradient accumulates in the flat buffer only while .grad is its view; one that was
+    // reset (a user's zero_grad(set_to_none)) is moved back in.
+    auto& p = params_[b.params[slot]].second;
+    auto view = param_view(b, slot, b.full_grads);
+    if (!p.grad().defined() || p.grad().data_ptr() != view.data_ptr()) {
+      if (p.grad().defined())
+        view.copy_(p.grad());
+      else
+        view.zero_();
+      p.mutable_grad() = view;
+    }
+  }
+  if (--b.pending == 0) launch_reduce(bucket);
+}
+
+void ZeroOptimizer::launch_reduce(size_t bucket) {
+  torch::NoGradGuard no_grad;
+  auto& b = buckets_[bucket];
+  InFlight f;
+  f.bucket = bucket;
+  f.recv = at::empty({b.layout.shard_numel()}, b.grad_shard.options());
+  if (options_.stage == 1) {
+    f.send = b.full_grads;  // the .grad are views of it: nothing to copy
+  } else {
+    // Pack this backward's gradients and drop them: from here on only the shard stays.
+    f.send = at::empty({b.layout.padded_total()}, b.grad_shard.options());
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      auto& p = params_[b.params[s]].second;
+      auto view = param_view(b, s, f.send);
+      if (p.grad().defined())
+        view.copy_(p.grad());
+      else
+        view.zero_();
+      p.mutable_grad() = at::Tensor();
+    }
+    if (b.layout.padding() > 0) f.send.narrow(0, b.layout.total(), b.layout.padding()).zero_();
+    // Stage 3: the unit's backward is over; its gathered parameters go (the root stays for the
+    // step's other micro-batches).
+    if (options_.stage == 3 && !is_root(bucket)) release(bucket);
+  }
+  f.work = comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
+  stats_.reduce_scatter_bytes += static_cast<double>(f.send.numel() * f.send.element_size());
+  b.launched = true;
+  in_flight_.push_back(std::move(f));
+  retire(/*wait=*/false);  // frees the send buffers of reductions that are done
+}
+
+void ZeroOptimizer::retire(bool wait) {
+  const auto start = Clock::now();
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+    if (!wait && !it->work->is_completed()) {
+      ++it;
+      continue;
+    }
+    it->work->wait();
+    auto& b = buckets_[it->bucket];
+    if (options_.stage == 1)
+      b.grad_shard.copy_(it->recv);
+    else
+      b.grad_shard.add_(it->recv);
+    it = in_flight_.erase(it);
+  }
+  if (wait) stats_.wait_seconds += seconds_since(start);
+}
+
+void ZeroOptimizer::finish_gradient_sync() {
+  if (options_.stage == 1 && !sync_) return;
+  torch::NoGradGuard no_grad;
+  // Buckets whose parameters did not all get a gradient: those count as zeros on this rank.
+  bool warned = false;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    auto& b = buckets_[bi];
+    if (b.launched) continue;
+    if (!warned && b.pending < static_cast<int64_t>(b.params.size())) {
+      warned = true;
+      spdlog::debug("ZeRO: {} was incomplete when backward ended; missing gradients count as 0",
+                    b.name);
+    }
+    launch_reduce(bi);
+  }
+  retire(/*wait=*/true);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.launched = false;
+  }
+  forward_pos_ = 0;
+  if (options_.stage == 3) {
+    if (!forward_order_.empty()) order_recorded_ = true;
+    for (size_t bi = 0; bi < buckets_.size(); ++bi)
+      if (!is_root(bi) || sync_) release(bi);
+  }
+}
+
+double ZeroOptimizer::clip_grad_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  double local = 0;
+  for (const auto& b : buckets_) local += squared_norm(b.grad_shard);
+  auto total =
+      at::full({1}, local, at::TensorOptions(at::kDouble).device(params_.front().second.device()));
+  comm_->all_reduce(total, dist::ReduceOp::Sum);
+  const double norm = std::sqrt(total.item<double>());
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (auto& b : buckets_) b.grad_shard.mul_(scale);
+  }
+  return norm;
+}
+
+// ---- The optimizer step --------------------------------------------------------------------
+
+void ZeroOptimizer::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++steps_;
+  for (auto& b : buckets_) {
+    const auto grad = b.grad_shard.to(b.exp_avg.device(), at::kFloat, /*non_blocking=*/false);
+    auto& weight = b.master.defined() ? b.master : b.param_shard;
+    for (size_t k = 0; k < b.segments.size(); ++k)
+      if (b.segment_decays[k])
+        ops::adamw_decay_(weight.narrow(0, b.segments[k].shard_offset, b.segments[k].numel), lr,
+                          options_.adamw);
+    ops::adamw_update_(weight, grad, b.exp_avg, b.exp_avg_sq, lr, steps_, options_.adamw);
+    if (b.master.defined()) b.param_shard.copy_(b.master);
+  }
+  if (options_.stage == 3) return;  // gathered when next needed
+  // Stages 1-2: every rank needs every updated parameter.
+  std::vector<std::pair<dist::WorkPtr, at::Tensor>> works;
+  for (auto& b : buckets_) {
+    auto mine = b.param_shard.clone();  // the output buffer holds the input's slice
+    works.emplace_back(comm_->all_gather_async(b.full, mine), mine);
+    stats_.all_gather_bytes += static_cast<double>(b.full.numel() * b.full.element_size());
+  }
+  const auto start = Clock::now();
+  for (auto& [work, mine] : works) work->wait();
+  stats_.wait_seconds += seconds_since(start);
+}
+
+void ZeroOptimizer::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    if (b.full_grads.defined())
+      b.full_grads.zero_();  // stage 1: the .grad views too
+    else
+      b.grad_shard.zero_();
+  }
+}
+
+// ---- Parameters, state, memory -------------------------------------------------------------
+
+std::map<std::string, at::Tensor> ZeroOptimizer::gather_parameters() {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> out;
+  for (auto& b : buckets_) {
+    at::Tensor flat = b.full;
+    if (options_.stage == 3) {
+      flat = at::empty({b.layout.padded_total()}, b.param_shard.options());
+      comm_->all_gather(flat, b.param_shard);
+    }
+    for (size_t s = 0; s < b.params.size(); ++s)
+      out.emplace(params_[b.params[s]].first, param_view(b, s, flat));
+  }
+  return out;
+}
+
+core::NamedTensors ZeroOptimizer::state() const {
+  core::NamedTensors out;
+  out.emplace_back("zero.step", at::tensor(steps_, at::kLong));
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    const auto& b = buckets_[bi];
+    const auto key = fmt::format("zero.bucket{}", bi);
+    out.emplace_back(key + ".exp_avg", b.exp_avg.cpu());
+    out.emplace_back(key + ".exp_avg_sq", b.exp_avg_sq.cpu());
+    if (b.master.defined()) out.emplace_back(key + ".master", b.master.cpu());
+  }
+  return out;
+}
+
+std::map<std::string, std::string> ZeroOptimizer::state_metadata() const {
+  std::string layout;
+  for (const auto& b : buckets_)
+    layout += fmt::format("{}{}", layout.empty() ? "" : ",", b.layout.total());
+  // A fingerprint of the parameter names in buffer order: a model with other parameters (or
+  // another bucket size) lays them out differently.
+  uint64_t names = 1469598103934665603ULL;
+  for (const auto& b : buckets_)
+    for (size_t k : b.params)
+      for (char c : params_[k].first)
+        names = (names ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  return {{"zero_stage", std::to_string(options_.stage)},
+          {"dp_size", std::to_string(ranks_)},
+          {"dp_rank", std::to_string(rank_)},
+          {"bucket_numels", layout},
+          {"param_names_fnv1a", fmt::format("{:016x}", names)}};
+}
+
+void ZeroOptimizer::load_state(const std::map<std::string, at::Tensor>& state,
+                               const std::map<std::string, std::string>& metadata,
+                               const std::string& source) {
+  torch::NoGradGuard no_grad;
+  const auto expected = state_metadata();
+  auto meta = [&](const char* key) {
+    auto it = metadata.find(key);
+    return it == metadata.end() ? std::string("(none)") : it->second;
+  };
+  LOOM_CHECK(meta("dp_size") == expected.at("dp_size") && meta("dp_rank") == expected.at("dp_rank"),
+             "ZeRO shard '{}' was written by dp rank {} of {}; this is dp rank {} of {}. ZeRO "
+             "optimizer shards resume only at the dp size they were saved at",
+             source, meta("dp_rank"), meta("dp_size"), expected.at("dp_rank"),
+             expected.at("dp_size"));
+  LOOM_CHECK(meta("zero_stage") == expected.at("zero_stage"),
+             "ZeRO shard '{}' was written at stage {}; this run is at stage {}", source,
+             meta("zero_stage"), expected.at("zero_stage"));
+  LOOM_CHECK(meta("bucket_numels") == expected.at("bucket_numels") &&
+                 meta("param_names_fnv1a") == expected.at("param_names_fnv1a"),
+             "ZeRO shard '{}' lays the parameters out differently (buckets {} vs {} here): the "
+             "model or --bucket-mb changed",
+             source, meta("bucket_numels"), expected.at("bucket_numels"));
+  auto get = [&](const std::string& key, const at::Tensor& into) {
+    auto it = state.find(key);
+    LOOM_CHECK(it != state.end(), "ZeRO shard '{}' has no entry '{}'", source, key);
+    LOOM_CHECK(it->second.numel() == into.numel(),
+               "ZeRO shard '{}': '{}' has {} elements, the layout needs {}", source, key,
+               it->second.numel(), into.numel());
+    into.copy_(it->second.reshape(into.sizes()));
+  };
+  auto it = state.find("zero.step");
+  LOOM_CHECK(it != state.end(), "ZeRO shard '{}' has no entry 'zero.step'", source);
+  steps_ = it->second.item<int64_t>();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    auto& b = buckets_[bi];
+    const auto key = fmt::format("zero.bucket{}", bi);
+    get(key + ".exp_avg", b.exp_avg);
+    get(key + ".exp_avg_sq", b.exp_avg_sq);
+    if (b.master.defined()) get(key + ".master", b.master);
+  }
+}
+
+ZeroMemory ZeroOptimizer::memory() const {
+  ZeroMemory m;
+  for (const auto& b : buckets_) {
+    m.parameters += storage_nbytes(b.full);
+    if (options_.stage == 3) m.parameters += storage_nbytes(b.param_shard);
+    m.gradients +=
+        options_.stage == 1 ? storage_nbytes(b.full_grads) : storage_nbytes(b.grad_shard);
+    m.optimizer +=
+        storage_nbytes(b.master) + storage_nbytes(b.exp_avg) + storage_nbytes(b.exp_avg_sq);
+  }
+  return m;
+}
+
+}  // namespace loom::parallel::zero
