@@ -337,9 +337,11 @@ struct StepResult {
   at::Tensor next_draws;
 };
 
-StepResult train_step(const models::ModelConfig& c, ActivationCheckpointing mode, bool bf16) {
+StepResult train_step(const models::ModelConfig& c, ActivationCheckpointing mode, bool bf16,
+                      std::shared_ptr<loom::parallel::memory::ActivationOffloader> offload = {}) {
   auto m = make(c, 7);
   m->set_activation_checkpointing(mode);
+  m->set_activation_offload(offload);
   EXPECT_EQ(m->activation_checkpointing(), mode);
   m->tp().generator().set_current_seed(123);
   auto tokens = at::randint(0, c.vocab_size, {3, 16}, loom::core::make_generator(1));
@@ -428,8 +430,8 @@ TEST(ActivationCheckpoint, GivesThePlainFunctionsInputAndParameterGradients) {
 
 // Autocast is thread-local and backward runs outside the autocast region: the recompute must run
 // under the autocast state forward had, or its activations (and gradients) would be fp32 ones.
-// The weight is also used after the checkpoint in the same autocast region: a cast of it cached
-// while forward ran under no-grad would have no history, and that use would lose its gradient.
+// And a weight used by the checkpointed function and again after it in the same autocast region
+// keeps its history there (a cast of it cached during the no-grad forward would have none).
 TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocastState) {
   auto gen = loom::core::make_generator(6);
   auto w = at::randn({16, 16}, gen).requires_grad_();
@@ -441,7 +443,7 @@ TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocastState) {
     at::Tensor out;
     {
       CpuBf16Autocast autocast(true);
-      out = (checkpointed ? checkpoint(fn, {x}) : fn({x})) + at::matmul(x, w);
+      out = checkpointed ? checkpoint(fn, {x}) : fn({x});
     }
     EXPECT_EQ(out.scalar_type(), at::kBFloat16);
     out.to(at::kFloat).pow(2).sum().backward();
@@ -450,6 +452,12 @@ TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocastState) {
   const auto plain = run(false), checkpointed = run(true);
   EXPECT_TRUE(at::equal(checkpointed.first, plain.first));
   EXPECT_TRUE(at::equal(checkpointed.second, plain.second));
+
+  CpuBf16Autocast autocast(true);
+  auto first_use = checkpoint(fn, {x});
+  auto second_use = at::matmul(x.detach(), w);
+  EXPECT_EQ(second_use.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(second_use.requires_grad());
 }
 
 TEST(Models, ActivationCheckpointingModesAreParsedAndNamed) {
@@ -556,6 +564,56 @@ TEST_P(BothFamilies, BlockWrappersNestInOrderAndComposeWithFullCheckpointing) {
 
 // kFull keeps one [batch, seq, d_model] input per block instead of every activation inside it:
 // the peak of allocated bytes during forward drops well below kNone's (measured: 28%).
+TEST(ActivationOffload, TicketsRoundTripAndTheHostEmpties) {
+  loom::parallel::memory::ActivationOffloader offload;
+  const auto a = at::randn({4, 8}), b = at::randn({3});
+  const auto ta = offload.offload(a), tb = offload.offload(b);
+  EXPECT_EQ(tb, ta + 1);  // tickets in call order: what prefetching one block back relies on
+  auto s = offload.stats();
+  EXPECT_EQ(s.offloaded, 2);
+  EXPECT_EQ(s.host_bytes, (32 + 3) * 4);
+  offload.prefetch(ta);
+  offload.prefetch(ta);  // twice: once
+  EXPECT_TRUE(at::equal(offload.fetch(tb), b));
+  EXPECT_TRUE(at::equal(offload.fetch(ta), a));
+  s = offload.stats();
+  EXPECT_EQ(s.fetched, 2);
+  EXPECT_EQ(s.prefetched, 1);
+  EXPECT_EQ(s.host_bytes, 0);
+  EXPECT_EQ(s.peak_host_bytes, (32 + 3) * 4);
+  EXPECT_TRUE(loom::testing::contains(loom::testing::error_of([&] { offload.fetch(ta); }),
+                                      "was never issued or was fetched already"));
+}
+
+TEST_P(BothFamilies, ActivationOffloadKeepsGradientsAndPrefetchesBlockByBlock) {
+  auto c = tiny(GetParam());
+  c.n_layers = 3;
+  c.dropout = 0.1;
+  const auto reference = train_step(c, ActivationCheckpointing::kNone, false);
+  auto offload = std::make_shared<loom::parallel::memory::ActivationOffloader>();
+  const auto r = train_step(c, ActivationCheckpointing::kFull, false, offload);
+  EXPECT_TRUE(at::equal(r.loss, reference.loss));
+  EXPECT_LE(max_grad_rel_diff(r, reference), 1e-6);
+  const auto s = offload->stats();
+  EXPECT_EQ(s.offloaded, c.n_layers);  // one saved input per block
+  EXPECT_EQ(s.fetched, c.n_layers);
+  EXPECT_EQ(s.prefetched, c.n_layers - 1);  // every block but the last one backward reaches
+  EXPECT_EQ(s.host_bytes, 0);
+  EXPECT_EQ(s.peak_host_bytes, c.n_layers * 3 * 16 * c.d_model * 4);  // [3, 16, d] fp32 each
+  // Offload needs full checkpointing, in either order of the calls.
+  auto m = make(c);
+  EXPECT_TRUE(
+      loom::testing::contains(loom::testing::error_of([&] { m->set_activation_offload(offload); }),
+                              "needs activation checkpointing 'full'"));
+  m->set_activation_checkpointing(ActivationCheckpointing::kFull);
+  m->set_activation_offload(offload);
+  EXPECT_TRUE(loom::testing::contains(loom::testing::error_of([&] {
+                                        m->set_activation_checkpointing(
+                                            ActivationCheckpointing::kSelective);
+                                      }),
+                                      "turn offload off first"));
+}
+
 TEST(Models, FullActivationCheckpointingLowersThePeakMemoryOfForward) {
   auto c = tiny(models::Family::kGpt2);
   c.n_layers = 4;

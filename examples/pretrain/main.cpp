@@ -98,6 +98,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--offload-optimizer", c.offload_optimizer,
                "With --zero: optimizer state and the AdamW step on the host (ZeRO-Offload)");
+  app.add_flag("--offload-activations", c.offload_activations,
+               "With --activation-checkpointing full: each block's saved input waits in host "
+               "memory (pinned, copied on a side stream on a GPU) until its recompute");
   app.add_option("--memory-cap-mb", c.memory_cap_mb,
                  "Fail any CPU allocation that would hold more than this many MiB on a rank "
                  "(simulates a smaller device; 0: no cap)")

@@ -61,7 +61,20 @@ void CausalLM::check_divisible_by_tp() const {
 }
 
 void CausalLM::set_activation_checkpointing(ActivationCheckpointing mode) {
+  LOOM_CHECK(!execution_->offload || mode == ActivationCheckpointing::kFull,
+             "activation checkpointing '{}' would leave activation offload without the inputs it "
+             "moves: turn offload off first (set_activation_offload(nullptr))",
+             to_string(mode));
   execution_->checkpointing = mode;
+}
+
+void CausalLM::set_activation_offload(
+    std::shared_ptr<parallel::memory::ActivationOffloader> offload) {
+  LOOM_CHECK(!offload || execution_->checkpointing == ActivationCheckpointing::kFull,
+             "activation offload moves the inputs full activation checkpointing keeps: it needs "
+             "activation checkpointing 'full' (it is '{}')",
+             to_string(execution_->checkpointing));
+  execution_->offload = std::move(offload);
 }
 
 void CausalLM::add_block_wrapper(BlockWrapper wrapper) {
@@ -88,6 +101,7 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
     parallel::memory::CheckpointOptions options;
     // Replayed only when something inside draws from it (the state is copied per block).
     if (is_training() && config_.dropout > 0) options.generators.push_back(tp_->generator());
+    options.offload = execution_->offload;
     run = [fn, options](const at::Tensor& in) {
       return parallel::memory::checkpoint(
           [fn](const std::vector<at::Tensor>& args) { return fn(args[0]); }, {in}, options);

@@ -51,6 +51,10 @@ void TrainConfig::validate() const {
   LOOM_CHECK(!offload_optimizer || zero >= 1,
              "--offload-optimizer moves the ZeRO optimizer shards to the host: it needs --zero "
              "1, 2 or 3");
+  LOOM_CHECK(!offload_activations || activation_checkpointing == "full",
+             "--offload-activations moves the block inputs full activation checkpointing keeps: "
+             "it needs --activation-checkpointing full (it is '{}')",
+             activation_checkpointing);
   LOOM_CHECK(memory_cap_mb >= 0, "--memory-cap-mb {} must be >= 0 (0: no cap)", memory_cap_mb);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
              "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
@@ -64,7 +68,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
-    zero, activation_checkpointing, offload_optimizer, memory_cap_mb)
+    zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

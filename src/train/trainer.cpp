@@ -205,6 +205,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   model_->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
   model_->set_activation_checkpointing(
       models::parse_activation_checkpointing(config_.activation_checkpointing));
+  if (config_.offload_activations)
+    model_->set_activation_offload(std::make_shared<parallel::memory::ActivationOffloader>());
   const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
   if (config_.zero > 0) {
     LOOM_CHECK(tp_size() == 1,
@@ -347,7 +349,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                  config_.offload_optimizer ? " | optimizer on the host" : "",
                  dp_size() == 1 ? " (one rank: nothing to split)" : "");
   if (config_.activation_checkpointing != "none")
-    spdlog::info("activation checkpointing: {}", config_.activation_checkpointing);
+    spdlog::info("activation checkpointing: {}{}", config_.activation_checkpointing,
+                 config_.offload_activations ? ", block inputs offloaded to the host" : "");
   spdlog::info(
       "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
       "(warmup {}, cosine) | precision {}",

@@ -381,6 +381,7 @@ const std::pair<RunResult, RunResult>& references(const fs::path& dir, int64_t g
 struct ZeroCase {
   int64_t stage, grad_accum;
   std::string checkpointing;
+  bool offload = false;  // --offload-optimizer and --offload-activations
 };
 
 }  // namespace
@@ -396,6 +397,8 @@ TEST_P(TrainerZero, SameLossesAndParametersAsOneProcessAndPlainDp) {
   const auto& [single, plain] = references(dir.path(), c.grad_accum);
   auto config = zero_config(dir.path(), c.stage, c.grad_accum);
   config.activation_checkpointing = c.checkpointing;
+  config.offload_optimizer = c.offload;
+  config.offload_activations = c.offload;
   train::Trainer t(config, loom::testing::runtime().mesh({}));
   ASSERT_NE(t.zero(), nullptr);
   EXPECT_EQ(t.zero()->stage(), c.stage);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "loom/models/config.h"
+#include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
 #include "loom/parallel/tensor/tp_group.h"
 
@@ -39,6 +40,8 @@ ActivationCheckpointing parse_activation_checkpointing(const std::string& name);
 // changed on the model reaches every block.
 struct BlockExecution {
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kNone;
+  // With kFull: where the blocks' saved inputs wait for backward (null: on their device).
+  std::shared_ptr<parallel::memory::ActivationOffloader> offload;
 };
 using BlockExecutionPtr = std::shared_ptr<const BlockExecution>;
 
@@ -75,6 +78,13 @@ class CausalLM : public torch::nn::Module {
   // those of kNone.
   void set_activation_checkpointing(ActivationCheckpointing mode);
   ActivationCheckpointing activation_checkpointing() const { return execution_->checkpointing; }
+  // Activation offload: with kFull, each block's saved input goes to host memory in forward and
+  // comes back (prefetched one block ahead) for its recompute in backward. Null turns it off;
+  // throws loom::Error when set while checkpointing is not kFull.
+  void set_activation_offload(std::shared_ptr<parallel::memory::ActivationOffloader> offload);
+  const std::shared_ptr<parallel::memory::ActivationOffloader>& activation_offload() const {
+    return execution_->offload;
+  }
 
   // One transformer block applied to its input. It may be called again in backward (activation
   // checkpointing), so whatever it uses it holds by value.
@@ -100,6 +110,7 @@ class CausalLM : public torch::nn::Module {
   BlockExecutionPtr execution() const { return execution_; }
   // Runs block `layer` as fn(x), with kFull checkpointing and the wrappers around it.
   at::Tensor run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn);
+
   void check_tokens(const at::Tensor& tokens) const;
   // Ids in [0, vocab_size); `what` names them in the error ("token", "target").
   void check_ids(const at::Tensor& ids, const char* what) const;

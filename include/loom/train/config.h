@@ -52,8 +52,9 @@ struct TrainConfig {
   // gradients, 3 plus parameters (0: plain replicated data parallelism).
   int64_t zero = 0;
   std::string activation_checkpointing = "none";  // none | full | selective
-  bool offload_optimizer = false;  // with --zero: optimizer state and step on the host
-  double memory_cap_mb = 0;        // CPU: refuse allocations above this per rank (0: none)
+  bool offload_optimizer = false;    // with --zero: optimizer state and step on the host
+  bool offload_activations = false;  // with full checkpointing: block inputs wait on the host
+  double memory_cap_mb = 0;          // CPU: refuse allocations above this per rank (0: none)
 
   // Output.
   std::string metrics_out;  // JSON lines; empty = none

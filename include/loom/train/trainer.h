@@ -6,8 +6,8 @@
 // mean over the whole global batch, and rank 0 alone writes metrics and checkpoints.
 #include <chrono>
 #include <filesystem>
-#include <memory>
 #include <map>
+#include <memory>
 #include <optional>
 
 #include "loom/core/memory.h"

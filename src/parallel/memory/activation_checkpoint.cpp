@@ -6,6 +6,7 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <array>
 #include <mutex>
 
 #include "loom/core/error.h"
@@ -18,16 +19,16 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // The devices whose autocast state is carried from forward to the recompute.
-constexpr at::DeviceType kAutocastDevices[] = {at::kCPU, at::kCUDA};
+constexpr std::array<at::DeviceType, 2> kAutocastDevices{at::kCPU, at::kCUDA};
 
 struct AutocastState {
-  bool enabled[2] = {false, false};
-  at::ScalarType dtype[2] = {at::kBFloat16, at::kHalf};
+  std::array<bool, kAutocastDevices.size()> enabled{};
+  std::array<at::ScalarType, kAutocastDevices.size()> dtype{};
   bool cache_enabled = true;
 
   static AutocastState current() {
     AutocastState s;
-    for (size_t i = 0; i < 2; ++i) {
+    for (size_t i = 0; i < kAutocastDevices.size(); ++i) {
       s.enabled[i] = at::autocast::is_autocast_enabled(kAutocastDevices[i]);
       s.dtype[i] = at::autocast::get_autocast_dtype(kAutocastDevices[i]);
     }
@@ -35,7 +36,7 @@ struct AutocastState {
     return s;
   }
   void make_current() const {
-    for (size_t i = 0; i < 2; ++i) {
+    for (size_t i = 0; i < kAutocastDevices.size(); ++i) {
       at::autocast::set_autocast_dtype(kAutocastDevices[i], dtype[i]);
       at::autocast::set_autocast_enabled(kAutocastDevices[i], enabled[i]);
     }
@@ -43,14 +44,10 @@ struct AutocastState {
   }
 };
 
-// Runs its scope under `state`'s autocast settings with the cast cache off, then restores what
-// was there. The cache is off because a cast cached while fn runs under no-grad would be a copy
-// of the weight without autograd history, and a later use of that weight in the same autocast
-// region would silently lose its gradient; inside fn each weight is cast once anyway.
+// Runs its scope under `state`'s autocast settings, then restores what was there.
 class AutocastScope {
  public:
-  explicit AutocastScope(AutocastState state) : previous_(AutocastState::current()) {
-    // mutated
+  explicit AutocastScope(const AutocastState& state) : previous_(AutocastState::current()) {
     state.make_current();
   }
   ~AutocastScope() { previous_.make_current(); }
@@ -103,6 +100,11 @@ struct CheckpointState : torch::CustomClassHolder {
   std::vector<at::Generator> generators;
   std::vector<at::Tensor> rng_states;  // the generators' states when forward ran fn
   AutocastState autocast;
+  // With offload: per node input, its ticket (-1: kept as a saved tensor) and whether it needed
+  // a gradient.
+  std::shared_ptr<ActivationOffloader> offload;
+  std::vector<int64_t> tickets;
+  std::vector<bool> requires_grad;
 
   std::vector<at::Tensor> arguments(const std::vector<at::Tensor>& node_inputs) const {
     std::vector<at::Tensor> args;
@@ -121,13 +123,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (auto& generator : state->generators) state->rng_states.push_back(get_rng_state(generator));
     state->autocast = AutocastState::current();
     std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    auto out = state->fn(state->arguments(saved));  // grad mode is off here (Function::apply)
+    if (state->offload) {
+      // Floating-point inputs leave the device; the rest (ids, the placeholder) stay saved.
+      std::vector<at::Tensor> kept;
+      for (const auto& t : saved) {
+        const bool moves = t.is_floating_point() && t.numel() > 0;
+        state->tickets.push_back(moves ? state->offload->offload(t) : -1);
+        state->requires_grad.push_back(t.requires_grad());
+        kept.push_back(moves ? at::Tensor() : t);
+      }
+      saved = std::move(kept);
+    }
     ctx->save_for_backward(saved);
     ctx->saved_data["state"] = at::IValue::make_capsule(state);
-    at::Tensor out;
-    {
-      AutocastScope autocast(state->autocast);
-      out = state->fn(state->arguments(saved));  // grad mode is off here (Function::apply)
-    }
     LOOM_CHECK(out.defined(), "checkpoint: the checkpointed function returned an undefined tensor");
     return out;
   }
@@ -141,8 +150,23 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     auto& state = dynamic_cast<CheckpointState&>(*capsule);
     // Fresh leaves for the recompute, so its graph ends here and their .grad is the answer.
     std::vector<at::Tensor> leaves;
-    for (const auto& saved : ctx->get_saved_variables())
-      leaves.push_back(saved.detach().requires_grad_(saved.requires_grad()));
+    const auto saved = ctx->get_saved_variables();
+    if (state.offload) {
+      int64_t first = -1;
+      for (size_t i = 0; i < saved.size(); ++i) {
+        const int64_t ticket = state.tickets[i];
+        if (ticket < 0) {
+          leaves.push_back(saved[i].detach().requires_grad_(saved[i].requires_grad()));
+          continue;
+        }
+        if (first < 0 || ticket < first) first = ticket;
+        leaves.push_back(state.offload->fetch(ticket).requires_grad_(state.requires_grad[i]));
+      }
+      // The previous checkpoint's inputs start coming back while this one recomputes.
+      if (first > 0) state.offload->prefetch(first - 1);
+    } else {
+      for (const auto& t : saved) leaves.push_back(t.detach().requires_grad_(t.requires_grad()));
+    }
     at::Tensor out;
     {
       RngReplay rng(state.generators, state.rng_states);
@@ -169,6 +193,7 @@ at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inp
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   state->generators = options.generators;
+  state->offload = options.offload;
   std::vector<at::Tensor> node_inputs;
   bool any_requires_grad = false;
   for (const auto& x : inputs) {

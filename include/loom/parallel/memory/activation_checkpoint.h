@@ -26,13 +26,21 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <memory>
 #include <vector>
+
+#include "loom/parallel/memory/activation_offload.h"
 
 namespace loom::parallel::memory {
 
 struct CheckpointOptions {
   // The generators fn draws random numbers from (handles: copies share the generator).
   std::vector<at::Generator> generators;
+  // When set, the floating-point inputs are not kept on their device between forward and
+  // backward: they go to the host through this offloader and come back for the recompute, and
+  // the backward of the checkpoint with ticket t prefetches ticket t - 1 (the block backward
+  // reaches next when blocks are checkpointed in forward order).
+  std::shared_ptr<ActivationOffloader> offload;
 };
 
 using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
