@@ -652,3 +652,45 @@ TEST(Cuda, KernelsLaunchWhereADeviceExists) {
   if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
   EXPECT_TRUE(loom::ops::cuda_smoke_test(0));
 }
+
+// GPU-only (skipped with a message where no CUDA device exists): what activation offload is
+// for. After a forward with full checkpointing, the device holds every block's input; with
+// offload those inputs wait in pinned host memory, so the device holds about that much less,
+// and backward (prefetching each input back on a side stream) gives the same gradients.
+TEST(Cuda, ActivationOffloadMovesBlockInputsOffTheDevice) {
+  if (!loom::ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  auto c = tiny(models::Family::kGpt2);
+  c.n_layers = 8;
+  const at::Device cuda(at::kCUDA, 0);
+  auto tokens = at::randint(0, c.vocab_size, {8, 128}, loom::core::make_generator(1)).to(cuda);
+  auto targets = at::randint(0, c.vocab_size, {8, 128}, loom::core::make_generator(2)).to(cuda);
+  const int64_t input_bytes = 8 * 128 * c.d_model * 4;
+  struct Outcome {
+    int64_t held_after_forward;
+    std::map<std::string, at::Tensor> grads;
+  };
+  auto run = [&](bool offload) {
+    auto m = make(c, 7);
+    m->to(cuda);
+    m->set_activation_checkpointing(ActivationCheckpointing::kFull);
+    if (offload)
+      m->set_activation_offload(std::make_shared<loom::parallel::memory::ActivationOffloader>());
+    torch::cuda::synchronize();
+    const int64_t before = loom::core::memory_counters(cuda).current_bytes;
+    auto loss = m->loss(tokens, targets);
+    torch::cuda::synchronize();
+    at::empty({1}, at::TensorOptions(cuda));  // lets the allocator retire side-stream frees
+    Outcome o{loom::core::memory_counters(cuda).current_bytes - before, {}};
+    loss.backward();
+    for (const auto& item : m->named_parameters())
+      o.grads.emplace(item.key(), item.value().grad().cpu());
+    return o;
+  };
+  const auto kept = run(false), offloaded = run(true);
+  EXPECT_LT(offloaded.held_after_forward, kept.held_after_forward - c.n_layers * input_bytes / 2)
+      << "kept " << kept.held_after_forward << " B, offloaded " << offloaded.held_after_forward
+      << " B, block inputs " << c.n_layers * input_bytes << " B";
+  for (const auto& [name, g] : kept.grads)
+    EXPECT_LE(max_rel_diff(offloaded.grads.at(name), g), 1e-6) << name;
+}

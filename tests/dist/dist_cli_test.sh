@@ -85,4 +85,55 @@ status=$?
 if [ $status -ne 2 ] || ! grep -qF "seq-len 15 is not divisible by --tp 2" <<< "$out"; then
   say "FAIL: --seq-len 15 --tp 2 --sequence-parallel -> status $status: $out"; fail=1
 else say "ok: a sequence tp cannot split rejected with status 2"; fi
+
+# 5. ZeRO from the command line: stage 3 with full checkpointing and activation offload on 2
+# ranks equals 1 rank; it writes one optimizer shard per rank and resumes from it; flags that
+# do not fit are refused with status 2 on every rank.
+"$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m4.jsonl" --zero 3 --activation-checkpointing full \
+  --offload-activations --save-dir "$work/z3" --save-every 1 || { say "FAIL: 2-rank --zero 3 run"; fail=1; }
+if ! python3 - "$work/m1.jsonl" "$work/m4.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 3, (len(a), len(b))
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+    assert y["memory"]["parameters_bytes"] > 0 and y["memory"]["optimizer_bytes"] > 0, y
+print("ok: --zero 3 on 2 ranks agrees with 1 rank:", [round(y["loss"], 6) for y in b])
+PY
+then say "FAIL: --zero 3 losses differ from 1 rank"; fail=1; fi
+for r in 0 1; do
+  [ -f "$work/z3/step-00000003/zero-dp0000$r-of-00002.safetensors" ] \
+    || { say "FAIL: no ZeRO shard for dp rank $r"; fail=1; }
+done
+out=$("$MPIEXEC" -np 2 "${run[@]}" --zero 2 --resume "$work/z3/step-00000002" 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "written at --zero 3 with dp 2; this run is --zero 2" <<< "$out"; then
+  say "FAIL: resuming a --zero 3 checkpoint at --zero 2 -> status $status: $out"; fail=1
+else say "ok: a ZeRO checkpoint resumed at another stage rejected with status 2"; fi
+out=$("$MPIEXEC" -np 2 "${run[@]}" --zero 3 --resume "$work/z3/step-00000002" \
+  --metrics-out "$work/m5.jsonl" 2>&1)
+status=$?
+if [ $status -ne 0 ] || ! python3 - "$work/m4.jsonl" "$work/m5.jsonl" <<'PY'
+import json, sys
+full = {json.loads(l)["step"]: json.loads(l)["loss"] for l in open(sys.argv[1])}
+resumed = [json.loads(l) for l in open(sys.argv[2])]
+assert [r["step"] for r in resumed] == [3], resumed
+assert resumed[0]["loss"] == full[3], (resumed[0]["loss"], full[3])
+PY
+then
+  say "FAIL: resuming --zero 3 from step 2 -> status $status (or step 3 differs): $out"; fail=1
+else say "ok: --zero 3 resumed from its shards"; fi
+for bad in "--zero 4|--zero 4 is not valid" \
+           "--offload-optimizer|--offload-optimizer moves the ZeRO optimizer shards" \
+           "--offload-activations|--offload-activations moves the block inputs" \
+           "--activation-checkpointing most|--activation-checkpointing 'most' is not valid"; do
+  flags=${bad%%|*}; want=${bad#*|}
+  # shellcheck disable=SC2086
+  out=$("$MPIEXEC" -np 2 "${run[@]}" $flags 2>&1)
+  status=$?
+  if [ $status -ne 2 ] || ! grep -qF -- "$want" <<< "$out"; then
+    say "FAIL: $flags -> status $status: $out"; fail=1
+  else say "ok: $flags rejected with status 2"; fi
+done
 exit $fail
