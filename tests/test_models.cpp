@@ -453,11 +453,36 @@ TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocastState) {
   EXPECT_TRUE(at::equal(checkpointed.first, plain.first));
   EXPECT_TRUE(at::equal(checkpointed.second, plain.second));
 
-  CpuBf16Autocast autocast(true);
-  auto first_use = checkpoint(fn, {x});
-  auto second_use = at::matmul(x.detach(), w);
-  EXPECT_EQ(second_use.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(second_use.requires_grad());
+  {
+    CpuBf16Autocast autocast(true);
+    auto first_use = checkpoint(fn, {x});
+    auto second_use = at::matmul(x.detach(), w);
+    EXPECT_EQ(second_use.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(second_use.requires_grad());
+  }
+  // The recompute (in backward, outside any autocast region) caches no cast: after the weight
+  // changes (an optimizer step), the next forward under autocast reads the new weight.
+  at::Tensor out;
+  {
+    CpuBf16Autocast autocast(true);
+    out = checkpoint(fn, {x});
+  }
+  out.to(at::kFloat).sum().backward();
+  {
+    torch::NoGradGuard no_grad;
+    w.mul_(2.0);
+  }
+  at::Tensor next, fresh;
+  {
+    CpuBf16Autocast autocast(true);
+    next = fn({x});
+  }
+  {
+    at::autocast::clear_cache();
+    CpuBf16Autocast autocast(true);
+    fresh = fn({x});
+  }
+  EXPECT_TRUE(at::equal(next, fresh)) << "a stale bf16 copy of the weight was used";
 }
 
 TEST(Models, ActivationCheckpointingModesAreParsedAndNamed) {

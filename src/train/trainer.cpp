@@ -273,8 +273,22 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                  "checkpoint '{}' has no ZeRO optimizer shard for dp rank {} of {}: '{}' is "
                  "missing",
                  resume->dir.string(), dp_rank(), dp_size(), shard_file.string());
-      auto shard = core::load_safetensors(shard_file);
-      zero_->load_state(shard.tensors, shard.metadata, shard_file.string());
+      // A rank that cannot read its shard tells the others, which would otherwise wait for it
+      // in the first collective.
+      std::string error;
+      try {
+        auto shard = core::load_safetensors(shard_file);
+        zero_->load_state(shard.tensors, shard.metadata, shard_file.string());
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+      mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
+      LOOM_CHECK(error.empty(), "{}", error);
+      LOOM_CHECK(failed.item<int>() == 0,
+                 "{} rank(s) could not load their ZeRO optimizer shard from '{}' (their errors say "
+                 "why)",
+                 failed.item<int>(), resume->dir.string());
     } else {
       LOOM_CHECK(saved.zero == 0,
                  "checkpoint '{}' holds ZeRO-{} optimizer shards (dp {}); resume it with --zero "
@@ -360,9 +374,11 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   spdlog::info("{}", memory_report().describe());
   // The cap simulates a smaller device for training itself: the model was built (whole, even
   // at stage 3) before it applies.
-  if (config_.memory_cap_mb > 0)
+  if (config_.memory_cap_mb > 0) {
+    previous_memory_cap_ = core::memory_cap();
     core::set_memory_cap(static_cast<int64_t>(config_.memory_cap_mb * 1024.0 * 1024.0),
                          "--memory-cap-mb");
+  }
 }
 
 std::map<std::string, at::Tensor> Trainer::gather_parameters() {
@@ -370,7 +386,7 @@ std::map<std::string, at::Tensor> Trainer::gather_parameters() {
 }
 
 Trainer::~Trainer() {
-  if (config_.memory_cap_mb > 0) core::set_memory_cap(0);
+  if (config_.memory_cap_mb > 0) core::set_memory_cap(previous_memory_cap_);
 }
 
 core::MemoryReport Trainer::memory_report() const {
@@ -492,11 +508,19 @@ double Trainer::evaluate(int64_t batches) {
   const int64_t end = std::min(windows, begin + per_rank);
   Bf16Autocast autocast(config_.precision == "bf16");
   double sum = 0;
-  for (int64_t first = begin; first < end; first += micro) {
-    const int64_t count = std::min(micro, end - first);
-    auto batch = val_sampler_->sequential_batch(first, count);
+  // At ZeRO-3 every forward gathers parameters across the dp ranks, so every rank runs as many
+  // forwards as the one with the most windows; a rank with fewer repeats window 0 and counts
+  // nothing from it.
+  const bool collective_forward = zero_ && zero_->stage() == 3;
+  const int64_t forwards =
+      collective_forward ? (per_rank + micro - 1) / micro : (end - begin + micro - 1) / micro;
+  for (int64_t i = 0; i < forwards; ++i) {
+    const int64_t first = begin + i * micro;
+    const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
+    auto batch = val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1));
     if (zero_) zero_->prepare_forward();
-    sum += model_->loss(batch.inputs, batch.targets).item<double>() * static_cast<double>(count);
+    const double loss = model_->loss(batch.inputs, batch.targets).item<double>();
+    sum += loss * static_cast<double>(count);
   }
   if (zero_) zero_->release_parameters();
   model_->train();
@@ -531,7 +555,7 @@ fs::path Trainer::save_checkpoint() {
   std::map<std::string, at::Tensor> params;
   core::NamedTensors opt_state;
   if (zero_) {
-    params = zero_->gather_parameters();
+    params = zero_->gather_parameters(/*only_rank=*/0);
     opt_state.emplace_back("step", at::tensor(zero_->steps_taken(), at::kLong));
   } else if (dp_rank() == 0) {
     params = models::gather_parameters(*model_);
@@ -669,7 +693,7 @@ StepResult Trainer::fit() {
     // single-process model.
     std::map<std::string, at::Tensor> params;
     if (zero_)
-      params = zero_->gather_parameters();  // collective over dp
+      params = zero_->gather_parameters(/*only_rank=*/0);  // collective over dp
     else if (dp_rank() == 0)
       params = models::gather_parameters(*model_);
     std::exception_ptr failure;

@@ -45,7 +45,7 @@ class Trainer {
   // training happens. `mesh` null: one process. Every rank of the mesh must construct its
   // Trainer with the same config.
   explicit Trainer(TrainConfig config, dist::MeshPtr mesh = nullptr);
-  ~Trainer();  // lifts the --memory-cap-mb cap it set
+  ~Trainer();  // puts back the memory cap that was there before --memory-cap-mb
 
   // Trains from the current step to config.steps, logging progress, evaluating and saving as
   // configured. Returns the last step's result.
@@ -104,6 +104,7 @@ class Trainer {
   MetricsWriter metrics_;
   int64_t step_ = 0;
   int64_t last_peak_activations_ = 0;
+  int64_t previous_memory_cap_ = 0;  // restored by the destructor
   // Wall time of the run so far: what earlier processes spent (from the checkpoint) plus this
   // one's since construction, so elapsed_s keeps counting across a resume.
   double elapsed_before_ = 0;

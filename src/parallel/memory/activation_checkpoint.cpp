@@ -123,7 +123,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (auto& generator : state->generators) state->rng_states.push_back(get_rng_state(generator));
     state->autocast = AutocastState::current();
     std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
-    auto out = state->fn(state->arguments(saved));  // grad mode is off here (Function::apply)
+    at::Tensor out;
+    {
+      // Grad mode is off here (Function::apply). Autocast's cast cache stays off around fn: a
+      // cast cached now would have no gradient history for a later use of the same weight.
+      auto no_cache = state->autocast;
+      no_cache.cache_enabled = false;
+      AutocastScope autocast(no_cache);
+      out = state->fn(state->arguments(saved));
+    }
     if (state->offload) {
       // Floating-point inputs leave the device; the rest (ids, the placeholder) stay saved.
       std::vector<at::Tensor> kept;
@@ -170,7 +178,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor out;
     {
       RngReplay rng(state.generators, state.rng_states);
-      AutocastScope autocast(state.autocast);
+      // Without the cast cache: backward runs outside the caller's autocast region, so nothing
+      // would clear casts cached here, and the next forward would read this step's bf16 copies
+      // of weights the optimizer has changed since.
+      auto no_cache = state.autocast;
+      no_cache.cache_enabled = false;
+      AutocastScope autocast(no_cache);
       at::AutoGradMode grad_mode(true);
       out = state.fn(state.arguments(leaves));
     }

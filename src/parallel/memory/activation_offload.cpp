@@ -31,7 +31,8 @@ ActivationOffloader::~ActivationOffloader() = default;
 namespace {
 
 #ifdef LOOM_WITH_CUDA
-// One side stream per device, from the pool: copies there overlap compute on the current one.
+// A side stream from the pool (which cycles through several per device): copies there overlap
+// compute on the current stream; events order the two.
 c10::cuda::CUDAStream side_stream(at::Device device) {
   return c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
 }
@@ -85,14 +86,16 @@ void ActivationOffloader::prefetch(int64_t ticket) {
   auto& e = *it->second;
 #ifdef LOOM_WITH_CUDA
   if (e.origin.is_cuda()) {
+    // The compute stream, taken before the guard below makes the side stream current.
+    auto compute = c10::cuda::getCurrentCUDAStream(e.origin.index());
     auto side = side_stream(e.origin);
     if (e.copied) e.copied->block(side);  // the copy to the host is complete
     c10::cuda::CUDAStreamGuard guard(side);
     e.device = at::empty(e.host.sizes(), e.host.options().device(e.origin).pinned_memory(false));
     e.device.copy_(e.host, /*non_blocking=*/true);
-    // Used on the compute stream after fetch: keep the allocator from recycling it early.
-    c10::cuda::CUDACachingAllocator::recordStream(
-        e.device.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(e.origin.index()));
+    // Allocated on the side stream, read on the compute stream after fetch: the allocator must
+    // not hand the block out again until the compute stream's work on it is done.
+    c10::cuda::CUDACachingAllocator::recordStream(e.device.storage().data_ptr(), compute);
     e.copied.emplace();
     e.copied->record(side);
   } else
@@ -105,39 +108,33 @@ void ActivationOffloader::prefetch(int64_t ticket) {
 }
 
 at::Tensor ActivationOffloader::fetch(int64_t ticket) {
+  std::unique_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(ticket);
     LOOM_CHECK(it != entries_.end(),
                "ActivationOffloader: ticket {} was never issued or was fetched already", ticket);
-    // Not prefetched: bring it back now (counted as not prefetched).
-    if (!it->second->device.defined()) {
-      auto& e = *it->second;
-#ifdef LOOM_WITH_CUDA
-      if (e.origin.is_cuda()) {
-        if (e.copied) e.copied->block(c10::cuda::getCurrentCUDAStream(e.origin.index()));
-        e.device = e.host.to(e.origin, /*non_blocking=*/false);
-      } else
-#endif
-      {
-        e.device = e.host.clone();
-      }
-    }
-  }
-  std::unique_ptr<Entry> entry;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(ticket);
     entry = std::move(it->second);
     entries_.erase(it);
     stats_.fetched += 1;
     stats_.host_bytes -= nbytes(entry->host);
   }
+  auto& e = *entry;
+  if (!e.device.defined()) {  // not prefetched: bring it back now, on the compute stream
 #ifdef LOOM_WITH_CUDA
-  if (entry->origin.is_cuda() && entry->copied)
-    entry->copied->block(c10::cuda::getCurrentCUDAStream(entry->origin.index()));
+    if (e.origin.is_cuda()) {
+      if (e.copied) e.copied->block(c10::cuda::getCurrentCUDAStream(e.origin.index()));
+      return e.host.to(e.origin, /*non_blocking=*/false);
+    }
 #endif
-  return entry->device;
+    return e.host.clone();
+  }
+#ifdef LOOM_WITH_CUDA
+  // Prefetched on the side stream: the compute stream waits for that copy.
+  if (e.origin.is_cuda() && e.copied)
+    e.copied->block(c10::cuda::getCurrentCUDAStream(e.origin.index()));
+#endif
+  return e.device;
 }
 
 void ActivationOffloader::clear() {

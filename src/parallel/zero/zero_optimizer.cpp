@@ -53,6 +53,7 @@ void free_storage(const at::Tensor& t) {
 }
 
 void allocate_storage(const at::Tensor& t) {
+  const c10::DeviceGuard device(t.device());
   auto* impl = t.storage().unsafeGetStorageImpl();
   const auto nbytes = static_cast<size_t>(t.numel()) * t.element_size();
   LOOM_CHECK(impl->allocator() != nullptr, "ZeRO-3: a unit buffer's storage has no allocator");
@@ -64,9 +65,10 @@ int64_t storage_nbytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
-// Sum of squares in float64 (see train/grad_clip.cpp for why not at::norm).
-double squared_norm(const at::Tensor& g) {
-  return g.to(at::kFloat).pow(2).sum().to(at::kDouble).item<double>();
+// Sum of squares as a float64 scalar on the gradient's device (see train/grad_clip.cpp for why
+// not at::norm).
+at::Tensor squared_norm(const at::Tensor& g) {
+  return g.to(at::kFloat).pow(2).sum().to(at::kDouble);
 }
 
 }  // namespace
@@ -100,6 +102,10 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
   ops::check_adamw_options(options_.adamw);
   rank_ = comm_->rank();
   ranks_ = comm_->size();
+  // Stage 3 gathers parameters while gradients are being reduced: on a communicator of its own,
+  // each kind of collective keeps one order on every rank however the two interleave.
+  gather_comm_ =
+      options_.stage == 3 ? comm_->split(0, static_cast<int>(rank_), "zero-gather") : comm_;
   for (auto& [name, p] : params) {
     if (!p.requires_grad()) continue;
     LOOM_CHECK(p.is_leaf(), "ZeRO: parameter '{}' is not a leaf tensor", name);
@@ -152,7 +158,6 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
 
   const bool on_gpu = params_.front().second.is_cuda();
   const auto state_device = options_.offload_optimizer ? host_ : params_.front().second.device();
-  bucket_of_param_.assign(params_.size(), 0);
   torch::NoGradGuard no_grad;
   for (size_t bi = 0; bi < plan.size(); ++bi) {
     Bucket b;
@@ -169,7 +174,6 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
                  params_[b.params.front()].first, c10::toString(first.scalar_type()),
                  first.device().str());
       numels.push_back(p.numel());
-      bucket_of_param_[k] = bi;
     }
     b.layout = FlatLayout(numels, ranks_);
     const auto options = first.options().requires_grad(false);
@@ -254,7 +258,7 @@ void ZeroOptimizer::gather(size_t bucket, bool prefetch) {
   auto& b = buckets_[bucket];
   if (b.gathered != Gathered::kNo) return;
   allocate_storage(b.full);
-  b.gather_work = comm_->all_gather_async(b.full, b.param_shard);
+  b.gather_work = gather_comm_->all_gather_async(b.full, b.param_shard);
   b.gathered = Gathered::kInFlight;
   stats_.all_gather_bytes += static_cast<double>(b.full.numel() * b.full.element_size());
   ++stats_.gathers;
@@ -290,6 +294,8 @@ void ZeroOptimizer::prefetch_after(size_t bucket, int direction) {
 
 void ZeroOptimizer::prepare_forward() {
   forward_pos_ = 0;
+  // A forward ran before (with or without backward): its units' order is the order.
+  if (!forward_order_.empty()) order_recorded_ = true;
   if (options_.stage != 3 || !root_) return;
   gather(*root_, false);
   wait_gathered(*root_);
@@ -359,7 +365,31 @@ void ZeroOptimizer::on_grad_ready(size_t bucket, size_t slot) {
       p.mutable_grad() = view;
     }
   }
-  if (--b.pending == 0) launch_reduce(bucket);
+  if (--b.pending == 0) launch_ready();
+}
+
+void ZeroOptimizer::compute_launch_order() {
+  // Stage 3: units in reverse forward order (the order backward completes them), then the rest
+  // (the root, whose tied embedding completes last, and units that did not run). Stages 1-2:
+  // bucket order, which assign_buckets made reverse registration order.
+  std::vector<bool> placed(buckets_.size(), false);
+  if (options_.stage == 3)
+    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
+      if (!placed[*it]) {
+        placed[*it] = true;
+        launch_order_.push_back(*it);
+      }
+  for (size_t bi = 0; bi < buckets_.size(); ++bi)
+    if (!placed[bi]) launch_order_.push_back(bi);
+}
+
+void ZeroOptimizer::launch_ready() {
+  // Strictly in launch order, the same on every rank, whatever order gradients complete in here:
+  // a bucket that is ready waits for those before it, so ranks on which some parameter got no
+  // gradient (and whose buckets complete later) still issue the same reductions in the same order.
+  if (launch_order_.empty()) compute_launch_order();
+  while (next_launch_ < launch_order_.size() && buckets_[launch_order_[next_launch_]].pending == 0)
+    launch_reduce(launch_order_[next_launch_++]);
 }
 
 void ZeroOptimizer::launch_reduce(size_t bucket) {
@@ -389,7 +419,6 @@ void ZeroOptimizer::launch_reduce(size_t bucket) {
   }
   f.work = comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
   stats_.reduce_scatter_bytes += static_cast<double>(f.send.numel() * f.send.element_size());
-  b.launched = true;
   in_flight_.push_back(std::move(f));
   retire(/*wait=*/false);  // frees the send buffers of reductions that are done
 }
@@ -416,22 +445,22 @@ void ZeroOptimizer::finish_gradient_sync() {
   if (options_.stage == 1 && !sync_) return;
   torch::NoGradGuard no_grad;
   // Buckets whose parameters did not all get a gradient: those count as zeros on this rank.
-  bool warned = false;
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    auto& b = buckets_[bi];
-    if (b.launched) continue;
-    if (!warned && b.pending < static_cast<int64_t>(b.params.size())) {
-      warned = true;
-      spdlog::debug("ZeRO: {} was incomplete when backward ended; missing gradients count as 0",
-                    b.name);
+  if (launch_order_.empty()) compute_launch_order();
+  for (size_t k = next_launch_; k < launch_order_.size(); ++k) {
+    auto& b = buckets_[launch_order_[k]];
+    if (b.pending > 0 && !warned_incomplete_) {
+      warned_incomplete_ = true;
+      spdlog::warn(
+          "ZeRO: {} was incomplete when backward ended (a parameter got no gradient); missing "
+          "gradients count as zeros, and reductions from there on start after backward",
+          b.name);
     }
-    launch_reduce(bi);
+    b.pending = 0;
   }
+  launch_ready();
   retire(/*wait=*/true);
-  for (auto& b : buckets_) {
-    b.pending = static_cast<int64_t>(b.params.size());
-    b.launched = false;
-  }
+  for (auto& b : buckets_) b.pending = static_cast<int64_t>(b.params.size());
+  next_launch_ = 0;
   forward_pos_ = 0;
   if (options_.stage == 3) {
     if (!forward_order_.empty()) order_recorded_ = true;
@@ -442,10 +471,9 @@ void ZeroOptimizer::finish_gradient_sync() {
 
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
-  double local = 0;
-  for (const auto& b : buckets_) local += squared_norm(b.grad_shard);
-  auto total =
-      at::full({1}, local, at::TensorOptions(at::kDouble).device(params_.front().second.device()));
+  std::vector<at::Tensor> squares;
+  for (const auto& b : buckets_) squares.push_back(squared_norm(b.grad_shard));
+  auto total = at::stack(squares).sum().reshape({1});  // one host sync, after the all-reduce
   comm_->all_reduce(total, dist::ReduceOp::Sum);
   const double norm = std::sqrt(total.item<double>());
   if (max_norm > 0 && norm > max_norm) {
@@ -495,15 +523,19 @@ void ZeroOptimizer::zero_grad() {
 
 // ---- Parameters, state, memory -------------------------------------------------------------
 
-std::map<std::string, at::Tensor> ZeroOptimizer::gather_parameters() {
+std::map<std::string, at::Tensor> ZeroOptimizer::gather_parameters(
+    std::optional<int64_t> only_rank) {
   torch::NoGradGuard no_grad;
+  const bool keep = !only_rank || *only_rank == rank_;
   std::map<std::string, at::Tensor> out;
   for (auto& b : buckets_) {
     at::Tensor flat = b.full;
     if (options_.stage == 3) {
+      // Unit by unit; a rank that does not keep the result drops each unit right away.
       flat = at::empty({b.layout.padded_total()}, b.param_shard.options());
-      comm_->all_gather(flat, b.param_shard);
+      gather_comm_->all_gather(flat, b.param_shard);
     }
+    if (!keep) continue;
     for (size_t s = 0; s < b.params.size(); ++s)
       out.emplace(params_[b.params[s]].first, param_view(b, s, flat));
   }

@@ -132,8 +132,10 @@ class ZeroOptimizer {
   int64_t num_not_decayed() const { return num_params() - decayed_; }
 
   // Every parameter by name, whole (a collective at stage 3, where it all-gathers unit by unit
-  // into new tensors; stages 1-2 return aliases of the live parameters).
-  std::map<std::string, at::Tensor> gather_parameters();
+  // into new tensors; stages 1-2 return aliases of the live parameters). With `only_rank`, the
+  // other ranks take part in the collectives but return an empty map and hold one unit at most.
+  std::map<std::string, at::Tensor> gather_parameters(
+      std::optional<int64_t> only_rank = std::nullopt);
 
   // This rank's shard of the optimizer state (moments, masters, step), for a checkpoint, and
   // what identifies the layout it belongs to.
@@ -163,9 +165,8 @@ class ZeroOptimizer {
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32; master when not fp32 or offloaded
     std::vector<FlatSegment> segments;
     std::vector<bool> segment_decays;
-    // Per backward.
+    // Per backward: gradients not yet complete.
     int64_t pending = 0;
-    bool launched = false;
     // Stage 3.
     Gathered gathered = Gathered::kYes;
     dist::WorkPtr gather_work;
@@ -177,6 +178,10 @@ class ZeroOptimizer {
   };
 
   void on_grad_ready(size_t bucket, size_t slot);
+  void compute_launch_order();
+  // Launches, in launch order, every bucket whose gradients are complete and whose predecessors
+  // have launched.
+  void launch_ready();
   void launch_reduce(size_t bucket);
   // Adds finished reductions into the gradient shards and drops their buffers (all of them,
   // waiting, when `wait`).
@@ -193,15 +198,18 @@ class ZeroOptimizer {
 
   ZeroOptions options_;
   dist::CommunicatorPtr comm_;
+  dist::CommunicatorPtr gather_comm_;  // stage 3: parameter gathers (else comm_)
   int64_t rank_ = 0, ranks_ = 1;
   std::vector<std::pair<std::string, at::Tensor>> params_;
-  std::vector<size_t> bucket_of_param_;
   std::vector<Bucket> buckets_;
   std::vector<std::optional<size_t>> bucket_of_unit_;  // per unit given; empty units: none
   std::vector<std::string> unit_names_;
   std::optional<size_t> root_;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::vector<InFlight> in_flight_;
+  std::vector<size_t> launch_order_;  // buckets in the order their reductions are issued
+  size_t next_launch_ = 0;
+  bool warned_incomplete_ = false;
   // Stage 3: the order units ran in the first forward, and where this forward is in it.
   std::vector<size_t> forward_order_;
   size_t forward_pos_ = 0;
