@@ -212,6 +212,9 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
       b.segment_decays.push_back(options_.decays ? options_.decays(name, p) : p.dim() >= 2);
     }
     buckets_.push_back(std::move(b));
+    // Stage 3 keeps only the shard: release each unit as soon as it is sharded, so building
+    // the engine never holds a second copy of the whole model.
+    if (options_.stage == 3) release(buckets_.size() - 1);
   }
   for (const auto& [name, p] : params_)
     if (options_.decays ? options_.decays(name, p) : p.dim() >= 2) ++decayed_;
@@ -228,9 +231,6 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     }
     b.pending = static_cast<int64_t>(b.params.size());
   }
-  // Stage 3 starts with every unit released: only the shards stay.
-  if (options_.stage == 3)
-    for (size_t bi = 0; bi < buckets_.size(); ++bi) release(bi);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
@@ -611,7 +611,13 @@ void ZeroOptimizer::load_state(const std::map<std::string, at::Tensor>& state,
     const auto key = fmt::format("zero.bucket{}", bi);
     get(key + ".exp_avg", b.exp_avg);
     get(key + ".exp_avg_sq", b.exp_avg_sq);
-    if (b.master.defined()) get(key + ".master", b.master);
+    if (!b.master.defined()) continue;
+    // A master the shard does not have (fp32 parameters saved without --offload-optimizer) is
+    // the parameter shard itself.
+    if (state.count(key + ".master") == 0 && b.param_shard.scalar_type() == at::kFloat)
+      b.master.copy_(b.param_shard);
+    else
+      get(key + ".master", b.master);
   }
 }
 

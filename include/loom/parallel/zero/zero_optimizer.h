@@ -70,7 +70,7 @@ struct ZeroUnit {
 struct ZeroMemory {
   int64_t parameters = 0;  // stage 3: shards plus whatever units are gathered now
   int64_t gradients = 0;
-  int64_t optimizer = 0;
+  int64_t optimizer = 0;  // with offload_optimizer: held on the host
 };
 
 struct ZeroCommStats {
@@ -92,6 +92,8 @@ class ZeroOptimizer {
   // parameter that does not exist or is in another unit, or a unit mixing dtypes.
   ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, ZeroOptions options,
                 std::vector<ZeroUnit> units = {});
+  // Leaves stage-3 parameters released (no storage). Autograd graphs recorded through run_unit
+  // refer to the engine: run their backward before destroying it.
   ~ZeroOptimizer();
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
