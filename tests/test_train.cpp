@@ -8,11 +8,15 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
+#include "loom/core/memory.h"
 #include "loom/core/rng.h"
 #include "loom/data/sampler.h"
 #include "loom/data/token_shard.h"
 #include "loom/data/tokenizer.h"
+#include "loom/dist/local_communicator.h"
 #include "loom/models/causal_lm.h"
+#include "loom/ops/cuda.h"
+#include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
 #include "loom/train/lr_schedule.h"
@@ -482,4 +486,48 @@ TEST(Trainer, BadInputIsReportedBeforeTraining) {
     bad.resume = (dir / "no-checkpoint-here").string();
     expect_error(bad, "no-checkpoint-here");
   }
+}
+
+// GPU-only (skipped with a message where no CUDA device exists): ZeRO-Offload keeps the AdamW
+// state off the device. One rank (a local communicator), parameters on the GPU: with
+// offload_optimizer the moments and masters live in pinned host memory, so the device holds
+// about 8 bytes per parameter less, and the updates are the same.
+TEST(Cuda, ZeroOffloadKeepsTheOptimizerStateOffTheDevice) {
+  if (!loom::ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  namespace zero = loom::parallel::zero;
+  const at::Device cuda(at::kCUDA, 0);
+  struct Outcome {
+    int64_t device_bytes;
+    at::Tensor weight;
+  };
+  auto run = [&](bool offload) {
+    torch::manual_seed(3);
+    torch::nn::Linear net(1024, 1024);
+    net->to(cuda);
+    zero::ZeroOptimizer::NamedParams params;
+    for (const auto& item : net->named_parameters()) params.emplace_back(item.key(), item.value());
+    zero::ZeroOptions options;
+    options.stage = 2;
+    options.offload_optimizer = offload;
+    torch::cuda::synchronize();
+    const int64_t before = loom::core::memory_counters(cuda).current_bytes;
+    zero::ZeroOptimizer engine(params, std::make_shared<loom::dist::LocalCommunicator>(), options);
+    for (int step = 0; step < 3; ++step) {
+      engine.prepare_forward();
+      net->forward(at::randn({16, 1024}, at::TensorOptions(cuda))).pow(2).mean().backward();
+      engine.finish_gradient_sync();
+      engine.step(1e-3);
+      engine.zero_grad();
+    }
+    torch::cuda::synchronize();
+    return Outcome{loom::core::memory_counters(cuda).current_bytes - before,
+                   net->weight.detach().cpu()};
+  };
+  const auto on_device = run(false), offloaded = run(true);
+  const int64_t psi = 1024 * 1024 + 1024;
+  EXPECT_LT(offloaded.device_bytes, on_device.device_bytes - 7 * psi)
+      << "on device " << on_device.device_bytes << " B, offloaded " << offloaded.device_bytes
+      << " B";
+  EXPECT_TRUE(at::allclose(offloaded.weight, on_device.weight, 1e-5, 1e-7));
 }

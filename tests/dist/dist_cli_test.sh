@@ -124,6 +124,11 @@ PY
 then
   say "FAIL: resuming --zero 3 from step 2 -> status $status (or step 3 differs): $out"; fail=1
 else say "ok: --zero 3 resumed from its shards"; fi
+out=$("${run[@]}" --zero 3 --resume "$work/z3/step-00000002" 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "written at --zero 3 with dp 2; this run is --zero 3 with dp 1" <<< "$out"; then
+  say "FAIL: resuming a dp 2 ZeRO checkpoint on 1 rank -> status $status: $out"; fail=1
+else say "ok: a ZeRO checkpoint resumed at another dp size rejected with status 2"; fi
 for bad in "--zero 4|--zero 4 is not valid" \
            "--offload-optimizer|--offload-optimizer moves the ZeRO optimizer shards" \
            "--offload-activations|--offload-activations moves the block inputs" \
