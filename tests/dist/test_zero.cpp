@@ -360,20 +360,7 @@ TEST(ZeroMemory, ParametersGradientsAndOptimizerMatchTheFormulas) {
 namespace {
 
 train::TrainConfig zero_config(const fs::path& dir, int64_t zero_stage, int64_t grad_accum) {
-  train::TrainConfig c;
-  c.model = "gpt2";
-  c.preset = "gpt2-tiny";
-  c.data = (dir / "train.bin").string();
-  c.val_data = (dir / "val.bin").string();
-  c.seq_len = 32;
-  c.batch_size = 24;  // divisible by dp x accum for dp = 1..4 and accum = 1, 2
-  c.grad_accum = grad_accum;
-  c.steps = 4;
-  c.lr = 3e-3;
-  c.warmup_steps = 1;
-  c.log_every = 1000;
-  c.eval_batches = 1;
-  c.bucket_mb = 0.05;  // several buckets even for the tiny model
+  auto c = loom::testing::small_run_config(dir, grad_accum);
   c.zero = zero_stage;
   return c;
 }

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -21,13 +22,34 @@ struct RunResult {
   std::map<std::string, at::Tensor> params;
 };
 
+// GPT-2 tiny on the byte corpus in `dir` (write_shared_corpus), 4 steps: the run every layout
+// test compares. batch 24 divides by dp x accum for dp = 1..4 and accum = 1, 2; 0.05 MiB buckets
+// make several buckets even for the tiny model.
+inline loom::train::TrainConfig small_run_config(const std::filesystem::path& dir,
+                                                 int64_t grad_accum) {
+  loom::train::TrainConfig c;
+  c.model = "gpt2";
+  c.preset = "gpt2-tiny";
+  c.data = (dir / "train.bin").string();
+  c.val_data = (dir / "val.bin").string();
+  c.seq_len = 32;
+  c.batch_size = 24;
+  c.grad_accum = grad_accum;
+  c.steps = 4;
+  c.lr = 3e-3;
+  c.warmup_steps = 1;
+  c.log_every = 1000;
+  c.eval_batches = 1;
+  c.bucket_mb = 0.05;
+  return c;
+}
+
 inline RunResult run(loom::train::Trainer& t) {
   RunResult r;
   while (t.step() < t.config().steps) r.losses.push_back(t.train_step().loss);
   r.val_loss = t.evaluate(1);
   // Single-process tensors, assembled from tensor-parallel or ZeRO-3 shards (collective).
-  for (const auto& [name, p] : t.gather_parameters())
-    r.params[name] = p.clone();
+  for (const auto& [name, p] : t.gather_parameters()) r.params[name] = p.clone();
   return r;
 }
 

@@ -1,9 +1,6 @@
 #include "loom/parallel/data/data_parallel.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -14,23 +11,7 @@
 
 namespace loom::parallel::data {
 
-namespace {
-
-// Runs after a parameter's AccumulateGrad node: its .grad is complete for this backward.
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
-}  // namespace
+namespace {}  // namespace
 
 DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
                            DataParallelOptions options)
@@ -63,12 +44,8 @@ DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
     bucket.buffer = at::zeros({numel}, tensors[plan[b].front()].options().requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       adopt_grad(bucket, slot);
-      auto acc = torch::autograd::impl::grad_accumulator(bucket.params[slot]);
-      LOOM_CHECK(acc != nullptr, "DataParallel: parameter '{}' has no gradient accumulator",
-                 bucket.names[slot]);
-      const auto key = acc->add_post_hook(
-          std::make_unique<GradReadyHook>([this, b, slot] { on_grad_ready(b, slot); }));
-      hooks_.emplace_back(acc, key);
+      hooks_.add(bucket.params[slot], bucket.names[slot],
+                 [this, b, slot] { on_grad_ready(b, slot); });
     }
   }
   reset_backward_state();
@@ -77,8 +54,7 @@ DataParallel::DataParallel(NamedParams params, dist::CommunicatorPtr comm,
 DataParallel::~DataParallel() {
   // Reductions still in flight keep their buffers alive (the communicator holds the tensors),
   // so there is nothing to wait for here; waiting could hang a rank that is unwinding an error
-  // while its peers never issue the matching collective.
-  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+  // while its peers never issue the matching collective. The hooks go with hooks_.
 }
 
 void DataParallel::reset_backward_state() {

@@ -5,9 +5,6 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -28,20 +25,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
-
-// Runs after a parameter's AccumulateGrad node: its .grad is complete for this backward.
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
 
 // Stage 3 frees a released unit's memory by detaching the storage's allocation, not by dropping
 // the tensor: the parameters (and the views autograd saved for backward) keep pointing at the
@@ -223,19 +206,13 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     auto& b = buckets_[bi];
     for (size_t s = 0; s < b.params.size(); ++s) {
       const auto& [name, p] = params_[b.params[s]];
-      auto acc = torch::autograd::impl::grad_accumulator(p);
-      LOOM_CHECK(acc != nullptr, "ZeRO: parameter '{}' has no gradient accumulator", name);
-      const auto key = acc->add_post_hook(
-          std::make_unique<GradReadyHook>([this, bi, s] { on_grad_ready(bi, s); }));
-      hooks_.emplace_back(acc, key);
+      hooks_.add(p, name, [this, bi, s] { on_grad_ready(bi, s); });
     }
     b.pending = static_cast<int64_t>(b.params.size());
   }
 }
 
-ZeroOptimizer::~ZeroOptimizer() {
-  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
-}
+ZeroOptimizer::~ZeroOptimizer() = default;
 
 size_t ZeroOptimizer::unit_index(const std::string& name) const {
   for (size_t u = 0; u < unit_names_.size(); ++u)

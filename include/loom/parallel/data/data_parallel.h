@@ -19,10 +19,7 @@
 #include "loom/dist/communicator.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/grad_bucket.h"
-
-namespace torch::autograd {
-struct Node;
-}
+#include "loom/parallel/grad_ready_hooks.h"
 
 namespace loom::parallel::data {
 
@@ -82,8 +79,7 @@ class DataParallel {
   dist::CommunicatorPtr comm_;
   std::shared_ptr<CommHook> hook_;
   std::vector<GradBucket> buckets_;
-  // The gradient accumulators we hooked, and the keys to unhook them.
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  GradReadyHooks hooks_;  // after the buckets: destroyed (unhooked) before them
   std::chrono::steady_clock::time_point first_launch_{};
   size_t next_to_launch_ = 0;  // buckets launch strictly in order: every rank the same
   bool in_backward_ = false;

@@ -39,11 +39,8 @@
 #include "loom/core/safetensors.h"
 #include "loom/dist/communicator.h"
 #include "loom/ops/adamw.h"
+#include "loom/parallel/grad_ready_hooks.h"
 #include "loom/parallel/zero/flat_layout.h"
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace loom::parallel::zero {
 
@@ -207,7 +204,7 @@ class ZeroOptimizer {
   std::vector<std::optional<size_t>> bucket_of_unit_;  // per unit given; empty units: none
   std::vector<std::string> unit_names_;
   std::optional<size_t> root_;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  GradReadyHooks hooks_;  // after the buckets: destroyed (unhooked) before them
   std::vector<InFlight> in_flight_;
   std::vector<size_t> launch_order_;  // buckets in the order their reductions are issued
   size_t next_launch_ = 0;
