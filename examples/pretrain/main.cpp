@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   app.add_option("--init-from-hf", c.init_from_hf,
                  "Start from a Hugging Face directory (config.json + model.safetensors); its "
                  "config gives the model shape");
+  app.add_option("--layers", c.layers, "Transformer blocks (0: the preset's)")
+      ->capture_default_str();
   app.add_option("--vocab-size", c.vocab_size,
                  "Vocabulary size (0: from the data directory's meta.json, else 256)")
       ->capture_default_str();
@@ -88,6 +90,27 @@ int main(int argc, char** argv) {
                  "Pad the vocabulary to a multiple of this times --tp (padding is masked out of "
                  "the loss and never exported)")
       ->capture_default_str();
+  app.add_option("--pp", c.pp,
+                 "Pipeline-parallel size: the layers split into this many stages, one per rank "
+                 "(outermost mesh dimension)")
+      ->capture_default_str();
+  app.add_option("--schedule", c.schedule,
+                 "Pipeline schedule: gpipe | 1f1b | interleaved (or a registered custom one)")
+      ->capture_default_str();
+  app.add_option("--virtual-stages", c.virtual_stages,
+                 "Model chunks per pipeline rank, for --schedule interleaved")
+      ->capture_default_str();
+  int64_t micro_batches = 0;
+  app.add_option("--micro-batches", micro_batches,
+                 "Micro-batches per step on each data-parallel rank (the pipeline's m; the same "
+                 "as --grad-accum, which it sets)");
+  app.add_option("--pp-partition", c.pp_partition,
+                 "What balances the pipeline stages: uniform (equal layer counts) | params | "
+                 "flops | measured (timed at start-up)")
+      ->capture_default_str();
+  app.add_option("--pp-devices", c.pp_devices,
+                 "JSON file of the pipeline ranks' devices: {\"devices\": [{\"name\": ..., "
+                 "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers");
   app.add_option("--zero", c.zero,
                  "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
                  "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")
@@ -119,11 +142,20 @@ int main(int argc, char** argv) {
   std::optional<loom::dist::Runtime> runtime;
   std::unique_ptr<loom::train::Trainer> trainer;
   return loom::apps::run_app(app, argc, argv, [&] {
+    if (micro_batches != 0) {
+      LOOM_CHECK(micro_batches > 0, "--micro-batches {} must be positive", micro_batches);
+      LOOM_CHECK(c.grad_accum == 1 || c.grad_accum == micro_batches,
+                 "--micro-batches {} and --grad-accum {} disagree: they are the same setting "
+                 "(micro-batches per step on each data-parallel rank); pass one",
+                 micro_batches, c.grad_accum);
+      c.grad_accum = micro_batches;
+    }
     runtime.emplace(loom::dist::RuntimeOptions{loom::dist::Seconds(comm_timeout), threads});
     // Rank 0 tells the story; the others only warn.
     const bool quiet = runtime->rank() != 0 && log_level != "error" && log_level != "off";
     loom::core::setup_logging(quiet ? "warn" : log_level);
-    trainer = std::make_unique<loom::train::Trainer>(c, runtime->mesh({.dp = c.dp, .tp = c.tp}));
+    trainer = std::make_unique<loom::train::Trainer>(
+        c, runtime->mesh({.dp = c.dp, .tp = c.tp, .pp = c.pp}));
     trainer->fit();
   });
 }

@@ -38,10 +38,30 @@ ActivationCheckpointing parse_activation_checkpointing(const std::string& name) 
   fail("activation checkpointing '{}' is not known; valid values: none, full, selective", name);
 }
 
-CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp)
-    : config_(std::move(config)), tp_(tp ? std::move(tp) : std::make_shared<pt::TpGroup>()) {
+std::string ModelPart::describe(int64_t n_layers) const {
+  const int64_t end = end_layer < 0 ? n_layers : end_layer;
+  std::string out = end > first_layer ? fmt::format("layers {}-{}", first_layer, end - 1)
+                                      : std::string("no layers");
+  if (first) out = "embedding + " + out;
+  if (last) out += " + head";
+  return out;
+}
+
+CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp, ModelPart part)
+    : config_(std::move(config)),
+      tp_(tp ? std::move(tp) : std::make_shared<pt::TpGroup>()),
+      part_(part) {
   config_.validate();
   check_divisible_by_tp();
+  if (part_.end_layer < 0) part_.end_layer = config_.n_layers;
+  LOOM_CHECK(part_.first_layer >= 0 && part_.first_layer <= part_.end_layer &&
+                 part_.end_layer <= config_.n_layers,
+             "model part with layers [{}, {}) does not fit a model of {} layers (valid: 0 <= "
+             "first <= end <= {})",
+             part_.first_layer, part_.end_layer, config_.n_layers, config_.n_layers);
+  LOOM_CHECK(part_.first || part_.last || part_.end_layer > part_.first_layer,
+             "a model part in the middle of the pipeline must hold at least one layer (got {})",
+             part_.describe(config_.n_layers));
 }
 
 void CausalLM::check_divisible_by_tp() const {
@@ -82,17 +102,60 @@ void CausalLM::add_block_wrapper(BlockWrapper wrapper) {
   block_wrappers_.push_back(std::move(wrapper));
 }
 
-void CausalLM::register_blocks(std::string prefix, torch::nn::ModuleList blocks) {
+void CausalLM::register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
+                               std::vector<std::shared_ptr<torch::nn::Module>> blocks) {
+  LOOM_CHECK(static_cast<int64_t>(blocks.size()) == part_.end_layer - part_.first_layer,
+             "register_blocks: {} blocks for {}", blocks.size(), part_.describe(config_.n_layers));
   blocks_prefix_ = std::move(prefix);
   blocks_ = std::move(blocks);
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    container->register_module(std::to_string(part_.first_layer + static_cast<int64_t>(i)),
+                               blocks_[i]);
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> CausalLM::blocks() const {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
-  if (!blocks_) return out;
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    out.emplace_back(fmt::format("{}.{}", blocks_prefix_, i), blocks_->ptr(i));
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    out.emplace_back(
+        fmt::format("{}.{}", blocks_prefix_, part_.first_layer + static_cast<int64_t>(i)),
+        blocks_[i]);
   return out;
+}
+
+int64_t CausalLM::full_seq_len(const at::Tensor& x) const {
+  return tp_->sequence_parallel() ? x.size(1) * tp_->size() : x.size(1);
+}
+
+at::Tensor CausalLM::forward_part(const at::Tensor& input) {
+  at::Tensor x;
+  if (part_.first) {
+    check_tokens(input);
+    x = embed(input);
+  } else {
+    LOOM_CHECK(input.dim() == 3 && input.size(2) == config_.d_model,
+               "{} takes hidden states [batch, seq, {}]; got shape {}",
+               part_.describe(config_.n_layers), config_.d_model, input.sizes());
+    x = input;
+  }
+  x = run_layers(x);
+  return part_.last ? head(x) : x;
+}
+
+at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
+  LOOM_CHECK(is_whole(), "logits_shard needs the whole model; this one holds {} (use forward_part)",
+             part_.describe(config_.n_layers));
+  return forward_part(tokens);
+}
+
+at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
+  check_ids(targets, "target");
+  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
+    return next_token_loss(logits, targets);
+  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+}
+
+std::string CausalLM::tied_embedding_copy() const {
+  return config_.tie_embeddings && part_.last && !part_.first ? embedding_weight_name() : "";
 }
 
 at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn) {
@@ -122,11 +185,7 @@ at::Tensor CausalLM::forward(const at::Tensor& tokens) {
 at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {
   LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
              targets.sizes(), tokens.sizes());
-  check_ids(targets, "target");
-  auto logits = logits_shard(tokens);
-  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
-    return next_token_loss(logits, targets);
-  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+  return loss_from_logits(logits_shard(tokens), targets);
 }
 
 const std::map<std::string, pt::ShardSpec>& CausalLM::shard_specs() const {
@@ -185,9 +244,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return parallel::memory::checkpoint(attend, {q, k, v}, options);
 }
 
-std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp) {
-  if (config.family == Family::kGpt2) return std::make_shared<Gpt2>(config, std::move(tp));
-  return std::make_shared<Llama>(config, std::move(tp));
+std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part) {
+  if (config.family == Family::kGpt2) return std::make_shared<Gpt2>(config, std::move(tp), part);
+  return std::make_shared<Llama>(config, std::move(tp), part);
 }
 
 void init_parameters(CausalLM& model, uint64_t seed) {

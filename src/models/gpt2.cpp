@@ -52,36 +52,54 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim);
 }
 
-Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, std::move(tp)) {
+Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
+    : CausalLM(config, std::move(tp), part) {
   LOOM_CHECK(config.family == Family::kGpt2, "Gpt2 built from a {} config",
              to_string(config.family));
+  const auto& p = this->part();
   auto body = register_module("transformer", std::make_shared<nn::Module>());
-  wte_ = body->register_module("wte", std::make_shared<pt::VocabParallelEmbedding>(
-                                          config.vocab_size, config.d_model, tp_ptr()));
-  wpe_ = body->register_module("wpe", nn::Embedding(config.max_seq_len, config.d_model));
-  h_ = body->register_module("h", nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layers; ++i)
-    h_->push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), execution()));
-  register_blocks("transformer.h", h_);
-  ln_f_ = body->register_module(
-      "ln_f", nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps)));
+  // The last part of a split model keeps its own copy of the tied embedding for the head.
+  if (p.first || p.last)
+    wte_ = body->register_module("wte", std::make_shared<pt::VocabParallelEmbedding>(
+                                            config.vocab_size, config.d_model, tp_ptr()));
+  if (p.first)
+    wpe_ = body->register_module("wpe", nn::Embedding(config.max_seq_len, config.d_model));
+  auto h = body->register_module("h", std::make_shared<nn::Module>());
+  std::vector<std::shared_ptr<nn::Module>> blocks;
+  for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
+    h_.push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), execution()));
+    blocks.push_back(h_.back());
+  }
+  register_blocks("transformer.h", h, std::move(blocks));
+  if (p.last)
+    ln_f_ = body->register_module(
+        "ln_f", nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps)));
 }
 
-at::Tensor Gpt2::logits_shard(const at::Tensor& tokens) {
-  check_tokens(tokens);
+at::Tensor Gpt2::embed(const at::Tensor& tokens) {
   auto& tp = this->tp();
   // With sequence parallelism the token embeddings arrive reduce-scattered: this rank's chunk
   // of the sequence, to which its positions' embeddings are added.
   auto x = wte_->forward(tokens);
   const int64_t first = tp.sequence_parallel() ? tp.rank() * x.size(1) : 0;
   x = x + wpe_->forward(at::arange(first, first + x.size(1), tokens.options()));
-  x = pt::sharded_dropout(x, config().dropout, is_training(), tp, tp.sequence_parallel() ? 1 : -1);
-  for (int64_t i = 0; i < static_cast<int64_t>(h_->size()); ++i) {
-    auto block = h_->ptr<Gpt2Block>(static_cast<size_t>(i));
-    x = run_block(i, x, [block](const at::Tensor& in) { return block->forward(in); });
+  return pt::sharded_dropout(x, config().dropout, is_training(), tp,
+                             tp.sequence_parallel() ? 1 : -1);
+}
+
+at::Tensor Gpt2::run_layers(const at::Tensor& input) {
+  auto x = input;
+  for (size_t i = 0; i < h_.size(); ++i) {
+    auto block = h_[i];
+    x = run_block(static_cast<int64_t>(i), x,
+                  [block](const at::Tensor& in) { return block->forward(in); });
   }
+  return x;
+}
+
+at::Tensor Gpt2::head(const at::Tensor& x) {
   // Tied output head: logits = x · wteᵀ, this rank's vocabulary rows.
-  return at::matmul(pt::enter_tp_region(ln_f_->forward(x), tp, 1), wte_->weight.t());
+  return at::matmul(pt::enter_tp_region(ln_f_->forward(x), tp(), 1), wte_->weight.t());
 }
 
 ParamInit Gpt2::init_for(const std::string& name) const {

@@ -94,24 +94,34 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
 }
 
-Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, std::move(tp)) {
+Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
+    : CausalLM(config, std::move(tp), part) {
   LOOM_CHECK(config.family == Family::kLlama, "Llama built from a {} config",
              to_string(config.family));
+  const auto& p = this->part();
   auto body = register_module("model", std::make_shared<nn::Module>());
-  embed_tokens_ = body->register_module(
-      "embed_tokens",
-      std::make_shared<pt::VocabParallelEmbedding>(config.vocab_size, config.d_model, tp_ptr()));
-  layers_ = body->register_module("layers", nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layers; ++i)
-    layers_->push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), execution()));
-  register_blocks("model.layers", layers_);
-  norm_ = body->register_module("norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps));
-  if (!config.tie_embeddings)
-    lm_head_ = register_module(
-        "lm_head",
-        std::make_shared<pt::ColumnParallelLinear>(
-            config.d_model, config.vocab_size, tp_ptr(),
-            pt::ColumnParallelOptions{.bias = false, .padded_out = padded_vocab()}, "lm_head"));
+  // With tied embeddings the last part of a split model keeps its own copy for the head.
+  if (p.first || (p.last && config.tie_embeddings))
+    embed_tokens_ = body->register_module(
+        "embed_tokens",
+        std::make_shared<pt::VocabParallelEmbedding>(config.vocab_size, config.d_model, tp_ptr()));
+  auto layers = body->register_module("layers", std::make_shared<nn::Module>());
+  std::vector<std::shared_ptr<nn::Module>> blocks;
+  for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
+    layers_.push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), execution()));
+    blocks.push_back(layers_.back());
+  }
+  register_blocks("model.layers", layers, std::move(blocks));
+  if (p.last) {
+    norm_ =
+        body->register_module("norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps));
+    if (!config.tie_embeddings)
+      lm_head_ = register_module(
+          "lm_head",
+          std::make_shared<pt::ColumnParallelLinear>(
+              config.d_model, config.vocab_size, tp_ptr(),
+              pt::ColumnParallelOptions{.bias = false, .padded_out = padded_vocab()}, "lm_head"));
+  }
 
   // Rotary tables: angle(t, i) = t * theta^(-2i / hd), duplicated over both halves.
   const int64_t hd = config.head_dim();
@@ -123,18 +133,25 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp) : CausalLM(config, st
   rope_sin_ = angles.sin().to(at::kFloat);
 }
 
-at::Tensor Llama::logits_shard(const at::Tensor& tokens) {
-  check_tokens(tokens);
-  const int64_t t = tokens.size(1);
-  auto cos = rope_cos_.narrow(0, 0, t).to(tokens.device());
-  auto sin = rope_sin_.narrow(0, 0, t).to(tokens.device());
-  auto x = embed_tokens_->forward(tokens);
+at::Tensor Llama::embed(const at::Tensor& tokens) {
+  return embed_tokens_->forward(tokens);
+}
+
+at::Tensor Llama::run_layers(const at::Tensor& input) {
+  const int64_t t = full_seq_len(input);
+  auto cos = rope_cos_.narrow(0, 0, t).to(input.device());
+  auto sin = rope_sin_.narrow(0, 0, t).to(input.device());
+  auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
-  for (int64_t i = 0; i < static_cast<int64_t>(layers_->size()); ++i) {
-    auto block = layers_->ptr<LlamaBlock>(static_cast<size_t>(i));
-    x = run_block(i, x,
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto block = layers_[i];
+    x = run_block(static_cast<int64_t>(i), x,
                   [block, cos, sin](const at::Tensor& in) { return block->forward(in, cos, sin); });
   }
+  return x;
+}
+
+at::Tensor Llama::head(const at::Tensor& x) {
   auto h = pt::enter_tp_region(norm_->forward(x), tp(), 1);
   return lm_head_ ? lm_head_->forward(h) : at::matmul(h, embed_tokens_->weight.t());
 }

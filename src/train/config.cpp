@@ -40,6 +40,17 @@ void TrainConfig::validate() const {
              "--sequence-parallel splits the sequence across tp ranks: --seq-len {} is not "
              "divisible by --tp {}",
              seq_len, tp);
+  LOOM_CHECK(layers >= 0, "--layers {} must be >= 0 (0: the preset's)", layers);
+  LOOM_CHECK(pp >= 1, "--pp {} must be at least 1", pp);
+  LOOM_CHECK(virtual_stages >= 1, "--virtual-stages {} must be at least 1", virtual_stages);
+  LOOM_CHECK(virtual_stages == 1 || pp > 1,
+             "--virtual-stages {} winds the model round the pipeline ranks: it needs --pp > 1",
+             virtual_stages);
+  LOOM_CHECK(pp_partition == "uniform" || pp_partition == "params" || pp_partition == "flops" ||
+                 pp_partition == "measured",
+             "--pp-partition '{}' is not valid: uniform, params, flops or measured", pp_partition);
+  LOOM_CHECK(pp_devices.empty() || pp > 1,
+             "--pp-devices '{}' describes pipeline ranks: it needs --pp > 1", pp_devices);
   LOOM_CHECK(zero >= 0 && zero <= 3,
              "--zero {} is not valid: 0 (replicated), 1 (optimizer state sharded), 2 (plus "
              "gradients) or 3 (plus parameters)",
@@ -68,7 +79,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
-    zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb)
+    zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
+    pp, schedule, virtual_stages, pp_partition, pp_devices)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -99,6 +111,10 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
+  LOOM_CHECK(layers == 0 || layers == saved.layers || saved.layers == 0,
+             "--layers {} differs from the checkpoint's {}: the model's shape comes from the "
+             "checkpoint",
+             layers, saved.layers);
 }
 
 TrainConfig TrainConfig::from_json(const nlohmann::json& j) {

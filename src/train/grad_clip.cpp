@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "loom/core/error.h"
+#include "loom/dist/communicator.h"
 #include "loom/models/causal_lm.h"
 
 namespace loom::train {
@@ -44,27 +46,46 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
 }
 
 double clip_grad_norm(const models::CausalLM& model, double max_norm) {
+  return clip_grad_norm({&model}, max_norm, nullptr);
+}
+
+double clip_grad_norm(const std::vector<const models::CausalLM*>& parts, double max_norm,
+                      dist::Communicator* pipeline) {
   torch::NoGradGuard no_grad;
-  const int64_t tp = model.tp().size();
+  LOOM_CHECK(!parts.empty(), "clip_grad_norm: no model parts");
+  const auto& tp_group = parts.front()->tp();
+  const int64_t tp = tp_group.size();
   std::vector<at::Tensor> params, sharded, replicated;
-  for (const auto& item : model.named_parameters()) {
-    const auto& g = item.value().grad();
-    if (!g.defined()) continue;
-    params.push_back(item.value());
-    const auto& spec = model.shard_spec(item.key());
-    auto sq = squared_norm(g);
-    if (spec.sharded())
-      sharded.push_back(sq / static_cast<double>(spec.replicas(tp)));
-    else
-      replicated.push_back(sq);
+  for (const auto* model : parts) {
+    const auto tied_copy = model->tied_embedding_copy();
+    for (const auto& item : model->named_parameters()) {
+      const auto& g = item.value().grad();
+      if (!g.defined()) continue;
+      params.push_back(item.value());
+      if (item.key() == tied_copy) continue;
+      const auto& spec = model->shard_spec(item.key());
+      auto sq = squared_norm(g);
+      if (spec.sharded())
+        sharded.push_back(sq / static_cast<double>(spec.replicas(tp)));
+      else
+        replicated.push_back(sq);
+    }
   }
-  // Every rank joins the reduction, gradients or not. On the parameters' device, so that a NCCL
-  // tp group can reduce it.
+  // Every rank joins the reductions, gradients or not. On the parameters' device, so that NCCL
+  // groups can reduce it.
+  const auto& first = *parts.front();
   const auto device =
-      model.parameters().empty() ? at::Device(at::kCPU) : model.parameters().front().device();
-  auto sharded_sq = at::full({1}, total_of(sharded), at::TensorOptions(at::kDouble).device(device));
-  if (tp > 1) model.tp().comm()->all_reduce(sharded_sq, dist::ReduceOp::Sum);
-  const double total = std::sqrt(sharded_sq.item<double>() + total_of(replicated));
+      first.parameters().empty() ? at::Device(at::kCPU) : first.parameters().front().device();
+  const auto options = at::TensorOptions(at::kDouble).device(device);
+  auto sharded_sq = at::full({1}, total_of(sharded), options);
+  if (tp > 1) tp_group.comm()->all_reduce(sharded_sq, dist::ReduceOp::Sum);
+  double total_sq = sharded_sq.item<double>() + total_of(replicated);
+  if (pipeline && pipeline->size() > 1) {
+    auto t = at::full({1}, total_sq, options);
+    pipeline->all_reduce(t, dist::ReduceOp::Sum);
+    total_sq = t.item<double>();
+  }
+  const double total = std::sqrt(total_sq);
   scale_if_above(params, total, max_norm);
   return total;
 }

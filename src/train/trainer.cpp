@@ -6,14 +6,19 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <set>
+#include <tuple>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
 #include "loom/core/format.h"
 #include "loom/core/rng.h"
+#include "loom/dist/gather_tensors.h"
 #include "loom/models/hf.h"
+#include "loom/models/layer_costs.h"
 #include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
@@ -26,9 +31,10 @@ using nlohmann::json;
 namespace {
 
 // The checkpoint entry holding data-parallel rank r's dropout generator (TpGroup::generator(),
-// the same on the tp ranks of a replica).
-std::string rng_key(int64_t dp_rank) {
-  return dp_rank == 0 ? "rng.cpu" : fmt::format("rng.cpu.dp{}", dp_rank);
+// the same on the tp ranks of a replica); with a pipeline, each stage has its own.
+std::string rng_key(int64_t dp_rank, int64_t pp_rank = 0, int64_t pp_size = 1) {
+  const auto base = dp_rank == 0 ? std::string("rng.cpu") : fmt::format("rng.cpu.dp{}", dp_rank);
+  return pp_size > 1 ? fmt::format("{}.pp{}", base, pp_rank) : base;
 }
 
 std::string format_duration(double seconds) {
@@ -41,6 +47,14 @@ std::string format_duration(double seconds) {
 core::NamedTensors named_parameters(const models::CausalLM& model) {
   core::NamedTensors out;
   for (const auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+// Every parameter of a rank's model parts (names are unique across them).
+core::NamedTensors named_parameters(const std::vector<std::shared_ptr<models::CausalLM>>& parts) {
+  core::NamedTensors out;
+  for (const auto& part : parts)
+    for (auto& kv : named_parameters(*part)) out.push_back(std::move(kv));
   return out;
 }
 
@@ -103,6 +117,74 @@ std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointCon
   return model;
 }
 
+namespace {
+
+// Forward + backward seconds of `part` (built on `tp`) on a micro-batch, the median of a few
+// runs after a warm-up.
+double time_part(const models::ModelConfig& config, const parallel::tensor::TpGroupPtr& tp,
+                 models::ModelPart part, int64_t micro, int64_t seq_len) {
+  auto model = models::make_model(config, tp, part);
+  models::init_parameters(*model, 1);
+  auto tokens = at::zeros({micro, seq_len}, at::kLong);
+  const int64_t local_seq = tp->sequence_parallel() ? seq_len / tp->size() : seq_len;
+  auto hidden = at::zeros({micro, local_seq, config.d_model}).normal_(0, 1);
+  std::vector<double> times;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    auto input = part.first ? tokens : hidden.clone().requires_grad_(true);
+    auto out = model->forward_part(input);
+    (part.last ? model->loss_from_logits(out, tokens) : out.sum()).backward();
+    if (rep > 0)
+      times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+void Trainer::build_pipeline_parts(const models::ModelConfig& model_config,
+                                   const parallel::tensor::TpGroupPtr& tp_group) {
+  namespace pl = parallel::pipeline;
+  const pl::PipelineShape shape{pp_size(), config_.virtual_stages, config_.grad_accum};
+  const int64_t micro = config_.micro_batch_size(dp_size());
+  models::CostShape cost_shape{
+      micro, config_.seq_len, tp_size(),
+      config_.schedule == "gpipe" ? config_.grad_accum : std::min(config_.grad_accum, pp_size())};
+  pl::LayerCosts costs;
+  if (config_.pp_partition == "measured") {
+    // One block, the embedding and the head timed on this rank, averaged over all ranks so
+    // every rank computes the same split.
+    costs = models::layer_costs(model_config, "uniform", cost_shape);
+    auto one = model_config;
+    one.n_layers = 1;
+    const double layer = time_part(one, tp_group, {0, 1, false, false}, micro, config_.seq_len);
+    const double with_embed = time_part(one, tp_group, {0, 1, true, false}, micro, config_.seq_len);
+    const double with_head = time_part(one, tp_group, {0, 1, false, true}, micro, config_.seq_len);
+    auto t = at::tensor(
+        {layer, std::max(0.0, with_embed - layer), std::max(0.0, with_head - layer)}, at::kDouble);
+    mesh_->world().all_reduce(t, dist::ReduceOp::Avg);
+    std::fill(costs.layer_time.begin(), costs.layer_time.end(), t[0].item<double>());
+    costs.first_time = t[1].item<double>();
+    costs.last_time = t[2].item<double>();
+    costs.kind = "measured";
+  } else {
+    costs = models::layer_costs(model_config, config_.pp_partition, cost_shape);
+  }
+  const auto devices = config_.pp_devices.empty()
+                           ? pl::uniform_devices(pp_size())
+                           : pl::load_device_file(config_.pp_devices, pp_size());
+  partition_ = pl::partition_layers(costs, shape, devices);
+  for (int64_t c = 0; c < config_.virtual_stages; ++c) {
+    const int64_t stage = shape.stage_of(pp_rank(), c);
+    models::ModelPart part{partition_->first_layer(stage), partition_->end_layer(stage), stage == 0,
+                           stage == shape.stages() - 1};
+    chunks_.push_back(models::make_model(model_config, tp_group, part));
+  }
+  model_ = chunks_.front();
+}
+
 Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     : config_(std::move(config)), mesh_(mesh ? std::move(mesh) : dist::Mesh::single_process()) {
   config_.validate();
@@ -118,6 +200,19 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   LOOM_CHECK(config_.tp == tp_size(),
              "--tp {} does not match the mesh, whose tensor-parallel size is {} ({})", config_.tp,
              tp_size(), mesh_->shape().describe());
+  LOOM_CHECK(config_.pp == pp_size(),
+             "--pp {} does not match the mesh, whose pipeline-parallel size is {} ({})", config_.pp,
+             pp_size(), mesh_->shape().describe());
+  if (pp_size() > 1) {
+    LOOM_CHECK(config_.zero == 0,
+               "--zero {} with --pp {}: ZeRO over a pipeline is not supported yet; use --zero 0 "
+               "with --pp (plain data parallelism composes with it), or --pp 1",
+               config_.zero, pp_size());
+    // The schedule must be able to run this pipeline: checked (and played out, so a custom
+    // schedule that would deadlock fails here) before anything is built.
+    parallel::pipeline::simulate(*parallel::pipeline::make_schedule(config_.schedule),
+                                 {pp_size(), config_.virtual_stages, config_.grad_accum});
+  }
   config_.dp = dp_size();  // checkpoints record the layout that was actually used
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
@@ -159,11 +254,15 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                saved_tokens, config_.data, train_shard_->size());
   } else if (!config_.init_from_hf.empty()) {
     model_config = models::read_hf_config(config_.init_from_hf);
+    LOOM_CHECK(config_.layers == 0 || config_.layers == model_config.n_layers,
+               "--layers {} with --init-from-hf: the model has the directory's {} layers",
+               config_.layers, model_config.n_layers);
   } else {
     model_config = models::ModelConfig::preset(config_.preset);
     LOOM_CHECK(models::to_string(model_config.family) == config_.model,
                "--preset {} is a {} preset but --model is {}", config_.preset,
                models::to_string(model_config.family), config_.model);
+    if (config_.layers > 0) model_config.n_layers = config_.layers;
     model_config.vocab_size =
         config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
   }
@@ -193,20 +292,30 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   auto tp_group = std::make_shared<parallel::tensor::TpGroup>(
       mesh_->comm_ptr(dist::Dim::tp),
       parallel::tensor::TpOptions{config_.sequence_parallel, config_.pad_vocab_multiple});
-  model_ = models::make_model(model_config, tp_group);  // checks heads and widths against tp
+  if (pp_size() == 1) {
+    model_ = models::make_model(model_config, tp_group);  // checks heads and widths against tp
+    chunks_ = {model_};
+  } else {
+    build_pipeline_parts(model_config, tp_group);
+  }
+  std::map<std::string, at::Tensor> hf_tensors;
   if (!config_.init_from_hf.empty() && !resume)
-    models::load_parameters(*model_, tensor_map(*models::load_hf(config_.init_from_hf)),
-                            config_.init_from_hf);
-  else
-    models::init_parameters(*model_, config_.seed);
-  // Checkpoints hold single-process tensors: each rank takes its shards (before ZeRO takes the
-  // parameters over).
-  if (resume) models::load_parameters(*model_, resume->model, resume->dir.string());
-  model_->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
-  model_->set_activation_checkpointing(
-      models::parse_activation_checkpointing(config_.activation_checkpointing));
-  if (config_.offload_activations)
-    model_->set_activation_offload(std::make_shared<parallel::memory::ActivationOffloader>());
+    hf_tensors = tensor_map(*models::load_hf(config_.init_from_hf));
+  for (auto& chunk : chunks_) {
+    if (!hf_tensors.empty())
+      models::load_parameters(*chunk, hf_tensors, config_.init_from_hf);
+    else
+      models::init_parameters(*chunk, config_.seed);
+    // Checkpoints hold single-process tensors: each rank takes its shards (before ZeRO takes
+    // the parameters over).
+    if (resume) models::load_parameters(*chunk, resume->model, resume->dir.string());
+    chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
+    chunk->set_activation_checkpointing(
+        models::parse_activation_checkpointing(config_.activation_checkpointing));
+    if (config_.offload_activations)
+      chunk->set_activation_offload(std::make_shared<parallel::memory::ActivationOffloader>());
+  }
+  hf_tensors.clear();
   const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
   if (config_.zero > 0) {
     LOOM_CHECK(tp_size() == 1,
@@ -243,23 +352,31 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       parallel::data::DataParallelOptions dp_options;
       dp_options.bucket_mb = config_.bucket_mb;
       dp_options.hook = parallel::data::make_comm_hook(config_.comm_hook);
-      dp_ = std::make_unique<parallel::data::DataParallel>(
-          named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), dp_options);
+      // One per chunk: a pipeline finishes each chunk's last backward at its own time, and that
+      // chunk's buckets are reduced from then on while the other chunks still compute.
+      for (const auto& chunk : chunks_)
+        dp_.push_back(std::make_unique<parallel::data::DataParallel>(
+            named_parameters(*chunk), mesh_->comm_ptr(dist::Dim::dp), dp_options));
     }
-    optimizer_ = std::make_unique<AdamW>(named_parameters(*model_), adamw);
+    optimizer_ = std::make_unique<AdamW>(named_parameters(chunks_), adamw);
   }
-  partial_grads_ = std::make_unique<parallel::tensor::PartialGradSync>(
-      named_parameters(*model_), model_->shard_specs(), tp_group);
+  for (const auto& chunk : chunks_)
+    partial_grads_.push_back(std::make_unique<parallel::tensor::PartialGradSync>(
+        named_parameters(*chunk), chunk->shard_specs(), tp_group));
   if (!resume) {
     // Dropout draws from the model's generator: seed it, so that two runs with the same flags
     // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
     // different masks for their different samples; the tp ranks of a replica draw alike.
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_current_seed(dp_size() > 1
-                             ? core::mix_seed({config_.seed, core::stable_hash("dropout"),
-                                               static_cast<uint64_t>(dp_rank())})
-                             : core::mix_seed({config_.seed, core::stable_hash("dropout")}));
+    uint64_t seed = core::mix_seed({config_.seed, core::stable_hash("dropout")});
+    if (dp_size() > 1)
+      seed = core::mix_seed(
+          {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(dp_rank())});
+    if (pp_size() > 1)
+      seed = core::mix_seed(
+          {seed, core::stable_hash("pipeline stage"), static_cast<uint64_t>(pp_rank())});
+    gen.set_current_seed(seed);
   } else {
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
     if (zero_) {
@@ -296,25 +413,37 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                  resume->dir.string(), saved.zero, saved.dp, saved.zero, saved.dp);
       auto opt_state = resume->optimizer;
       for (auto& [key, tensor] : opt_state) {
-        const auto param = param_of_state_key(key, *model_);
-        if (param.empty()) continue;
-        const auto& spec = model_->shard_spec(param);
-        if (spec.sharded()) tensor = spec.shard(tensor, model_->tp().rank(), model_->tp().size());
+        std::string param;
+        const models::CausalLM* holder = nullptr;
+        for (const auto& chunk : chunks_) {
+          param = param_of_state_key(key, *chunk);
+          if (!param.empty()) {
+            holder = chunk.get();
+            break;
+          }
+        }
+        if (!holder) continue;  // another stage's, or the step count and RNG states
+        const auto& spec = holder->shard_spec(param);
+        if (spec.sharded()) tensor = spec.shard(tensor, holder->tp().rank(), holder->tp().size());
       }
       optimizer_->load_state(opt_state);
     }
     step_ = resume->step;
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    auto rng = resume->optimizer.find(rng_key(dp_rank()));
+    auto rng = resume->optimizer.find(rng_key(dp_rank(), pp_rank(), pp_size()));
     if (rng != resume->optimizer.end()) {
       gen.set_state(rng->second);
     } else {
-      LOOM_CHECK(dp_rank() > 0, "checkpoint '{}' has no RNG state", resume->dir.string());
-      // Resuming at more data-parallel ranks than the checkpoint was written with: this rank
-      // had no generator then. Dropout masks differ from any earlier run from here on.
-      spdlog::warn("checkpoint '{}' has no RNG state for dp rank {}; seeding it afresh",
-                   resume->dir.string(), dp_rank());
+      const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
+      LOOM_CHECK(dp_rank() > 0 || saved.pp != pp_size(), "checkpoint '{}' has no RNG state",
+                 resume->dir.string());
+      // Resuming at more data-parallel ranks, or another pipeline split, than the checkpoint
+      // was written with: this rank had no generator then. Dropout masks differ from any
+      // earlier run from here on.
+      spdlog::warn(
+          "checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
+          resume->dir.string(), dp_rank(), pp_rank());
       gen.set_current_seed(
           core::mix_seed({config_.seed, core::stable_hash("dropout"),
                           static_cast<uint64_t>(dp_rank()), static_cast<uint64_t>(step_)}));
@@ -326,7 +455,20 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
   // Replicas start equal however they were initialized (the init is layout-invariant; this
   // also covers a user-modified model).
-  if (dp_) dp_->broadcast_parameters();
+  for (auto& dp : dp_) dp->broadcast_parameters();
+  if (pp_size() > 1) {
+    pipeline_ = std::make_unique<parallel::pipeline::PipelineExecutor>(
+        mesh_->comm_ptr(dist::Dim::pp),
+        parallel::pipeline::PipelineShape{pp_size(), config_.virtual_stages, config_.grad_accum},
+        parallel::pipeline::make_schedule(config_.schedule));
+    // The first and last stages hold the two copies of a tied embedding; their gradients are
+    // summed between them every step. Collective over the pipeline group.
+    const bool tied = model_config.tie_embeddings;
+    const bool holds_copy = pp_rank() == 0 || pp_rank() == pp_size() - 1;
+    if (tied)
+      tied_group_ = mesh_->comm(dist::Dim::pp)
+                        .split(holds_copy ? 0 : -1, static_cast<int>(pp_rank()), "tied-embedding");
+  }
   if (!config_.metrics_out.empty() && is_rank0())
     metrics_ = MetricsWriter(config_.metrics_out, resume ? step_ : -1);
 
@@ -340,13 +482,20 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       "of {}) | {} threads",
       train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size, config_.seq_len,
       config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
-  if (dp_)
+  if (!dp_.empty()) {
+    size_t buckets = 0;
+    for (const auto& dp : dp_) buckets += dp->buckets().size();
     spdlog::info(
         "parallel: {} | each rank {} sequences per step in {} micro-batches of {} | {} "
         "gradient buckets (<= {} MiB), comm hook {}",
         mesh_->shape().describe(), config_.batch_size / dp_size(), config_.grad_accum,
-        config_.micro_batch_size(dp_size()), dp_->buckets().size(), config_.bucket_mb,
-        dp_->hook().name());
+        config_.micro_batch_size(dp_size()), buckets, config_.bucket_mb,
+        dp_.front()->hook().name());
+  }
+  if (pipeline_)
+    spdlog::info("pipeline: {} | schedule {} | {} stages, partitioned by {} cost:{}",
+                 pipeline_->shape().describe(), config_.schedule, pipeline_->shape().stages(),
+                 config_.pp_partition, partition_->describe());
   if (tp_size() > 1)
     spdlog::info(
         "tensor parallel: tp {}{} | {} of {} heads, {} of {} MLP columns and {} of {} vocabulary "
@@ -354,7 +503,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
         tp_size(), config_.sequence_parallel ? " + sequence parallel" : "",
         model_config.n_heads / tp_size(), model_config.n_heads, model_config.d_ff / tp_size(),
         model_config.d_ff, model_->padded_vocab() / tp_size(), model_->padded_vocab(),
-        model_config.vocab_size, partial_grads_->num_params());
+        model_config.vocab_size, partial_grads_.front()->num_params());
   if (zero_)
     spdlog::info("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}",
                  config_.zero, zero_->num_buckets(), config_.zero == 3 ? "units" : "buckets",
@@ -382,7 +531,55 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
 }
 
 std::map<std::string, at::Tensor> Trainer::gather_parameters() {
-  return zero_ ? zero_->gather_parameters() : models::gather_parameters(*model_);
+  if (zero_) return zero_->gather_parameters();
+  if (!pipeline_) return models::gather_parameters(*model_);
+  std::map<std::string, at::Tensor> out;
+  // The tied embedding's two copies are equal: the first one received is kept.
+  for (auto& [name, t] :
+       dist::all_gather_named_tensors(mesh_->comm(dist::Dim::pp), local_full_state(false)))
+    out.emplace(name, t);
+  return out;
+}
+
+core::NamedTensors Trainer::local_full_state(bool optimizer) const {
+  core::NamedTensors out;
+  for (const auto& chunk : chunks_)
+    for (auto& kv : models::gather_parameters(*chunk)) out.push_back(std::move(kv));
+  if (!optimizer) return out;
+  for (auto [key, tensor] : optimizer_->state()) {
+    for (const auto& chunk : chunks_) {
+      const auto param = param_of_state_key(key, *chunk);
+      if (param.empty()) continue;
+      tensor = models::gather_shard(*chunk, param, tensor);
+      break;
+    }
+    out.emplace_back("optimizer/" + key, tensor);
+  }
+  return out;
+}
+
+std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> Trainer::collect_for_rank0(
+    bool optimizer, const core::NamedTensors& extra_optimizer) {
+  std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> out;
+  // Replica 0's tp ranks assemble single-process tensors (the other replicas hold the same).
+  if (dp_rank() != 0) return out;
+  auto mine = local_full_state(optimizer);
+  for (const auto& [key, t] : extra_optimizer) mine.emplace_back("optimizer/" + key, t);
+  if (pipeline_) {
+    // Every stage's tp rank 0 sends rank 0 its stages (the other tp ranks hold copies).
+    if (mesh_->coord(dist::Dim::tp) != 0) mine.clear();
+    mine = dist::gather_named_tensors(mesh_->comm(dist::Dim::pp), 0, mine);
+  }
+  if (!is_rank0()) return out;
+  std::set<std::string> seen;  // the tied embedding (and its moments) come twice, equal
+  for (auto& [name, t] : mine) {
+    if (!seen.insert(name).second) continue;
+    if (name.starts_with("optimizer/"))
+      out.second.emplace_back(name.substr(std::string("optimizer/").size()), std::move(t));
+    else
+      out.first.emplace(name, std::move(t));
+  }
+  return out;
 }
 
 Trainer::~Trainer() {
@@ -398,12 +595,13 @@ core::MemoryReport Trainer::memory_report() const {
     m.optimizer = z.optimizer;
   } else {
     std::vector<at::Tensor> params, grads, state;
-    for (const auto& p : model_->parameters()) {
-      params.push_back(p);
-      grads.push_back(p.grad());
-    }
-    if (dp_)
-      for (const auto& b : dp_->buckets()) grads.push_back(b.buffer);
+    for (const auto& chunk : chunks_)
+      for (const auto& p : chunk->parameters()) {
+        params.push_back(p);
+        grads.push_back(p.grad());
+      }
+    for (const auto& dp : dp_)
+      for (const auto& b : dp->buckets()) grads.push_back(b.buffer);
     for (const auto& [name, t] : optimizer_->state()) state.push_back(t);
     m.parameters = core::storage_bytes(params);
     m.gradients = core::storage_bytes(grads);
@@ -433,43 +631,87 @@ StepResult Trainer::train_step() {
   const int64_t baseline = measure ? core::memory_counters(device).current_bytes : 0;
   if (measure) core::reset_peak_memory(device);
   if (zero_) zero_->reset_comm_stats();
-  double loss_sum = 0;
-  for (int64_t k = 0; k < config_.grad_accum; ++k) {
-    const bool last = k == config_.grad_accum - 1;
-    if (dp_) dp_->set_sync(last);  // sync on the last micro-batch only
-    if (zero_) {
-      zero_->set_sync(last);
-      zero_->prepare_forward();
-    }
-    auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
-    at::Tensor loss;
-    {
-      Bf16Autocast autocast(config_.precision == "bf16");
-      loss = model_->loss(batch.inputs, batch.targets);
-    }
-    // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
-    (loss / static_cast<double>(config_.grad_accum)).backward();
-    if (zero_) zero_->finish_gradient_sync();
-    loss_sum += loss.item<double>();
-  }
   StepResult r;
+  double local_loss = 0;
+  if (pipeline_) {
+    // Every micro-batch's gradients accumulate; each chunk's buckets are reduced during its last
+    // micro-batch's backward.
+    for (auto& dp : dp_) dp->set_sync(false);
+    const auto batch_of = [&](int64_t k) {
+      return train_sampler_->random_batch(step_, shard.first + k * micro, micro);
+    };
+    r.pipeline = pipeline_->run(
+        [&](int64_t chunk, int64_t k, const at::Tensor& input) {
+          auto& part = *chunks_[static_cast<size_t>(chunk)];
+          Bf16Autocast autocast(config_.precision == "bf16");
+          const bool needs_batch = part.part().first || part.part().last;
+          const auto batch = needs_batch ? batch_of(k) : data::Batch{};
+          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          if (!part.part().last) return out;
+          // Each micro-batch is an equal share of the global batch: scale so gradients are the
+          // mean.
+          return part.loss_from_logits(out, batch.targets) /
+                 static_cast<double>(config_.grad_accum);
+        },
+        [&](int64_t chunk, int64_t k) {
+          if (!dp_.empty()) dp_[static_cast<size_t>(chunk)]->set_sync(k == config_.grad_accum - 1);
+        });
+    // The last stage's losses (scaled by 1 / micro-batches: their sum is the mean), to every
+    // stage.
+    auto loss_t = at::zeros({1}, at::kDouble);
+    if (pipeline_->has_last_stage())
+      for (double l : r.pipeline.outputs) loss_t += l;
+    mesh_->comm(dist::Dim::pp).broadcast(loss_t, static_cast<int>(pp_size() - 1));
+    local_loss = loss_t.item<double>();
+  } else {
+    double loss_sum = 0;
+    for (int64_t k = 0; k < config_.grad_accum; ++k) {
+      const bool last = k == config_.grad_accum - 1;
+      for (auto& dp : dp_) dp->set_sync(last);  // sync on the last micro-batch only
+      if (zero_) {
+        zero_->set_sync(last);
+        zero_->prepare_forward();
+      }
+      auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
+      at::Tensor loss;
+      {
+        Bf16Autocast autocast(config_.precision == "bf16");
+        loss = model_->loss(batch.inputs, batch.targets);
+      }
+      // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
+      (loss / static_cast<double>(config_.grad_accum)).backward();
+      if (zero_) zero_->finish_gradient_sync();
+      loss_sum += loss.item<double>();
+    }
+    local_loss = loss_sum / static_cast<double>(config_.grad_accum);
+  }
   if (measure) {
     r.peak_activation_bytes = core::memory_counters(device).peak_bytes - baseline;
     last_peak_activations_ = r.peak_activation_bytes;
   }
-  double local_loss = loss_sum / static_cast<double>(config_.grad_accum);
-  if (dp_ || zero_) {
-    if (dp_) dp_->finish_gradient_sync();
-    r.comm_wait_s = dp_ ? dp_->last_sync().wait_seconds : zero_->comm_stats().wait_seconds;
+  if (!dp_.empty() || zero_) {
+    for (auto& dp : dp_) {
+      dp->finish_gradient_sync();
+      r.comm_wait_s += dp->last_sync().wait_seconds;
+    }
+    if (zero_) r.comm_wait_s = zero_->comm_stats().wait_seconds;
     // Equal shares: the global mean is the mean of the ranks' means.
     auto loss_t = at::full({1}, local_loss, at::kDouble);
     mesh_->comm(dist::Dim::dp).all_reduce(loss_t, dist::ReduceOp::Avg);
     local_loss = loss_t.item<double>();
   }
+  // The tied embedding's two copies (first and last stage) each got part of its gradient.
+  if (tied_group_) sum_tied_embedding_grads();
   // Replicated parameters used on sequence shards and shared key/value heads: sum their parts.
-  partial_grads_->sync();
-  r.grad_norm =
-      zero_ ? zero_->clip_grad_norm(config_.grad_clip) : clip_grad_norm(*model_, config_.grad_clip);
+  for (auto& pg : partial_grads_) pg->sync();
+  if (zero_) {
+    r.grad_norm = zero_->clip_grad_norm(config_.grad_clip);
+  } else {
+    std::vector<const models::CausalLM*> parts;
+    for (const auto& chunk : chunks_) parts.push_back(chunk.get());
+    r.grad_norm =
+        clip_grad_norm(parts, config_.grad_clip, pipeline_ ? &mesh_->comm(dist::Dim::pp) : nullptr);
+  }
   // A non-finite gradient would poison the weights and moments: stop before the update.
   LOOM_CHECK(std::isfinite(r.grad_norm),
              "gradient norm is {} at step {} (loss {}): lower --lr or use --grad-clip; the "
@@ -482,10 +724,12 @@ StepResult Trainer::train_step() {
     r.comm_wait_s = zero_->comm_stats().wait_seconds;
   } else {
     optimizer_->step(r.lr);
-    if (dp_)
-      dp_->zero_grad();  // in place: the gradients are views of the communication buckets
-    else
+    if (!dp_.empty()) {
+      // In place: the gradients are views of the communication buckets.
+      for (auto& dp : dp_) dp->zero_grad();
+    } else {
       optimizer_->zero_grad();
+    }
   }
   ++step_;
   r.step = step_;
@@ -508,21 +752,47 @@ double Trainer::evaluate(int64_t batches) {
   const int64_t end = std::min(windows, begin + per_rank);
   Bf16Autocast autocast(config_.precision == "bf16");
   double sum = 0;
-  // At ZeRO-3 every forward gathers parameters across the dp ranks, so every rank runs as many
-  // forwards as the one with the most windows; a rank with fewer repeats window 0 and counts
-  // nothing from it.
-  const bool collective_forward = zero_ && zero_->stage() == 3;
-  const int64_t forwards =
-      collective_forward ? (per_rank + micro - 1) / micro : (end - begin + micro - 1) / micro;
-  for (int64_t i = 0; i < forwards; ++i) {
-    const int64_t first = begin + i * micro;
-    const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
-    auto batch = val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1));
-    if (zero_) zero_->prepare_forward();
-    const double loss = model_->loss(batch.inputs, batch.targets).item<double>();
-    sum += loss * static_cast<double>(count);
+  if (pipeline_) {
+    // Micro-batches through the stages, forwards only; the last stage's sums go to every stage.
+    const int64_t forwards = (end - begin + micro - 1) / micro;
+    for (auto& chunk : chunks_) chunk->eval();
+    const auto stats = pipeline_->run_forward(
+        [&](int64_t chunk, int64_t i, const at::Tensor& input) {
+          auto& part = *chunks_[static_cast<size_t>(chunk)];
+          const int64_t first = begin + i * micro;
+          const int64_t count = std::min(micro, end - first);
+          const bool needs_batch = part.part().first || part.part().last;
+          const auto batch =
+              needs_batch ? val_sampler_->sequential_batch(first, count) : data::Batch{};
+          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          if (!part.part().last) return out;
+          return part.loss_from_logits(out, batch.targets) * static_cast<double>(count);
+        },
+        forwards);
+    for (auto& chunk : chunks_) chunk->train();
+    auto sum_t = at::zeros({1}, at::kDouble);
+    if (pipeline_->has_last_stage())
+      for (double v : stats.outputs) sum_t += v;
+    mesh_->comm(dist::Dim::pp).broadcast(sum_t, static_cast<int>(pp_size() - 1));
+    sum = sum_t.item<double>();
+  } else {
+    // At ZeRO-3 every forward gathers parameters across the dp ranks, so every rank runs as many
+    // forwards as the one with the most windows; a rank with fewer repeats window 0 and counts
+    // nothing from it.
+    const bool collective_forward = zero_ && zero_->stage() == 3;
+    const int64_t forwards =
+        collective_forward ? (per_rank + micro - 1) / micro : (end - begin + micro - 1) / micro;
+    for (int64_t i = 0; i < forwards; ++i) {
+      const int64_t first = begin + i * micro;
+      const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
+      auto batch =
+          val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1));
+      if (zero_) zero_->prepare_forward();
+      const double loss = model_->loss(batch.inputs, batch.targets).item<double>();
+      sum += loss * static_cast<double>(count);
+    }
+    if (zero_) zero_->release_parameters();
   }
-  if (zero_) zero_->release_parameters();
   model_->train();
   if (dp_size() > 1) {
     auto sum_t = at::full({1}, sum, at::kDouble);
@@ -530,6 +800,19 @@ double Trainer::evaluate(int64_t batches) {
     sum = sum_t.item<double>();
   }
   return sum / static_cast<double>(windows);
+}
+
+void Trainer::sum_tied_embedding_grads() {
+  torch::NoGradGuard no_grad;
+  for (const auto& chunk : chunks_) {
+    if (!chunk->part().first && chunk->tied_embedding_copy().empty()) continue;
+    for (auto& item : chunk->named_parameters()) {
+      if (item.key() != chunk->embedding_weight_name()) continue;
+      auto& p = item.value();
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      tied_group_->all_reduce(p.grad(), dist::ReduceOp::Sum);
+    }
+  }
 }
 
 fs::path Trainer::save_checkpoint() {
@@ -540,13 +823,14 @@ fs::path Trainer::save_checkpoint() {
   {
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_states.emplace_back(rng_key(0), gen.get_state());
+    rng_states.emplace_back(rng_key(0, pp_rank(), pp_size()), gen.get_state());
   }
   if (dp_size() > 1) {
     const auto mine = rng_states.front().second.contiguous();
     auto all = at::empty({dp_size(), mine.numel()}, mine.options());
     mesh_->comm(dist::Dim::dp).all_gather(all, mine);
-    for (int64_t r = 1; r < dp_size(); ++r) rng_states.emplace_back(rng_key(r), all[r].clone());
+    for (int64_t r = 1; r < dp_size(); ++r)
+      rng_states.emplace_back(rng_key(r, pp_rank(), pp_size()), all[r].clone());
   }
   // Checkpoints hold single-process tensors, whatever tp is: the tp ranks of replica 0 assemble
   // them (the other replicas hold the same values and skip the work and the memory). With ZeRO
@@ -557,13 +841,10 @@ fs::path Trainer::save_checkpoint() {
   if (zero_) {
     params = zero_->gather_parameters(/*only_rank=*/0);
     opt_state.emplace_back("step", at::tensor(zero_->steps_taken(), at::kLong));
-  } else if (dp_rank() == 0) {
-    params = models::gather_parameters(*model_);
-    opt_state = optimizer_->state();
-    for (auto& [key, tensor] : opt_state) {
-      const auto param = param_of_state_key(key, *model_);
-      if (!param.empty()) tensor = models::gather_shard(*model_, param, tensor);
-    }
+  } else {
+    // With a pipeline every stage's state (its RNG states included) travels to rank 0.
+    std::tie(params, opt_state) = collect_for_rank0(true, rng_states);
+    rng_states.clear();
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::vector<fs::path> shard_files;
@@ -694,8 +975,8 @@ StepResult Trainer::fit() {
     std::map<std::string, at::Tensor> params;
     if (zero_)
       params = zero_->gather_parameters(/*only_rank=*/0);  // collective over dp
-    else if (dp_rank() == 0)
-      params = models::gather_parameters(*model_);
+    else
+      params = collect_for_rank0(false, {}).first;
     std::exception_ptr failure;
     if (is_rank0()) {
       try {

@@ -3,7 +3,6 @@
 // construction from a config and a tensor-parallel group, layout-invariant initialization, the
 // next-token loss, and the way between the sharded parameters and the single-process ones.
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/modulelist.h>
 
 #include <functional>
 #include <map>
@@ -45,12 +44,37 @@ struct BlockExecution {
 };
 using BlockExecutionPtr = std::shared_ptr<const BlockExecution>;
 
+// The slice of a model that one pipeline stage holds: blocks [first_layer, end_layer), plus the
+// token embedding when it is the first part and the final norm and output head when it is the
+// last. Parameter names stay those of the whole model ("transformer.h.5.attn.c_attn.weight"), so
+// initialization, checkpoints and Hugging Face export do not depend on how the model is split.
+// A last part whose head is tied to the embedding holds its own copy of the embedding weight
+// (same name, same initial values); the pipeline sums the two copies' gradients every step.
+struct ModelPart {
+  int64_t first_layer = 0;
+  int64_t end_layer = -1;  // -1: through the last layer
+  bool first = true;       // holds the embedding: its input is token ids [batch, seq]
+  bool last = true;        // holds the final norm and the head: its output is logits
+
+  // The whole model of `n_layers` layers?
+  bool whole(int64_t n_layers) const {
+    return first && last && first_layer == 0 && (end_layer < 0 || end_layer == n_layers);
+  }
+  // "layers 2-5 (+ head)", for logs and errors.
+  std::string describe(int64_t n_layers) const;
+};
+
 class CausalLM : public torch::nn::Module {
  public:
   // tp null: one process (tp = 1, no collectives). With tp > 1 every rank of the group builds
   // the model with the same config and runs every forward on the same tokens.
-  CausalLM(ModelConfig config, parallel::tensor::TpGroupPtr tp);
+  // `part`: the slice this object holds (default: the whole model); its layer range is checked
+  // against the config with a loom::Error naming both.
+  CausalLM(ModelConfig config, parallel::tensor::TpGroupPtr tp, ModelPart part = {});
   const ModelConfig& config() const { return config_; }
+  // The slice held, end_layer resolved.
+  const ModelPart& part() const { return part_; }
+  bool is_whole() const { return part_.whole(config_.n_layers); }
   parallel::tensor::TpGroup& tp() const { return *tp_; }
   const parallel::tensor::TpGroupPtr& tp_ptr() const { return tp_; }
   // Rows of the vocabulary as the output head holds them (padded for tp; see TpOptions).
@@ -58,8 +82,20 @@ class CausalLM : public torch::nn::Module {
 
   // tokens: [batch, seq] int64 ids < vocab_size, seq <= max_seq_len (with sequence
   // parallelism also a multiple of tp). Returns this rank's vocabulary shard of the logits:
-  // [batch, seq, padded_vocab / tp] in the model's compute dtype.
-  virtual at::Tensor logits_shard(const at::Tensor& tokens) = 0;
+  // [batch, seq, padded_vocab / tp] in the model's compute dtype. Needs the whole model.
+  at::Tensor logits_shard(const at::Tensor& tokens);
+  // This part's forward: its input is token ids when part().first, else the hidden states
+  // [batch, seq, d_model] the previous part returned (with sequence parallelism, this rank's
+  // chunk of the sequence); it returns the logits shard when part().last, else hidden states.
+  at::Tensor forward_part(const at::Tensor& input);
+  // Mean next-token loss from this rank's logits shard (what a last part returns) against
+  // targets [batch, seq], in fp32.
+  at::Tensor loss_from_logits(const at::Tensor& logits_shard, const at::Tensor& targets);
+  // The parameter a last part holds as its own copy of the first part's tied embedding (its
+  // gradient must be summed with the first part's), or "" when there is none.
+  std::string tied_embedding_copy() const;
+  // The name of the token embedding's weight (which the head reuses when embeddings are tied).
+  virtual std::string embedding_weight_name() const = 0;
   // The whole logits [batch, seq, vocab_size] (gathered across tp, padding dropped).
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy of tokens against targets [batch, seq], in fp32, computed
@@ -104,8 +140,18 @@ class CausalLM : public torch::nn::Module {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks() const;
 
  protected:
-  // The models' constructors name their list of blocks (prefix: its path, "transformer.h").
-  void register_blocks(std::string prefix, torch::nn::ModuleList blocks);
+  // The part's pieces, run by forward_part. embed: token ids -> hidden states (first part);
+  // run_layers: the part's blocks (through run_block); head: hidden states -> logits shard
+  // (last part).
+  virtual at::Tensor embed(const at::Tensor& tokens) = 0;
+  virtual at::Tensor run_layers(const at::Tensor& x) = 0;
+  virtual at::Tensor head(const at::Tensor& x) = 0;
+  // The models' constructors register their blocks here, under the container at `prefix`
+  // ("transformer.h"), each named by its layer index in the whole model.
+  void register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
+                       std::vector<std::shared_ptr<torch::nn::Module>> blocks);
+  // Sequence length of the whole sequence from hidden states x [batch, seq, d] of this rank.
+  int64_t full_seq_len(const at::Tensor& x) const;
   // Blocks receive this at construction and read the checkpointing mode from it.
   BlockExecutionPtr execution() const { return execution_; }
   // Runs block `layer` as fn(x), with kFull checkpointing and the wrappers around it.
@@ -123,8 +169,9 @@ class CausalLM : public torch::nn::Module {
   mutable std::map<std::string, parallel::tensor::ShardSpec> specs_;  // filled at first use
   std::shared_ptr<BlockExecution> execution_ = std::make_shared<BlockExecution>();
   std::vector<BlockWrapper> block_wrappers_;
+  ModelPart part_;
   std::string blocks_prefix_;
-  torch::nn::ModuleList blocks_{nullptr};
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
 };
 
 // The attention core of the models' blocks: causal ops::attention of q [B, h, T, hd] with k, v
@@ -135,10 +182,12 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const parallel::tensor::TpGroupPtr& tp,
                             const BlockExecutionPtr& execution);
 
-// GPT-2 or Llama, by config.family, sharded over `tp` (null: one process). Parameters are not
-// initialized: call init_parameters for loom's layout-invariant values (or load_parameters).
+// GPT-2 or Llama, by config.family, sharded over `tp` (null: one process), holding `part` of
+// the model (default: all of it). Parameters are not initialized: call init_parameters for
+// loom's layout-invariant values (or load_parameters).
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config,
-                                     parallel::tensor::TpGroupPtr tp = nullptr);
+                                     parallel::tensor::TpGroupPtr tp = nullptr,
+                                     ModelPart part = {});
 
 // Layout-invariant initialization: each parameter is drawn whole, in its single-process
 // shape, from its own generator seeded by (seed, fully-qualified name), and each rank keeps its

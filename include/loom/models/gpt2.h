@@ -6,7 +6,6 @@
 // With tensor parallelism, attention is split by heads (c_attn column-parallel, q/k/v part by
 // part; c_proj row-parallel), the MLP column -> row, and the tied embedding/head by
 // vocabulary rows.
-#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -34,15 +33,21 @@ class Gpt2Block : public torch::nn::Module {
 
 class Gpt2 : public CausalLM {
  public:
-  explicit Gpt2(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr);
-  at::Tensor logits_shard(const at::Tensor& tokens) override;
+  explicit Gpt2(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr,
+                ModelPart part = {});
   ParamInit init_for(const std::string& name) const override;
+  std::string embedding_weight_name() const override { return "transformer.wte.weight"; }
+
+ protected:
+  at::Tensor embed(const at::Tensor& tokens) override;
+  at::Tensor run_layers(const at::Tensor& x) override;
+  at::Tensor head(const at::Tensor& x) override;
 
  private:
-  std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;
-  torch::nn::Embedding wpe_{nullptr};
-  torch::nn::ModuleList h_{nullptr};
-  torch::nn::LayerNorm ln_f_{nullptr};
+  std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;  // first and last parts
+  torch::nn::Embedding wpe_{nullptr};                              // first part
+  std::vector<std::shared_ptr<Gpt2Block>> h_;                      // this part's blocks
+  torch::nn::LayerNorm ln_f_{nullptr};                             // last part
 };
 
 }  // namespace loom::models

@@ -6,7 +6,6 @@
 // tp / n_kv_heads ranks when there are fewer of them than ranks), o_proj row-parallel,
 // gate/up column-parallel with the same split (so SiLU(gate) * up stays local), down_proj
 // row-parallel, and the embedding and head split by vocabulary rows.
-#include <torch/nn/modules/container/modulelist.h>
 
 #include "loom/models/causal_lm.h"
 #include "loom/parallel/tensor/layers.h"
@@ -44,14 +43,21 @@ class LlamaBlock : public torch::nn::Module {
 
 class Llama : public CausalLM {
  public:
-  explicit Llama(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr);
-  at::Tensor logits_shard(const at::Tensor& tokens) override;
+  explicit Llama(const ModelConfig& config, parallel::tensor::TpGroupPtr tp = nullptr,
+                 ModelPart part = {});
   ParamInit init_for(const std::string& name) const override;
+  std::string embedding_weight_name() const override { return "model.embed_tokens.weight"; }
+
+ protected:
+  at::Tensor embed(const at::Tensor& tokens) override;
+  at::Tensor run_layers(const at::Tensor& x) override;
+  at::Tensor head(const at::Tensor& x) override;
 
  private:
+  // First part; also the last when tied.
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> embed_tokens_;
-  torch::nn::ModuleList layers_{nullptr};
-  std::shared_ptr<RmsNorm> norm_;
+  std::vector<std::shared_ptr<LlamaBlock>> layers_;                  // this part's blocks
+  std::shared_ptr<RmsNorm> norm_;                                    // last part
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> lm_head_;  // null when tied
   at::Tensor rope_cos_, rope_sin_;  // [max_seq_len, head_dim], fp32, not parameters
 };

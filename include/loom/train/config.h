@@ -15,6 +15,7 @@ struct TrainConfig {
   int64_t vocab_size = 0;    // 0: the data's tokenizer vocabulary (meta.json), else 256
   uint64_t seed = 1337;
   double dropout = 0.0;  // overrides the preset's (0 by default)
+  int64_t layers = 0;    // transformer blocks; 0: the preset's
 
   // Data.
   std::string data;      // training token file (llm.c .bin or *.u16)
@@ -47,6 +48,15 @@ struct TrainConfig {
   int64_t tp = 1;
   bool sequence_parallel = false;  // norms/dropout/residuals on 1/tp of the sequence
   int64_t pad_vocab_multiple = 1;  // vocabulary padded to a multiple of this times tp
+
+  // Pipeline parallelism: the model's layers split into pp stages (virtual_stages chunks per
+  // rank with the interleaved schedule); each data-parallel rank's batch runs through the
+  // pipeline in grad_accum micro-batches (--micro-batches).
+  int64_t pp = 1;
+  std::string schedule = "1f1b";       // gpipe | 1f1b | interleaved | a registered schedule
+  int64_t virtual_stages = 1;          // model chunks per pipeline rank (interleaved)
+  std::string pp_partition = "flops";  // uniform | params | flops | measured: layer cost
+  std::string pp_devices;              // JSON device file: relative speed and memory per pp rank
 
   // Memory. ZeRO shards the training state across the dp ranks: 1 optimizer state, 2 plus
   // gradients, 3 plus parameters (0: plain replicated data parallelism).

@@ -6,6 +6,9 @@
 namespace loom::models {
 class CausalLM;
 }
+namespace loom::dist {
+class Communicator;
+}
 
 namespace loom::train {
 
@@ -20,5 +23,13 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 // replicated parameters, whose gradients are equal on every rank, are counted once. Padded
 // vocabulary rows have zero gradients. Collective over the model's tp group.
 double clip_grad_norm(const models::CausalLM& model, double max_norm);
+
+// The same over the model parts (pipeline chunks) one rank holds, with the squares also summed
+// across the pipeline group `pipeline` (null or size 1: none): the norm of the whole model's
+// gradient. A last part's copy of the tied embedding is not counted (the first part's is; the
+// two gradients are equal once summed) but is scaled like everything else. Collective over the
+// tp and pipeline groups.
+double clip_grad_norm(const std::vector<const models::CausalLM*>& parts, double max_norm,
+                      dist::Communicator* pipeline);
 
 }  // namespace loom::train

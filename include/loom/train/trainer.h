@@ -16,6 +16,8 @@
 #include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
 #include "loom/parallel/data/data_parallel.h"
+#include "loom/parallel/pipeline/executor.h"
+#include "loom/parallel/pipeline/partition.h"
 #include "loom/parallel/tensor/partial_grads.h"
 #include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/train/checkpoint.h"
@@ -36,6 +38,9 @@ struct StepResult {
   // Peak bytes allocated during the step's forwards and backwards above what was allocated
   // when it began (activations, temporaries, and at ZeRO-3 the gathered units).
   int64_t peak_activation_bytes = 0;
+  // With --pp > 1: this rank's pipeline run (time blocked on its neighbours, most
+  // micro-batches in flight).
+  parallel::pipeline::PipelineStats pipeline;
 };
 
 class Trainer {
@@ -60,25 +65,50 @@ class Trainer {
   std::filesystem::path save_checkpoint();
 
   int64_t step() const { return step_; }
+  // The model; with --pp > 1, this rank's first model part (chunks() has them all).
   models::CausalLM& model() { return *model_; }
+  // The model parts this rank holds: the whole model, or with --pp its pipeline chunks (one per
+  // virtual stage, chunk c being global stage c * pp + pp rank).
+  const std::vector<std::shared_ptr<models::CausalLM>>& chunks() const { return chunks_; }
+  // With --pp > 1: the schedule's executor and the layer split (else null).
+  const parallel::pipeline::PipelineExecutor* pipeline() const { return pipeline_.get(); }
+  const parallel::pipeline::Partition* partition() const {
+    return partition_ ? &*partition_ : nullptr;
+  }
   const TrainConfig& config() const { return config_; }
   const models::ModelConfig& model_config() const { return model_->config(); }
   const data::Tokenizer& tokenizer() const { return *tokenizer_; }
   const dist::Mesh& mesh() const { return *mesh_; }
-  // The gradient synchronization, when dp > 1 without ZeRO (else null).
-  const parallel::data::DataParallel* data_parallel() const { return dp_.get(); }
+  // The gradient synchronization, when dp > 1 without ZeRO (else null); with --pp, that of
+  // this rank's first model chunk.
+  const parallel::data::DataParallel* data_parallel() const {
+    return dp_.empty() ? nullptr : dp_.front().get();
+  }
   // The ZeRO engine, with --zero 1-3 (else null).
   const parallel::zero::ZeroOptimizer* zero() const { return zero_.get(); }
-  // Every parameter in its single-process shape, assembled from tp shards or ZeRO-3 shards
-  // (sharded ones as new tensors; replicated ones may alias the live parameters). Collective:
-  // every rank calls it.
+  // Every parameter in its single-process shape, assembled from tp shards, ZeRO-3 shards or
+  // pipeline stages (sharded ones as new tensors; replicated ones may alias the live
+  // parameters). Collective: every rank calls it.
   std::map<std::string, at::Tensor> gather_parameters();
   // This rank's memory now: parameters, gradients and optimizer state counted from their
   // tensors, peak activations from the last step (0 before the first).
   core::MemoryReport memory_report() const;
 
  private:
-  void resume_from(const std::filesystem::path& path);
+  // The parameters of this rank's chunks in single-process shapes (collective over tp), and
+  // with `optimizer` their AdamW state as the checkpoint stores it, keys prefixed
+  // "optimizer/".
+  core::NamedTensors local_full_state(bool optimizer) const;
+  // What rank 0 writes without ZeRO: every parameter (and the optimizer state, with
+  // `extra_optimizer` entries added), collected over tp and the pipeline; empty elsewhere.
+  // Collective over replica 0.
+  std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> collect_for_rank0(
+      bool optimizer, const core::NamedTensors& extra_optimizer);
+  // Sums the two copies' gradients of a tied embedding (first and last pipeline stage).
+  void sum_tied_embedding_grads();
+  double pipeline_evaluate(int64_t begin, int64_t end, int64_t micro);
+  void build_pipeline_parts(const models::ModelConfig& model_config,
+                            const parallel::tensor::TpGroupPtr& tp_group);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
   // After rank 0 wrote something (checkpoint, export) while the others waited: every rank
   // learns whether it worked; rank 0 rethrows its error, the others throw naming `what`.
@@ -87,18 +117,24 @@ class Trainer {
   int64_t dp_size() const { return mesh_->size(dist::Dim::dp); }
   int64_t dp_rank() const { return mesh_->coord(dist::Dim::dp); }
   int64_t tp_size() const { return mesh_->size(dist::Dim::tp); }
+  int64_t pp_size() const { return mesh_->size(dist::Dim::pp); }
+  int64_t pp_rank() const { return mesh_->coord(dist::Dim::pp); }
   bool is_rank0() const { return mesh_->rank() == 0; }
 
   TrainConfig config_;
   dist::MeshPtr mesh_;
-  std::unique_ptr<parallel::data::DataParallel> dp_;
+  std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;  // one per chunk
   std::unique_ptr<parallel::zero::ZeroOptimizer> zero_;
-  std::unique_ptr<parallel::tensor::PartialGradSync> partial_grads_;
+  std::vector<std::unique_ptr<parallel::tensor::PartialGradSync>> partial_grads_;  // per chunk
+  std::unique_ptr<parallel::pipeline::PipelineExecutor> pipeline_;
+  std::optional<parallel::pipeline::Partition> partition_;
+  dist::CommunicatorPtr tied_group_;  // pp ranks 0 and pp - 1, when embeddings are tied
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;
   std::shared_ptr<data::TokenShard> train_shard_, val_shard_;
   std::unique_ptr<data::WindowSampler> train_sampler_, val_sampler_;
   std::shared_ptr<models::CausalLM> model_;
+  std::vector<std::shared_ptr<models::CausalLM>> chunks_;
   std::unique_ptr<AdamW> optimizer_;
   LrSchedule schedule_;
   MetricsWriter metrics_;

@@ -1,0 +1,79 @@
+#pragma once
+// Runs a pipeline schedule on one pipeline rank: for each action it receives what the action
+// needs from the neighbouring stage, runs the caller's forward or the autograd backward, and
+// sends the result on. Activations travel forward and their gradients backward point to point
+// on the pipeline communicator; sends are asynchronous (a rank blocks only on what it
+// receives), so any schedule `simulate` accepts runs without deadlock.
+//
+// A received activation is a leaf that requires grad: the stage's backward leaves the gradient
+// to send back in its .grad. The stage's own output is kept only until its backward, so a rank
+// holds exactly the micro-batches the schedule has in flight.
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <vector>
+
+#include "loom/dist/communicator.h"
+#include "loom/parallel/pipeline/schedule.h"
+
+namespace loom::parallel::pipeline {
+
+// What one run of the schedule did on this rank.
+struct PipelineStats {
+  double seconds = 0;          // the whole run
+  double wait_seconds = 0;     // blocked receiving activations or gradients (the bubble)
+  double forward_seconds = 0;  // in the caller's forwards
+  double backward_seconds = 0;
+  int64_t max_in_flight = 0;  // most (micro-batch, chunk) pairs forwarded, not yet backwarded
+  int64_t messages_sent = 0;
+  double bytes_sent = 0;
+  // Last stage only: the value of each micro-batch's forward (its loss), by micro-batch.
+  std::vector<double> outputs;
+  // This rank's idle share: wait_seconds / seconds.
+  double bubble_fraction() const { return seconds > 0 ? wait_seconds / seconds : 0.0; }
+};
+
+class PipelineExecutor {
+ public:
+  // comm: the pipeline communicator (its rank is the pipeline rank, its size pp).
+  PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape, SchedulePtr schedule);
+
+  // Runs chunk `chunk` forward on micro-batch `micro_batch`. `input` is undefined on the first
+  // stage (which reads its own tokens) and the received activation elsewhere. The first stages
+  // return their output activation; the last stage returns the scalar to backpropagate (the
+  // micro-batch's loss, already scaled as the caller wants its gradients).
+  using ForwardFn =
+      std::function<at::Tensor(int64_t chunk, int64_t micro_batch, const at::Tensor& input)>;
+  // Called just before the backward of (chunk, micro_batch): e.g. to turn gradient
+  // synchronization on for a chunk's last micro-batch.
+  using BeforeBackwardFn = std::function<void(int64_t chunk, int64_t micro_batch)>;
+
+  // One training step: the schedule's forwards and backwards.
+  PipelineStats run(const ForwardFn& forward, const BeforeBackwardFn& before_backward = {});
+  // Forwards only (evaluation; run it under torch::NoGradGuard): `micro_batches` micro-batches
+  // (any number, 0 included) through every stage, nothing kept for backward.
+  PipelineStats run_forward(const ForwardFn& forward, int64_t micro_batches);
+
+  const PipelineShape& shape() const { return shape_; }
+  const Schedule& schedule() const { return *schedule_; }
+  int64_t rank() const { return comm_->rank(); }
+  // Whether this rank holds the first / last global stage.
+  bool has_first_stage() const { return rank() == 0; }
+  bool has_last_stage() const { return rank() == shape_.ranks - 1; }
+
+ private:
+  PipelineStats execute(const std::vector<Action>& actions, const ForwardFn& forward,
+                        const BeforeBackwardFn& before_backward, bool forward_only,
+                        int64_t micro_batches);
+  void send(const at::Tensor& t, int64_t to_stage, int tag, PipelineStats& stats);
+  at::Tensor receive(int64_t from_stage, int tag, PipelineStats& stats);
+  int tag_of(int64_t micro_batch, int64_t edge, bool gradient) const;
+
+  dist::CommunicatorPtr comm_;
+  PipelineShape shape_;
+  SchedulePtr schedule_;
+  std::vector<Action> actions_;  // this rank's, checked at construction
+  std::vector<dist::WorkPtr> pending_sends_;
+};
+
+}  // namespace loom::parallel::pipeline

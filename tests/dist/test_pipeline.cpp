@@ -1,0 +1,364 @@
+// Pipeline parallelism: the schedules (complete, deadlock-free, their bubble and in-flight
+// bounds), the partitioner (balance, heterogeneous devices, memory), the executor on model
+// parts against one process (loss and every gradient), and training over pp, dp x pp, tp x pp
+// and dp x tp x pp against one process, with checkpoints that reshard between layouts.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+#include "../test_util.h"
+#include "dist_util.h"
+#include "loom/dist/gather_tensors.h"
+#include "loom/models/layer_costs.h"
+#include "loom/parallel/pipeline/executor.h"
+#include "loom/parallel/pipeline/partition.h"
+#include "loom/parallel/pipeline/schedule.h"
+#include "loom/train/trainer.h"
+#include "train_compare.h"
+
+using loom::testing::contains;
+using loom::testing::error_of;
+using loom::testing::world;
+namespace dist = loom::dist;
+namespace models = loom::models;
+namespace pl = loom::parallel::pipeline;
+namespace train = loom::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+// The bubble of GPipe and 1F1B with p stages and m micro-batches when a backward takes twice a
+// forward and messages are free: (p - 1) / (m + p - 1).
+double bubble_formula(int64_t p, int64_t m) {
+  return static_cast<double>(p - 1) / static_cast<double>(m + p - 1);
+}
+
+// A schedule that forgets the last micro-batch's backward.
+class ForgetfulSchedule : public pl::Schedule {
+ public:
+  std::string name() const override { return "forgetful"; }
+  std::vector<pl::Action> actions(int64_t rank, const pl::PipelineShape& shape) const override {
+    auto out = pl::GPipeSchedule().actions(rank, shape);
+    out.pop_back();
+    return out;
+  }
+};
+
+// A schedule whose ranks wait on each other: the last rank runs its backwards before the
+// forwards the others need to hand it.
+class CrossedSchedule : public pl::Schedule {
+ public:
+  std::string name() const override { return "crossed"; }
+  std::vector<pl::Action> actions(int64_t rank, const pl::PipelineShape& shape) const override {
+    std::vector<pl::Action> out;
+    if (rank == 0) {
+      out.push_back(pl::forward(0));
+      out.push_back(pl::backward(0));  // needs rank 1's backward of 0, which waits for F1
+      out.push_back(pl::forward(1));
+      out.push_back(pl::backward(1));
+    } else {
+      out.push_back(pl::forward(0));
+      out.push_back(pl::forward(1));
+      out.push_back(pl::backward(1));
+      out.push_back(pl::backward(0));
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST(PipelineSchedule, GPipeAnd1F1BHaveTheTheoreticalBubbleAndInFlightBounds) {
+  for (int64_t p : {2, 3, 4}) {
+    for (int64_t m : {1, 2, 4, 8, 16}) {
+      const pl::PipelineShape shape{p, 1, m};
+      const auto gpipe = pl::simulate(pl::GPipeSchedule(), shape);
+      const auto ofob = pl::simulate(pl::OneFOneBSchedule(), shape);
+      EXPECT_NEAR(gpipe.bubble_fraction(), bubble_formula(p, m), 1e-12) << shape.describe();
+      EXPECT_NEAR(ofob.bubble_fraction(), bubble_formula(p, m), 1e-12) << shape.describe();
+      for (int64_t r = 0; r < p; ++r) {
+        EXPECT_EQ(gpipe.max_in_flight[static_cast<size_t>(r)], m);
+        // 1F1B: rank r holds at most p - r micro-batches, however many there are.
+        EXPECT_EQ(ofob.max_in_flight[static_cast<size_t>(r)], std::min(p - r, m))
+            << shape.describe() << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, InterleavedDividesTheBubbleByTheVirtualStages) {
+  for (int64_t p : {2, 4}) {
+    for (int64_t v : {2, 3}) {
+      for (int64_t m : {p, 2 * p, 4 * p}) {
+        const pl::PipelineShape shape{p, v, m};
+        // A chunk is 1/v of a rank's layers: its forward takes 1/v, its backward 2/v.
+        const auto run = pl::simulate(pl::InterleavedSchedule(), shape, 1.0 / v, 2.0 / v);
+        const double theory = static_cast<double>(p - 1) /
+                              static_cast<double>(v * m + p - 1);  // (p-1)/v / (m + (p-1)/v)
+        EXPECT_LE(run.bubble_fraction(), theory * 1.10 + 1e-12) << shape.describe();
+        EXPECT_LT(run.bubble_fraction(), bubble_formula(p, m)) << shape.describe();
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, ActionsAreCompleteAndBrokenSchedulesAreClearErrors) {
+  // Every (micro-batch, chunk) forward then backward, once: simulate checks it.
+  EXPECT_NO_THROW(pl::simulate(pl::InterleavedSchedule(), {4, 2, 8}));
+  auto e = error_of([] { pl::simulate(pl::InterleavedSchedule(), {4, 2, 6}); });
+  EXPECT_TRUE(contains(e, "--micro-batches 6 must be a multiple of --pp 4")) << e;
+  e = error_of([] { pl::simulate(pl::GPipeSchedule(), {2, 2, 4}); });
+  EXPECT_TRUE(contains(e, "needs --schedule interleaved")) << e;
+  e = error_of([] { pl::simulate(ForgetfulSchedule(), {2, 1, 3}); });
+  EXPECT_TRUE(contains(e, "never runs B2")) << e;
+  e = error_of([] { pl::simulate(CrossedSchedule(), {2, 1, 2}); });
+  EXPECT_TRUE(contains(e, "deadlocks")) << e;
+  EXPECT_TRUE(contains(e, "rank 0 at B0")) << e;
+  e = error_of([] { pl::make_schedule("zero-bubble-v"); });
+  EXPECT_TRUE(contains(e, "valid: 1f1b, gpipe, interleaved")) << e;
+}
+
+TEST(PipelinePartition, BalancesCostsAndGivesFasterDevicesMoreLayers) {
+  pl::LayerCosts costs;
+  costs.layer_time.assign(12, 1.0);
+  costs.layer_bytes.assign(12, 1.0);
+  // Equal devices: equal stages.
+  auto even = pl::partition_layers(costs, {3, 1, 4}, pl::uniform_devices(3));
+  EXPECT_EQ(even.bounds, (std::vector<int64_t>{0, 4, 8, 12}));
+  // Rank 1 twice as fast: twice the layers (3 : 6 : 3).
+  auto devices = pl::uniform_devices(3);
+  devices[1].speed = 2.0;
+  auto hetero = pl::partition_layers(costs, {3, 1, 4}, devices);
+  EXPECT_EQ(hetero.bounds, (std::vector<int64_t>{0, 3, 9, 12})) << hetero.describe();
+  EXPECT_NEAR(hetero.imbalance(), 1.0, 1e-12);
+  // A heavy head moves layers off the last stage.
+  costs.last_time = 4.0;
+  auto headed = pl::partition_layers(costs, {2, 1, 4}, pl::uniform_devices(2));
+  EXPECT_EQ(headed.bounds, (std::vector<int64_t>{0, 8, 12}));
+  // Memory: a device that holds 2 GiB takes at most 2 one-GiB layers.
+  costs.last_time = 0;
+  costs.layer_bytes.assign(12, 1024.0 * 1024 * 1024);
+  devices = pl::uniform_devices(3);
+  devices[0].memory_gb = 2;
+  auto capped = pl::partition_layers(costs, {3, 1, 4}, devices);
+  EXPECT_LE(capped.layers(0), 2) << capped.describe();
+  devices[1].memory_gb = devices[2].memory_gb = 2;
+  auto e = error_of([&] { pl::partition_layers(costs, {3, 1, 4}, devices); });
+  EXPECT_TRUE(contains(e, "no pipeline partition of 12 layers into 3 stages fits")) << e;
+  EXPECT_TRUE(contains(e, "rank 0 needs 4.0 GiB of 2 GiB")) << e;
+  e = error_of([&] { pl::partition_layers(costs, {4, 4, 4}, pl::uniform_devices(4)); });
+  EXPECT_TRUE(contains(e, "12 layers but the pipeline has 16 stages")) << e;
+}
+
+TEST(PipelinePartition, DeviceFilesAndModelCosts) {
+  if (world().rank() != 0) GTEST_SKIP() << "a local check: rank 0 runs it";
+  loom::testing::TempDir dir;
+  const auto path = (dir.path() / "devices.json").string();
+  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  write(R"({"devices": [{"name": "h100", "speed": 2.0, "memory_gb": 80}, {"name": "a100"}]})");
+  const auto devices = pl::load_device_file(path, 2);
+  EXPECT_EQ(devices[0].name, "h100");
+  EXPECT_EQ(devices[0].speed, 2.0);
+  EXPECT_EQ(devices[1].speed, 1.0);
+  EXPECT_EQ(devices[1].memory_gb, 0.0);
+  auto e = error_of([&] { pl::load_device_file(path, 4); });
+  EXPECT_TRUE(contains(e, "lists 2 devices but --pp is 4")) << e;
+  write(R"({"devices": [{"speed": 0}, {}]})");
+  e = error_of([&] { pl::load_device_file(path, 2); });
+  EXPECT_TRUE(contains(e, "has speed 0; it must be > 0")) << e;
+  write("{not json");
+  e = error_of([&] { pl::load_device_file(path, 2); });
+  EXPECT_TRUE(contains(e, "is not valid JSON")) << e;
+  e = error_of([&] { pl::load_device_file((dir.path() / "missing.json").string(), 2); });
+  EXPECT_TRUE(contains(e, "cannot open the device file")) << e;
+
+  // FLOPs: GPT-2 124M's head (2 d V per token) outweighs a block (24 d^2 + 2 T d) ~2x.
+  auto config = models::ModelConfig::preset("gpt2-124m");
+  auto flops = models::layer_costs(config, "flops", {1, 1024, 1, 1});
+  const double d = 768, t = 1024;
+  EXPECT_DOUBLE_EQ(flops.layer_time[0], 2 * (4 * d * d + 2 * d * 3072) + 2 * t * d);
+  EXPECT_DOUBLE_EQ(flops.last_time, 2 * d * 50257 + 5 * 50257);
+  auto params = models::layer_costs(config, "params", {1, 1024, 1, 1});
+  EXPECT_DOUBLE_EQ(params.layer_time[0], 7087872);  // one GPT-2 block, as Hugging Face counts
+  e = error_of([&] { models::layer_costs(config, "vibes", {}); });
+  EXPECT_TRUE(contains(e, "valid: uniform, params, flops, measured")) << e;
+}
+
+namespace {
+
+models::ModelConfig eight_layers(const std::string& preset) {
+  auto c = models::ModelConfig::preset(preset);
+  c.n_layers = 8;
+  c.vocab_size = 512;
+  c.max_seq_len = 64;
+  return c;
+}
+
+}  // namespace
+
+// The executor over model parts: loss and every gradient equal to one process running the same
+// micro-batches.
+TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
+  const int64_t n = world().size();
+  if (n < 2) GTEST_SKIP() << "a pipeline needs 2 or more ranks";
+  auto mesh = loom::testing::runtime().mesh({.pp = n});
+  const int64_t rank = mesh->coord(dist::Dim::pp);
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny"}) {
+    const auto config = eight_layers(preset);
+    const int64_t m = 2 * n, mb = 2, seq = 16;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    auto tokens = at::randint(0, config.vocab_size, {m * mb, seq + 1}, gen, at::kLong);
+    const auto inputs = tokens.narrow(1, 0, seq), targets = tokens.narrow(1, 1, seq);
+    // One process: m micro-batches, gradients accumulated, losses scaled by 1/m.
+    auto whole = models::make_model(config);
+    models::init_parameters(*whole, 5);
+    double want_loss = 0;
+    for (int64_t k = 0; k < m; ++k) {
+      auto loss = whole->loss(inputs.narrow(0, k * mb, mb), targets.narrow(0, k * mb, mb)) /
+                  static_cast<double>(m);
+      loss.backward();
+      want_loss += loss.item<double>();
+    }
+    for (const auto& [schedule, v] : std::vector<std::pair<std::string, int64_t>>{
+             {"gpipe", 1}, {"1f1b", 1}, {"interleaved", 2}}) {
+      SCOPED_TRACE(fmt::format("{} {} pp {} v {}", preset, schedule, n, v));
+      const pl::PipelineShape shape{n, v, m};
+      pl::LayerCosts costs;
+      costs.layer_time.assign(8, 1.0);
+      costs.layer_bytes.assign(8, 0.0);
+      const auto partition = pl::partition_layers(costs, shape, pl::uniform_devices(n));
+      std::vector<std::shared_ptr<models::CausalLM>> chunks;
+      for (int64_t c = 0; c < v; ++c) {
+        const int64_t s = shape.stage_of(rank, c);
+        chunks.push_back(models::make_model(
+            config, nullptr,
+            {partition.first_layer(s), partition.end_layer(s), s == 0, s == shape.stages() - 1}));
+        models::init_parameters(*chunks.back(), 5);
+      }
+      pl::PipelineExecutor executor(mesh->comm_ptr(dist::Dim::pp), shape,
+                                    pl::make_schedule(schedule));
+      const auto stats = executor.run([&](int64_t c, int64_t k, const at::Tensor& in) {
+        auto& part = *chunks[static_cast<size_t>(c)];
+        auto out = part.forward_part(part.part().first ? inputs.narrow(0, k * mb, mb) : in);
+        if (!part.part().last) return out;
+        return part.loss_from_logits(out, targets.narrow(0, k * mb, mb)) / static_cast<double>(m);
+      });
+      // 1F1B keeps at most pp - rank micro-batches; GPipe all of them.
+      if (schedule == "1f1b") {
+        EXPECT_EQ(stats.max_in_flight, std::min(n - rank, m));
+      }
+      if (schedule == "gpipe") {
+        EXPECT_EQ(stats.max_in_flight, m);
+      }
+      auto loss = at::zeros({1}, at::kDouble);
+      if (executor.has_last_stage())
+        for (double l : stats.outputs) loss += l;
+      mesh->comm(dist::Dim::pp).broadcast(loss, static_cast<int>(n - 1));
+      EXPECT_NEAR(loss.item<double>(), want_loss, 1e-6 * want_loss);
+      // Every gradient; the tied embedding's two copies add up to the one-process gradient.
+      loom::core::NamedTensors grads;
+      for (const auto& chunk : chunks)
+        for (const auto& p : chunk->named_parameters())
+          grads.emplace_back(p.key(), p.value().grad());
+      std::map<std::string, at::Tensor> got;
+      for (auto& [name, g] : dist::all_gather_named_tensors(mesh->comm(dist::Dim::pp), grads)) {
+        if (got.count(name))
+          got[name] = got[name] + g;
+        else
+          got[name] = g;
+      }
+      for (const auto& p : whole->named_parameters()) {
+        ASSERT_TRUE(got.count(p.key())) << p.key();
+        const auto& want = p.value().grad();
+        const double rel = ((got[p.key()] - want).abs().max() / want.abs().max()).item<double>();
+        EXPECT_LE(rel, 1e-5) << p.key();
+      }
+    }
+  }
+}
+
+namespace {
+
+// 8 layers (pp 4 x v 2 stages), `micro_batches` micro-batches of the 24-sequence batch.
+train::TrainConfig pipeline_config(const fs::path& dir, const std::string& model,
+                                   int64_t micro_batches = 4) {
+  auto c = loom::testing::small_run_config(dir, micro_batches);
+  c.model = model;
+  c.preset = model == "gpt2" ? "gpt2-tiny" : "llama-tiny";
+  c.layers = 8;
+  c.vocab_size = 320;  // the byte corpus's 257 ids fit; small heads keep the test fast
+  return c;
+}
+
+struct Layout {
+  std::string model;
+  int64_t dp, tp, pp;
+  std::string schedule;
+  int64_t v = 1;
+  bool sp = false;
+  int64_t micro_batches = 4;  // interleaved needs a multiple of pp
+  std::string describe() const {
+    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {})", model, dp, tp, sp ? " sp" : "", pp,
+                       schedule, v);
+  }
+};
+
+// Trains `layout` and the one-process run of the same config; they must agree.
+void expect_layout_trains_like_one_process(
+    const Layout& layout, const fs::path& dir,
+    std::map<std::string, loom::testing::RunResult>& single) {
+  SCOPED_TRACE(layout.describe());
+  auto config = pipeline_config(dir, layout.model, layout.micro_batches);
+  const auto key = fmt::format("{} {}", layout.model, layout.micro_batches);
+  if (!single.count(key)) {
+    train::Trainer t(config);
+    single[key] = loom::testing::run(t);
+  }
+  config.tp = layout.tp;
+  config.pp = layout.pp;
+  config.schedule = layout.schedule;
+  config.virtual_stages = layout.v;
+  config.sequence_parallel = layout.sp;
+  train::Trainer t(
+      config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
+  ASSERT_NE(t.pipeline(), nullptr);
+  EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
+  auto distributed = loom::testing::run(t);
+  loom::testing::expect_same_run(distributed, single[key], 1e-5);
+}
+
+}  // namespace
+
+TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
+  const int64_t n = world().size();
+  if (n < 2) GTEST_SKIP() << "a pipeline needs 2 or more ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  const int64_t m = n == 3 ? 6 : 4;
+  std::vector<Layout> layouts = {{"gpt2", 1, 1, n, "gpipe", 1, false, m},
+                                 {"gpt2", 1, 1, n, "1f1b", 1, false, m},
+                                 {"gpt2", 1, 1, n, "interleaved", 2, false, m},
+                                 {"llama", 1, 1, n, "1f1b", 1, false, m}};
+  if (n == 4)
+    layouts.insert(layouts.end(), {{"gpt2", 2, 1, 2, "1f1b"},
+                                   {"llama", 2, 1, 2, "interleaved", 2},
+                                   {"gpt2", 1, 2, 2, "interleaved", 2, true},
+                                   {"llama", 1, 2, 2, "gpipe"}});
+  std::map<std::string, loom::testing::RunResult> single;
+  for (const auto& layout : layouts)
+    expect_layout_trains_like_one_process(layout, dir.path(), single);
+}
+
+// dp x tp x pp = 2 x 2 x 2 on 8 ranks (ctest's dist.np8_3d runs this alone).
+TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
+  if (world().size() != 8) GTEST_SKIP() << "needs 8 ranks (ctest dist.np8_3d)";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  std::map<std::string, loom::testing::RunResult> single;
+  for (const auto& layout : std::vector<Layout>{{"gpt2", 2, 2, 2, "1f1b", 1, true},
+                                                {"llama", 2, 2, 2, "interleaved", 2}})
+    expect_layout_trains_like_one_process(layout, dir.path(), single);
+}
