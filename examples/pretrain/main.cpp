@@ -142,9 +142,9 @@ int main(int argc, char** argv) {
   std::optional<loom::dist::Runtime> runtime;
   std::unique_ptr<loom::train::Trainer> trainer;
   return loom::apps::run_app(app, argc, argv, [&] {
-    if (micro_batches != 0) {
+    if (app.count("--micro-batches") > 0) {
       LOOM_CHECK(micro_batches > 0, "--micro-batches {} must be positive", micro_batches);
-      LOOM_CHECK(c.grad_accum == 1 || c.grad_accum == micro_batches,
+      LOOM_CHECK(app.count("--grad-accum") == 0 || c.grad_accum == micro_batches,
                  "--micro-batches {} and --grad-accum {} disagree: they are the same setting "
                  "(micro-batches per step on each data-parallel rank); pass one",
                  micro_batches, c.grad_accum);

@@ -5,13 +5,15 @@
 namespace loom::models {
 
 std::string to_string_cost_kinds() {
-  return "uniform, params, flops, measured";
+  return "uniform, params, flops";
 }
 
 parallel::pipeline::LayerCosts layer_costs(const ModelConfig& c, const std::string& kind,
                                            const CostShape& shape) {
   LOOM_CHECK(kind == "uniform" || kind == "params" || kind == "flops",
-             "--pp-partition '{}' is not known; valid: {}", kind, to_string_cost_kinds());
+             "layer cost '{}' is not known; valid: {} (measured times come from the Trainer, "
+             "--pp-partition measured)",
+             kind, to_string_cost_kinds());
   const double d = static_cast<double>(c.d_model), ff = static_cast<double>(c.d_ff);
   const double v = static_cast<double>(c.vocab_size), t = static_cast<double>(shape.seq_len);
   const double kv = static_cast<double>(c.n_kv_heads * c.head_dim());

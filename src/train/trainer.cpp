@@ -31,10 +31,11 @@ using nlohmann::json;
 namespace {
 
 // The checkpoint entry holding data-parallel rank r's dropout generator (TpGroup::generator(),
-// the same on the tp ranks of a replica); with a pipeline, each stage has its own.
-std::string rng_key(int64_t dp_rank, int64_t pp_rank = 0, int64_t pp_size = 1) {
+// the same on the tp ranks of a replica); with a pipeline, each stage has its own (stage 0's
+// under the plain name, so a run resumed without a pipeline continues stage 0's stream).
+std::string rng_key(int64_t dp_rank, int64_t pp_rank = 0) {
   const auto base = dp_rank == 0 ? std::string("rng.cpu") : fmt::format("rng.cpu.dp{}", dp_rank);
-  return pp_size > 1 ? fmt::format("{}.pp{}", base, pp_rank) : base;
+  return pp_rank > 0 ? fmt::format("{}.pp{}", base, pp_rank) : base;
 }
 
 std::string format_duration(double seconds) {
@@ -69,9 +70,28 @@ std::string param_of_state_key(const std::string& key, const models::CausalLM& m
   return {};
 }
 
-// The file holding dp rank r's ZeRO optimizer shard inside a checkpoint.
-std::string zero_shard_name(int64_t dp_rank, int64_t dp_size) {
-  return fmt::format("zero-dp{:05d}-of-{:05d}.safetensors", dp_rank, dp_size);
+// Where a rank's coordinates put it, for ZeRO shard file names.
+struct ShardCoords {
+  int64_t dp_rank = 0, dp = 1, tp_rank = 0, tp = 1, pp_rank = 0, pp = 1, chunk = 0;
+};
+
+ShardCoords coords_of(const dist::Mesh& mesh, int64_t chunk) {
+  return {mesh.coord(dist::Dim::dp),
+          mesh.size(dist::Dim::dp),
+          mesh.coord(dist::Dim::tp),
+          mesh.size(dist::Dim::tp),
+          mesh.coord(dist::Dim::pp),
+          mesh.size(dist::Dim::pp),
+          chunk};
+}
+
+// The file holding one ZeRO optimizer shard inside a checkpoint: dp rank r's (of chunk c of
+// pipeline rank p, tensor-parallel rank t, when those exist).
+std::string zero_shard_name(const ShardCoords& c) {
+  if (c.tp == 1 && c.pp == 1)
+    return fmt::format("zero-dp{:05d}-of-{:05d}.safetensors", c.dp_rank, c.dp);
+  return fmt::format("zero-pp{:03d}-c{}-tp{:03d}-dp{:05d}-of-pp{}-tp{}-dp{}.safetensors", c.pp_rank,
+                     c.chunk, c.tp_rank, c.dp_rank, c.pp, c.tp, c.dp);
 }
 
 std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
@@ -149,9 +169,13 @@ void Trainer::build_pipeline_parts(const models::ModelConfig& model_config,
   namespace pl = parallel::pipeline;
   const pl::PipelineShape shape{pp_size(), config_.virtual_stages, config_.grad_accum};
   const int64_t micro = config_.micro_batch_size(dp_size());
-  models::CostShape cost_shape{
-      micro, config_.seq_len, tp_size(),
-      config_.schedule == "gpipe" ? config_.grad_accum : std::min(config_.grad_accum, pp_size())};
+  // Micro-batches a chunk holds at once: all of them (GPipe), at most pp (1F1B), about
+  // pp + (pp - 1) / v per chunk (interleaved: vp + p - 1 over the rank's v chunks).
+  const int64_t v = config_.virtual_stages, pp = pp_size();
+  const int64_t in_flight = config_.schedule == "gpipe" ? config_.grad_accum
+                            : v > 1 ? std::min(config_.grad_accum, (v * pp + pp - 1 + v - 1) / v)
+                                    : std::min(config_.grad_accum, pp);
+  models::CostShape cost_shape{micro, config_.seq_len, tp_size(), in_flight};
   pl::LayerCosts costs;
   if (config_.pp_partition == "measured") {
     // One block, the embedding and the head timed on this rank, averaged over all ranks so
@@ -204,10 +228,10 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
              "--pp {} does not match the mesh, whose pipeline-parallel size is {} ({})", config_.pp,
              pp_size(), mesh_->shape().describe());
   if (pp_size() > 1) {
-    LOOM_CHECK(config_.zero == 0,
-               "--zero {} with --pp {}: ZeRO over a pipeline is not supported yet; use --zero 0 "
-               "with --pp (plain data parallelism composes with it), or --pp 1",
-               config_.zero, pp_size());
+    LOOM_CHECK(config_.zero <= 2,
+               "--zero 3 with --pp {}: ZeRO-3 over a pipeline is not supported yet; use --zero 1 "
+               "or 2 (optimizer state and gradients sharded along dp), or --pp 1",
+               pp_size());
     // The schedule must be able to run this pipeline: checked (and played out, so a custom
     // schedule that would deadlock fails here) before anything is built.
     parallel::pipeline::simulate(*parallel::pipeline::make_schedule(config_.schedule),
@@ -318,10 +342,19 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   hf_tensors.clear();
   const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
   if (config_.zero > 0) {
-    LOOM_CHECK(tp_size() == 1,
-               "--zero {} with --tp {}: ZeRO over a tensor-parallel model is not supported yet "
-               "(it comes with 3D parallelism); use --zero 0 with --tp, or --tp 1",
-               config_.zero, tp_size());
+    LOOM_CHECK(tp_size() == 1 || config_.zero <= 2,
+               "--zero 3 with --tp {}: ZeRO-3 over a tensor-parallel model is not supported yet; "
+               "use --zero 1 or 2 with --tp, or --tp 1",
+               tp_size());
+    // Partial gradients (sequence parallelism, key/value heads replicated across tp) are summed
+    // across tp after the step's backwards; ZeRO would shard them before that.
+    LOOM_CHECK(
+        tp_size() == 1 || (!config_.sequence_parallel && model_config.n_kv_heads % tp_size() == 0),
+        "--zero {} with --tp {}{}: ZeRO does not support yet gradients that are partial "
+        "across tp ranks ({}); use --zero 0, or drop --sequence-parallel",
+        config_.zero, tp_size(), config_.sequence_parallel ? " --sequence-parallel" : "",
+        config_.sequence_parallel ? "norms on sequence shards"
+                                  : "key/value heads replicated across tp ranks");
     LOOM_CHECK(config_.comm_hook == "avg",
                "--comm-hook {} compresses plain data parallelism's all-reduce; ZeRO "
                "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
@@ -340,11 +373,29 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       for (const auto& p : block->named_parameters()) unit.params.push_back(prefix + "." + p.key());
       units.push_back(std::move(unit));
     }
-    zero_ = std::make_unique<parallel::zero::ZeroOptimizer>(
-        named_parameters(*model_), mesh_->comm_ptr(dist::Dim::dp), zero_options, units);
+    // One engine per pipeline chunk (each finishes its backwards at its own time).
+    for (const auto& chunk : chunks_) {
+      auto options = zero_options;
+      const auto tied_copy = chunk->tied_embedding_copy();
+      const bool tied_first = pp_size() > 1 && model_config.tie_embeddings && chunk->part().first;
+      // The tied embedding's two copies get their own buckets, laid out alike on both stages,
+      // whose shards are summed; the copy is left out of the norm (its first is counted).
+      if (tied_first || !tied_copy.empty()) options.own_bucket = {chunk->embedding_weight_name()};
+      if (tp_size() > 1 || !tied_copy.empty()) {
+        const int64_t tp = tp_size();
+        options.norm_weight = [part = chunk.get(), tp, tied_copy](const std::string& name) {
+          if (name == tied_copy) return 0.0;
+          const auto& spec = part->shard_spec(name);
+          return 1.0 / static_cast<double>(spec.sharded() ? spec.replicas(tp) : tp);
+        };
+      }
+      zero_.push_back(std::make_unique<parallel::zero::ZeroOptimizer>(
+          named_parameters(*chunk), mesh_->comm_ptr(dist::Dim::dp), options,
+          config_.zero == 3 ? units : std::vector<parallel::zero::ZeroUnit>{}));
+    }
     if (config_.zero == 3)
-      model_->add_block_wrapper([zero = zero_.get()](int64_t layer, const at::Tensor& x,
-                                                     const models::CausalLM::BlockFn& run) {
+      model_->add_block_wrapper([zero = zero_.front().get()](int64_t layer, const at::Tensor& x,
+                                                             const models::CausalLM::BlockFn& run) {
         return zero->run_unit(static_cast<size_t>(layer), [&] { return run(x); });
       });
   } else {
@@ -379,23 +430,42 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     gen.set_current_seed(seed);
   } else {
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
-    if (zero_) {
+    if (!zero_.empty()) {
       LOOM_CHECK(saved.zero == config_.zero && saved.dp == dp_size(),
                  "checkpoint '{}' was written at --zero {} with dp {}; this run is --zero {} "
                  "with dp {}. ZeRO optimizer shards resume only at the stage and dp size that "
                  "wrote them",
                  resume->dir.string(), saved.zero, saved.dp, config_.zero, dp_size());
-      const auto shard_file = resume->dir / zero_shard_name(dp_rank(), dp_size());
-      LOOM_CHECK(std::filesystem::exists(shard_file),
-                 "checkpoint '{}' has no ZeRO optimizer shard for dp rank {} of {}: '{}' is "
-                 "missing",
-                 resume->dir.string(), dp_rank(), dp_size(), shard_file.string());
-      // A rank that cannot read its shard tells the others, which would otherwise wait for it
+      const auto saved_bounds =
+          resume->state.value("pipeline_bounds", std::vector<int64_t>{0, model_config.n_layers});
+      const auto bounds =
+          partition_ ? partition_->bounds : std::vector<int64_t>{0, model_config.n_layers};
+      LOOM_CHECK(saved.tp != tp_size() || saved.pp != pp_size() ||
+                     saved.virtual_stages != config_.virtual_stages || saved_bounds == bounds,
+                 "checkpoint '{}' holds ZeRO optimizer shards of pipeline stages with layer "
+                 "bounds [{}]; this run's partition is [{}] (--pp-partition or --pp-devices "
+                 "changed, or measured costs moved). ZeRO shards resume only with the same split",
+                 resume->dir.string(), fmt::join(saved_bounds, ", "), fmt::join(bounds, ", "));
+      LOOM_CHECK(saved.tp == tp_size() && saved.pp == pp_size() &&
+                     saved.virtual_stages == config_.virtual_stages,
+                 "checkpoint '{}' holds ZeRO optimizer shards of tp {} x pp {} (v {}); this run "
+                 "is tp {} x pp {} (v {}). ZeRO shards resume only in the layout that wrote them",
+                 resume->dir.string(), saved.tp, saved.pp, saved.virtual_stages, tp_size(),
+                 pp_size(), config_.virtual_stages);
+      // A rank that cannot read its shards tells the others, which would otherwise wait for it
       // in the first collective.
       std::string error;
       try {
-        auto shard = core::load_safetensors(shard_file);
-        zero_->load_state(shard.tensors, shard.metadata, shard_file.string());
+        for (size_t c = 0; c < zero_.size(); ++c) {
+          const auto shard_file =
+              resume->dir / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c)));
+          LOOM_CHECK(std::filesystem::exists(shard_file),
+                     "checkpoint '{}' has no ZeRO optimizer shard for dp rank {} of {}: '{}' is "
+                     "missing",
+                     resume->dir.string(), dp_rank(), dp_size(), shard_file.string());
+          auto shard = core::load_safetensors(shard_file);
+          zero_[c]->load_state(shard.tensors, shard.metadata, shard_file.string());
+        }
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -431,7 +501,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     step_ = resume->step;
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    auto rng = resume->optimizer.find(rng_key(dp_rank(), pp_rank(), pp_size()));
+    auto rng = resume->optimizer.find(rng_key(dp_rank(), pp_rank()));
     if (rng != resume->optimizer.end()) {
       gen.set_state(rng->second);
     } else {
@@ -444,9 +514,9 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       spdlog::warn(
           "checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
           resume->dir.string(), dp_rank(), pp_rank());
-      gen.set_current_seed(
-          core::mix_seed({config_.seed, core::stable_hash("dropout"),
-                          static_cast<uint64_t>(dp_rank()), static_cast<uint64_t>(step_)}));
+      gen.set_current_seed(core::mix_seed(
+          {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(dp_rank()),
+           static_cast<uint64_t>(pp_rank()), static_cast<uint64_t>(step_)}));
     }
     elapsed_before_ = resume->state.value("elapsed_s", 0.0);
     LOOM_CHECK(step_ <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",
@@ -460,7 +530,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     pipeline_ = std::make_unique<parallel::pipeline::PipelineExecutor>(
         mesh_->comm_ptr(dist::Dim::pp),
         parallel::pipeline::PipelineShape{pp_size(), config_.virtual_stages, config_.grad_accum},
-        parallel::pipeline::make_schedule(config_.schedule));
+        parallel::pipeline::make_schedule(config_.schedule), model_->parameters().front().device());
     // The first and last stages hold the two copies of a tied embedding; their gradients are
     // summed between them every step. Collective over the pipeline group.
     const bool tied = model_config.tie_embeddings;
@@ -504,21 +574,26 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
         model_config.n_heads / tp_size(), model_config.n_heads, model_config.d_ff / tp_size(),
         model_config.d_ff, model_->padded_vocab() / tp_size(), model_->padded_vocab(),
         model_config.vocab_size, partial_grads_.front()->num_params());
-  if (zero_)
+  if (!zero_.empty())
     spdlog::info("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}",
-                 config_.zero, zero_->num_buckets(), config_.zero == 3 ? "units" : "buckets",
-                 dp_size(), config_.zero >= 2 ? ", gradients" : "",
-                 config_.zero == 3 ? ", parameters" : "",
+                 config_.zero, zero_.front()->num_buckets(),
+                 config_.zero == 3 ? "units" : "buckets", dp_size(),
+                 config_.zero >= 2 ? ", gradients" : "", config_.zero == 3 ? ", parameters" : "",
                  config_.offload_optimizer ? " | optimizer on the host" : "",
                  dp_size() == 1 ? " (one rank: nothing to split)" : "");
   if (config_.activation_checkpointing != "none")
     spdlog::info("activation checkpointing: {}{}", config_.activation_checkpointing,
                  config_.offload_activations ? ", block inputs offloaded to the host" : "");
+  int64_t zero_decayed = 0, zero_not_decayed = 0;
+  for (const auto& z : zero_) {
+    zero_decayed += z->num_decayed();
+    zero_not_decayed += z->num_not_decayed();
+  }
   spdlog::info(
       "optimizer: AdamW, {} tensors with weight decay {}, {} without | lr {} -> {} "
       "(warmup {}, cosine) | precision {}",
-      zero_ ? zero_->num_decayed() : optimizer_->num_decayed(), config_.weight_decay,
-      zero_ ? zero_->num_not_decayed() : optimizer_->num_not_decayed(), config_.lr, config_.min_lr,
+      zero_.empty() ? optimizer_->num_decayed() : zero_decayed, config_.weight_decay,
+      zero_.empty() ? optimizer_->num_not_decayed() : zero_not_decayed, config_.lr, config_.min_lr,
       config_.warmup_steps, config_.precision);
   spdlog::info("{}", memory_report().describe());
   // The cap simulates a smaller device for training itself: the model was built (whole, even
@@ -531,7 +606,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
 }
 
 std::map<std::string, at::Tensor> Trainer::gather_parameters() {
-  if (zero_) return zero_->gather_parameters();
+  if (config_.zero == 3) return zero_.front()->gather_parameters();
   if (!pipeline_) return models::gather_parameters(*model_);
   std::map<std::string, at::Tensor> out;
   // The tied embedding's two copies are equal: the first one received is kept.
@@ -588,11 +663,13 @@ Trainer::~Trainer() {
 
 core::MemoryReport Trainer::memory_report() const {
   core::MemoryReport m;
-  if (zero_) {
-    const auto z = zero_->memory();
-    m.parameters = z.parameters;
-    m.gradients = z.gradients;
-    m.optimizer = z.optimizer;
+  if (!zero_.empty()) {
+    for (const auto& engine : zero_) {
+      const auto z = engine->memory();
+      m.parameters += z.parameters;
+      m.gradients += z.gradients;
+      m.optimizer += z.optimizer;
+    }
   } else {
     std::vector<at::Tensor> params, grads, state;
     for (const auto& chunk : chunks_)
@@ -630,7 +707,7 @@ StepResult Trainer::train_step() {
   const bool measure = device.is_cuda() || core::memory_tracking_installed();
   const int64_t baseline = measure ? core::memory_counters(device).current_bytes : 0;
   if (measure) core::reset_peak_memory(device);
-  if (zero_) zero_->reset_comm_stats();
+  for (auto& z : zero_) z->reset_comm_stats();
   StepResult r;
   double local_loss = 0;
   if (pipeline_) {
@@ -654,7 +731,12 @@ StepResult Trainer::train_step() {
                  static_cast<double>(config_.grad_accum);
         },
         [&](int64_t chunk, int64_t k) {
-          if (!dp_.empty()) dp_[static_cast<size_t>(chunk)]->set_sync(k == config_.grad_accum - 1);
+          const bool last = k == config_.grad_accum - 1;
+          if (!dp_.empty()) dp_[static_cast<size_t>(chunk)]->set_sync(last);
+          if (!zero_.empty()) zero_[static_cast<size_t>(chunk)]->set_sync(last);
+        },
+        [&](int64_t chunk, int64_t) {
+          if (!zero_.empty()) zero_[static_cast<size_t>(chunk)]->finish_gradient_sync();
         });
     // The last stage's losses (scaled by 1 / micro-batches: their sum is the mean), to every
     // stage.
@@ -668,9 +750,9 @@ StepResult Trainer::train_step() {
     for (int64_t k = 0; k < config_.grad_accum; ++k) {
       const bool last = k == config_.grad_accum - 1;
       for (auto& dp : dp_) dp->set_sync(last);  // sync on the last micro-batch only
-      if (zero_) {
-        zero_->set_sync(last);
-        zero_->prepare_forward();
+      for (auto& z : zero_) {
+        z->set_sync(last);
+        z->prepare_forward();
       }
       auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
       at::Tensor loss;
@@ -680,7 +762,7 @@ StepResult Trainer::train_step() {
       }
       // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
       (loss / static_cast<double>(config_.grad_accum)).backward();
-      if (zero_) zero_->finish_gradient_sync();
+      for (auto& z : zero_) z->finish_gradient_sync();
       loss_sum += loss.item<double>();
     }
     local_loss = loss_sum / static_cast<double>(config_.grad_accum);
@@ -689,12 +771,11 @@ StepResult Trainer::train_step() {
     r.peak_activation_bytes = core::memory_counters(device).peak_bytes - baseline;
     last_peak_activations_ = r.peak_activation_bytes;
   }
-  if (!dp_.empty() || zero_) {
+  if (!dp_.empty() || !zero_.empty()) {
     for (auto& dp : dp_) {
       dp->finish_gradient_sync();
       r.comm_wait_s += dp->last_sync().wait_seconds;
     }
-    if (zero_) r.comm_wait_s = zero_->comm_stats().wait_seconds;
     // Equal shares: the global mean is the mean of the ranks' means.
     auto loss_t = at::full({1}, local_loss, at::kDouble);
     mesh_->comm(dist::Dim::dp).all_reduce(loss_t, dist::ReduceOp::Avg);
@@ -704,8 +785,19 @@ StepResult Trainer::train_step() {
   if (tied_group_) sum_tied_embedding_grads();
   // Replicated parameters used on sequence shards and shared key/value heads: sum their parts.
   for (auto& pg : partial_grads_) pg->sync();
-  if (zero_) {
-    r.grad_norm = zero_->clip_grad_norm(config_.grad_clip);
+  if (zero_.size() == 1 && tp_size() == 1 && pp_size() == 1) {
+    r.grad_norm = zero_.front()->clip_grad_norm(config_.grad_clip);
+  } else if (!zero_.empty()) {
+    // Each engine's squares summed over dp; then over tp (replicated parameters weighted to
+    // count once) and over the pipeline.
+    double sq = 0;
+    for (auto& z : zero_) sq += z->grad_norm_squared();
+    auto total = at::full({1}, sq, at::kDouble);
+    if (tp_size() > 1) mesh_->comm(dist::Dim::tp).all_reduce(total, dist::ReduceOp::Sum);
+    if (pp_size() > 1) mesh_->comm(dist::Dim::pp).all_reduce(total, dist::ReduceOp::Sum);
+    r.grad_norm = std::sqrt(total.item<double>());
+    if (config_.grad_clip > 0 && r.grad_norm > config_.grad_clip)
+      for (auto& z : zero_) z->scale_gradients(config_.grad_clip / (r.grad_norm + 1e-6));
   } else {
     std::vector<const models::CausalLM*> parts;
     for (const auto& chunk : chunks_) parts.push_back(chunk.get());
@@ -718,10 +810,13 @@ StepResult Trainer::train_step() {
              "parameters were not updated",
              r.grad_norm, step_ + 1, local_loss);
   r.lr = schedule_.at(step_);
-  if (zero_) {
-    zero_->step(r.lr);
-    zero_->zero_grad();
-    r.comm_wait_s = zero_->comm_stats().wait_seconds;
+  if (!zero_.empty()) {
+    r.comm_wait_s = 0;
+    for (auto& z : zero_) {
+      z->step(r.lr);
+      z->zero_grad();
+      r.comm_wait_s += z->comm_stats().wait_seconds;
+    }
   } else {
     optimizer_->step(r.lr);
     if (!dp_.empty()) {
@@ -779,7 +874,7 @@ double Trainer::evaluate(int64_t batches) {
     // At ZeRO-3 every forward gathers parameters across the dp ranks, so every rank runs as many
     // forwards as the one with the most windows; a rank with fewer repeats window 0 and counts
     // nothing from it.
-    const bool collective_forward = zero_ && zero_->stage() == 3;
+    const bool collective_forward = config_.zero == 3;
     const int64_t forwards =
         collective_forward ? (per_rank + micro - 1) / micro : (end - begin + micro - 1) / micro;
     for (int64_t i = 0; i < forwards; ++i) {
@@ -787,11 +882,11 @@ double Trainer::evaluate(int64_t batches) {
       const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
       auto batch =
           val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1));
-      if (zero_) zero_->prepare_forward();
+      for (auto& z : zero_) z->prepare_forward();
       const double loss = model_->loss(batch.inputs, batch.targets).item<double>();
       sum += loss * static_cast<double>(count);
     }
-    if (zero_) zero_->release_parameters();
+    for (auto& z : zero_) z->release_parameters();
   }
   model_->train();
   if (dp_size() > 1) {
@@ -804,8 +899,15 @@ double Trainer::evaluate(int64_t batches) {
 
 void Trainer::sum_tied_embedding_grads() {
   torch::NoGradGuard no_grad;
-  for (const auto& chunk : chunks_) {
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const auto& chunk = chunks_[c];
     if (!chunk->part().first && chunk->tied_embedding_copy().empty()) continue;
+    if (!zero_.empty()) {
+      // Its own bucket on both stages: this rank's shards cover the same elements.
+      auto shard = zero_[c]->own_bucket_grad_shard(chunk->embedding_weight_name());
+      tied_group_->all_reduce(shard, dist::ReduceOp::Sum);
+      continue;
+    }
     for (auto& item : chunk->named_parameters()) {
       if (item.key() != chunk->embedding_weight_name()) continue;
       auto& p = item.value();
@@ -823,14 +925,14 @@ fs::path Trainer::save_checkpoint() {
   {
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_states.emplace_back(rng_key(0, pp_rank(), pp_size()), gen.get_state());
+    rng_states.emplace_back(rng_key(0, pp_rank()), gen.get_state());
   }
   if (dp_size() > 1) {
     const auto mine = rng_states.front().second.contiguous();
     auto all = at::empty({dp_size(), mine.numel()}, mine.options());
     mesh_->comm(dist::Dim::dp).all_gather(all, mine);
     for (int64_t r = 1; r < dp_size(); ++r)
-      rng_states.emplace_back(rng_key(r, pp_rank(), pp_size()), all[r].clone());
+      rng_states.emplace_back(rng_key(r, pp_rank()), all[r].clone());
   }
   // Checkpoints hold single-process tensors, whatever tp is: the tp ranks of replica 0 assemble
   // them (the other replicas hold the same values and skip the work and the memory). With ZeRO
@@ -838,9 +940,15 @@ fs::path Trainer::save_checkpoint() {
   // optimizer shard, which rank 0 moves into the checkpoint with the rest.
   std::map<std::string, at::Tensor> params;
   core::NamedTensors opt_state;
-  if (zero_) {
-    params = zero_->gather_parameters(/*only_rank=*/0);
-    opt_state.emplace_back("step", at::tensor(zero_->steps_taken(), at::kLong));
+  if (config_.zero == 3) {
+    params = zero_.front()->gather_parameters(/*only_rank=*/0);
+    opt_state.emplace_back("step", at::tensor(zero_.front()->steps_taken(), at::kLong));
+  } else if (!zero_.empty()) {
+    // Stages 1-2 hold whole parameters (tp shards): collected like plain data parallelism's;
+    // the optimizer state stays in the per-rank shards.
+    std::tie(params, opt_state) = collect_for_rank0(false, rng_states);
+    rng_states.clear();
+    opt_state.emplace_back("step", at::tensor(zero_.front()->steps_taken(), at::kLong));
   } else {
     // With a pipeline every stage's state (its RNG states included) travels to rank 0.
     std::tie(params, opt_state) = collect_for_rank0(true, rng_states);
@@ -848,7 +956,7 @@ fs::path Trainer::save_checkpoint() {
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::vector<fs::path> shard_files;
-  if (zero_) {
+  if (!zero_.empty()) {
     const auto staging = fs::path(config_.save_dir) / (dir.filename().string() + ".zero-staging");
     std::exception_ptr failure;
     if (is_rank0()) {
@@ -865,8 +973,10 @@ fs::path Trainer::save_checkpoint() {
     int failed = 0;
     std::string error;
     try {
-      core::save_safetensors(staging / zero_shard_name(dp_rank(), dp_size()), zero_->state(),
-                             zero_->state_metadata());
+      for (size_t c = 0; c < zero_.size(); ++c)
+        core::save_safetensors(
+            staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))),
+            zero_[c]->state(), zero_[c]->state_metadata());
     } catch (const std::exception& e) {
       failed = 1;
       error = e.what();
@@ -877,8 +987,12 @@ fs::path Trainer::save_checkpoint() {
     LOOM_CHECK(any.item<int>() == 0,
                "{} rank(s) failed to write their ZeRO optimizer shard for step {} into '{}'",
                any.item<int>(), step_, staging.string());
-    for (int64_t r = 0; r < dp_size(); ++r)
-      shard_files.push_back(staging / zero_shard_name(r, dp_size()));
+    for (int64_t p = 0; p < pp_size(); ++p)
+      for (int64_t c = 0; c < static_cast<int64_t>(zero_.size()); ++c)
+        for (int64_t t = 0; t < tp_size(); ++t)
+          for (int64_t r = 0; r < dp_size(); ++r)
+            shard_files.push_back(staging /
+                                  zero_shard_name({r, dp_size(), t, tp_size(), p, pp_size(), c}));
   }
   std::exception_ptr failure;
   if (is_rank0()) {
@@ -889,6 +1003,7 @@ fs::path Trainer::save_checkpoint() {
                     {"data_tokens", train_shard_->size()},
                     {"elapsed_s", elapsed_s()},
                     {"tokenizer", tokenizer_->kind()}};
+      if (partition_) state["pipeline_bounds"] = partition_->bounds;
       std::vector<fs::path> extras;
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);
@@ -955,6 +1070,10 @@ StepResult Trainer::fit() {
                    {"comm_wait_s", last.comm_wait_s},
                    {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
+    if (pipeline_)
+      record["pipeline"] = {{"bubble", last.pipeline.bubble_fraction()},
+                            {"wait_s", last.pipeline.wait_seconds},
+                            {"max_in_flight", last.pipeline.max_in_flight}};
     const bool final_step = step_ == config_.steps;
     if (val_sampler_ &&
         ((config_.eval_every > 0 && step_ % config_.eval_every == 0) || final_step)) {
@@ -973,8 +1092,8 @@ StepResult Trainer::fit() {
     // Assembled from the shards by replica 0's tp ranks, written by rank 0 as the
     // single-process model.
     std::map<std::string, at::Tensor> params;
-    if (zero_)
-      params = zero_->gather_parameters(/*only_rank=*/0);  // collective over dp
+    if (config_.zero == 3)
+      params = zero_.front()->gather_parameters(/*only_rank=*/0);  // collective over dp
     else
       params = collect_for_rank0(false, {}).first;
     std::exception_ptr failure;

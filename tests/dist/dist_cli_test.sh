@@ -5,7 +5,11 @@
 #  2. a mesh that does not fit the world: every rank exits with status 2 and the numbers;
 #  3. the same training run on 1 and on 2 ranks writes the same losses (one metrics file), as
 #     data-parallel replicas and as tensor-parallel (+ sequence-parallel) shards;
-#  4. a --tp that does not divide the heads or the world: status 2 and the numbers.
+#  4. a --tp that does not divide the heads or the world: status 2 and the numbers;
+#  5. ZeRO from the command line (shards, resume, refusals);
+#  6. pipeline parallelism from the command line: --pp 2 equals 1 rank, its checkpoint resumes
+#     on one process (another layout), its export is the whole model; bad pipeline flags are
+#     refused with status 2 on every rank.
 set -uo pipefail
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -136,6 +140,42 @@ for bad in "--zero 4|--zero 4 is not valid" \
   flags=${bad%%|*}; want=${bad#*|}
   # shellcheck disable=SC2086
   out=$("$MPIEXEC" -np 2 "${run[@]}" $flags 2>&1)
+  status=$?
+  if [ $status -ne 2 ] || ! grep -qF -- "$want" <<< "$out"; then
+    say "FAIL: $flags -> status $status: $out"; fail=1
+  else say "ok: $flags rejected with status 2"; fi
+done
+# 6. Pipeline parallelism.
+"$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m6.jsonl" --pp 2 --schedule 1f1b --micro-batches 2 \
+  --save-dir "$work/pp2" --save-every 1 --export-hf "$work/hf_pp2" || { say "FAIL: --pp 2 run"; fail=1; }
+"${run[@]}" --resume "$work/pp2/step-00000002" --metrics-out "$work/m7.jsonl" --grad-accum 2 \
+  || { say "FAIL: resuming a --pp 2 checkpoint on 1 rank"; fail=1; }
+if ! python3 - "$work/m1.jsonl" "$work/m6.jsonl" "$work/m7.jsonl" "$work/hf_pp2/config.json" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+c = [json.loads(l) for l in open(sys.argv[3])]
+assert len(a) == len(b) == 3, (len(a), len(b))
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+    assert 0 <= y["pipeline"]["bubble"] < 1 and y["pipeline"]["max_in_flight"] == 2, y
+assert [r["step"] for r in c] == [3], c
+assert abs(c[0]["loss"] - b[2]["loss"]) <= 1e-5 * abs(b[2]["loss"]), (c[0]["loss"], b[2]["loss"])
+assert json.load(open(sys.argv[4]))["n_layer"] == 4
+print("ok: --pp 2 agrees with 1 rank and resumes on 1 rank:", [round(y["loss"], 6) for y in b])
+PY
+then say "FAIL: --pp 2 losses differ from 1 rank, or its checkpoint/export is wrong"; fail=1; fi
+for bad in "--pp 2 --schedule zigzag|--schedule 'zigzag' is not a known pipeline schedule; valid: 1f1b, gpipe, interleaved" \
+           "--pp 2 --schedule interleaved --virtual-stages 2 --micro-batches 3 --batch-size 6|--micro-batches 3 must be a multiple of --pp 2" \
+           "--pp 2 --virtual-stages 2 --micro-batches 2|--schedule 1f1b runs one model chunk per rank" \
+           "--pp 2 --schedule interleaved --virtual-stages 4 --micro-batches 2|the model has 4 layers but the pipeline has 8 stages" \
+           "--pp 2 --zero 3|ZeRO-3 over a pipeline is not supported yet" \
+           "--pp 3|tp 1 x pp 3 = 3 ranks does not divide the world of 2 processes" \
+           "--pp 2 --micro-batches 2 --grad-accum 4|--micro-batches 2 and --grad-accum 4 disagree"; do
+  flags=${bad%%|*}; want=${bad#*|}
+  [[ $flags == *--batch-size* ]] || flags="$flags --batch-size 4"
+  # shellcheck disable=SC2086
+  out=$("$MPIEXEC" -np 2 "${base[@]}" $flags 2>&1)
   status=$?
   if [ $status -ne 2 ] || ! grep -qF -- "$want" <<< "$out"; then
     say "FAIL: $flags -> status $status: $out"; fail=1

@@ -184,7 +184,7 @@ TEST(PipelinePartition, DeviceFilesAndModelCosts) {
   auto params = models::layer_costs(config, "params", {1, 1024, 1, 1});
   EXPECT_DOUBLE_EQ(params.layer_time[0], 7087872);  // one GPT-2 block, as Hugging Face counts
   e = error_of([&] { models::layer_costs(config, "vibes", {}); });
-  EXPECT_TRUE(contains(e, "valid: uniform, params, flops, measured")) << e;
+  EXPECT_TRUE(contains(e, "valid: uniform, params, flops (measured times come from")) << e;
 }
 
 namespace {
@@ -206,8 +206,9 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
   if (n < 2) GTEST_SKIP() << "a pipeline needs 2 or more ranks";
   auto mesh = loom::testing::runtime().mesh({.pp = n});
   const int64_t rank = mesh->coord(dist::Dim::pp);
-  for (const std::string preset : {"gpt2-tiny", "llama-tiny"}) {
-    const auto config = eight_layers(preset);
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny tied"}) {
+    auto config = eight_layers(preset.substr(0, preset.find(' ')));
+    if (preset.ends_with("tied")) config.tie_embeddings = true;  // Llama with a tied head
     const int64_t m = 2 * n, mb = 2, seq = 16;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     auto tokens = at::randint(0, config.vocab_size, {m * mb, seq + 1}, gen, at::kLong);
@@ -300,9 +301,10 @@ struct Layout {
   int64_t v = 1;
   bool sp = false;
   int64_t micro_batches = 4;  // interleaved needs a multiple of pp
+  int64_t zero = 0;
   std::string describe() const {
-    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {})", model, dp, tp, sp ? " sp" : "", pp,
-                       schedule, v);
+    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}", model, dp, tp, sp ? " sp" : "",
+                       pp, schedule, v, zero > 0 ? fmt::format(", ZeRO-{}", zero) : "");
   }
 };
 
@@ -322,9 +324,10 @@ void expect_layout_trains_like_one_process(
   config.schedule = layout.schedule;
   config.virtual_stages = layout.v;
   config.sequence_parallel = layout.sp;
+  config.zero = layout.zero;
   train::Trainer t(
       config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
-  ASSERT_NE(t.pipeline(), nullptr);
+  EXPECT_EQ(t.pipeline() != nullptr, layout.pp > 1);
   EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
   auto distributed = loom::testing::run(t);
   loom::testing::expect_same_run(distributed, single[key], 1e-5);
@@ -346,7 +349,14 @@ TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
     layouts.insert(layouts.end(), {{"gpt2", 2, 1, 2, "1f1b"},
                                    {"llama", 2, 1, 2, "interleaved", 2},
                                    {"gpt2", 1, 2, 2, "interleaved", 2, true},
-                                   {"llama", 1, 2, 2, "gpipe"}});
+                                   {"llama", 1, 2, 2, "gpipe"},
+                                   // ZeRO along dp of a pipeline (the tied embedding's copies in
+                                   // buckets of their own), and over tensor parallelism.
+                                   {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 1},
+                                   {"gpt2", 2, 1, 2, "interleaved", 2, false, 4, 2},
+                                   {"llama", 2, 1, 2, "interleaved", 2, false, 4, 2},
+                                   {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 2}});
+  if (n == 2) layouts.push_back({"gpt2", 1, 1, 2, "gpipe", 1, false, 4, 2});
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : layouts)
     expect_layout_trains_like_one_process(layout, dir.path(), single);
@@ -359,6 +369,189 @@ TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
   loom::testing::write_shared_corpus(dir, 30000, 4000);
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : std::vector<Layout>{{"gpt2", 2, 2, 2, "1f1b", 1, true},
-                                                {"llama", 2, 2, 2, "interleaved", 2}})
+                                                {"llama", 2, 2, 2, "interleaved", 2},
+                                                {"gpt2", 2, 2, 2, "interleaved", 2, false, 4, 1},
+                                                {"llama", 2, 2, 2, "1f1b", 1, false, 4, 2}})
     expect_layout_trains_like_one_process(layout, dir.path(), single);
+}
+
+// Checkpoints hold single-process tensors, so a run saved under one layout resumes under any
+// other: three layouts save at step 2, three others load each checkpoint (their assembled model
+// gives the checkpoint's logits) and continue to step 4 on the one-process loss curve.
+TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
+  const int64_t n = world().size();
+  if (n != 4) GTEST_SKIP() << "runs at 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto base = pipeline_config(dir.path(), "gpt2");
+  base.lr_decay_steps = base.steps;  // the same schedule for a 2-step and a 4-step run
+  loom::testing::RunResult reference;
+  {
+    train::Trainer t(base);
+    reference = loom::testing::run(t);
+  }
+  const std::vector<Layout> savers = {{"gpt2", 1, 1, 4, "1f1b"},
+                                      {"gpt2", 2, 1, 2, "gpipe"},
+                                      {"gpt2", 1, 2, 2, "interleaved", 2, true}};
+  const std::vector<Layout> loaders = {{"gpt2", 1, 1, 1, "1f1b"},  // one process
+                                       {"gpt2", 2, 2, 1, "1f1b"},
+                                       {"gpt2", 2, 1, 2, "interleaved", 2}};
+  auto apply = [](train::TrainConfig c, const Layout& l) {
+    c.tp = l.tp;
+    c.pp = l.pp;
+    c.schedule = l.schedule;
+    c.virtual_stages = l.v;
+    c.sequence_parallel = l.sp;
+    return c;
+  };
+  auto tokens = at::randint(0, 256, {2, 16}, at::kLong);
+  world().broadcast(tokens, 0);
+  for (size_t i = 0; i < savers.size(); ++i) {
+    auto config = apply(base, savers[i]);
+    config.steps = 2;
+    config.save_dir = (dir / fmt::format("saved{}", i)).string();
+    {
+      train::Trainer t(config, loom::testing::runtime().mesh(
+                                   {.dp = savers[i].dp, .tp = savers[i].tp, .pp = savers[i].pp}));
+      t.fit();
+    }
+    const auto ckpt = fs::path(config.save_dir) / "step-00000002";
+    at::Tensor saved_logits;
+    {
+      torch::NoGradGuard no_grad;
+      auto saved = train::load_model_from_checkpoint(ckpt);
+      saved->eval();
+      saved_logits = saved->forward(tokens);
+    }
+    for (const auto& loader : loaders) {
+      SCOPED_TRACE(savers[i].describe() + " -> " + loader.describe());
+      auto resumed = apply(base, loader);
+      resumed.resume = ckpt.string();
+      const bool one_process = loader.dp * loader.tp * loader.pp == 1;
+      train::Trainer t(resumed, one_process
+                                    ? nullptr
+                                    : loom::testing::runtime().mesh(
+                                          {.dp = loader.dp, .tp = loader.tp, .pp = loader.pp}));
+      EXPECT_EQ(t.step(), 2);
+      {
+        // The loaded shards make up the checkpoint's model: the same logits.
+        auto whole = models::make_model(t.model_config());
+        models::load_parameters(*whole, t.gather_parameters(), "the resumed trainer");
+        torch::NoGradGuard no_grad;
+        whole->eval();
+        EXPECT_TRUE(at::equal(whole->forward(tokens), saved_logits));
+      }
+      std::vector<double> losses;
+      while (t.step() < resumed.steps) losses.push_back(t.train_step().loss);
+      ASSERT_EQ(losses.size(), 2u);
+      for (size_t s = 0; s < 2; ++s)
+        EXPECT_NEAR(losses[s], reference.losses[s + 2], 1e-5 * reference.losses[s + 2])
+            << "step " << s + 3;
+      double diff2 = 0, norm2 = 0;
+      for (const auto& [name, p] : t.gather_parameters()) {
+        diff2 += (p - reference.params.at(name)).pow(2).sum().item<double>();
+        norm2 += reference.params.at(name).pow(2).sum().item<double>();
+      }
+      EXPECT_LE(std::sqrt(diff2 / norm2), 1e-5);
+    }
+  }
+}
+
+TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto mesh = loom::testing::runtime().mesh({.pp = 2});
+  auto config = pipeline_config(dir.path(), "gpt2");
+  config.pp = 2;
+  auto with = [&](auto change) {
+    auto c = config;
+    change(c);
+    return error_of([&] { train::Trainer t(c, mesh); });
+  };
+  auto e = with([](train::TrainConfig& c) { c.layers = 1; });
+  EXPECT_TRUE(contains(e, "the model has 1 layers but the pipeline has 2 stages")) << e;
+  e = with([](train::TrainConfig& c) { c.zero = 3; });
+  EXPECT_TRUE(contains(e, "ZeRO-3 over a pipeline is not supported yet")) << e;
+  e = with([](train::TrainConfig& c) { c.pp = 1; });
+  EXPECT_TRUE(contains(e, "--pp 1 does not match the mesh, whose pipeline-parallel size is 2"))
+      << e;
+  e = with([&](train::TrainConfig& c) { c.pp_devices = (dir / "missing.json").string(); });
+  EXPECT_TRUE(contains(e, "cannot open the device file")) << e;
+  // A device file with rank 1 twice as fast: it gets twice rank 0's layers (uniform costs).
+  if (world().rank() == 0)
+    std::ofstream(dir / "devices.json") << R"({"devices": [{"speed": 1}, {"speed": 2}]})";
+  world().barrier();
+  config.pp_devices = (dir / "devices.json").string();
+  config.pp_partition = "uniform";
+  config.layers = 6;
+  {
+    train::Trainer t(config, mesh);
+    ASSERT_NE(t.partition(), nullptr);
+    EXPECT_EQ(t.partition()->bounds, (std::vector<int64_t>{0, 2, 6})) << t.partition()->describe();
+    EXPECT_EQ(t.model().blocks().size(), world().rank() == 0 ? 2u : 4u);
+  }
+  // Measured costs: every rank computes the same split (times averaged over the world), and
+  // the faster rank still gets more blocks.
+  config.pp_partition = "measured";
+  train::Trainer t(config, mesh);
+  ASSERT_NE(t.partition(), nullptr);
+  auto bounds = at::tensor(t.partition()->bounds, at::kLong);
+  auto max = bounds.clone();
+  world().all_reduce(max, dist::ReduceOp::Max);
+  EXPECT_TRUE(at::equal(bounds, max)) << t.partition()->describe();
+  EXPECT_GE(t.partition()->layers(1), t.partition()->layers(0)) << t.partition()->describe();
+  EXPECT_EQ(t.train_step().step, 1);
+}
+
+// ZeRO-1/2 shards of a pipeline (one file per chunk, tp rank and dp rank) resume in the layout
+// that wrote them, continuing the uninterrupted run exactly.
+TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactly) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  for (int64_t stage : {1, 2}) {
+    SCOPED_TRACE(fmt::format("ZeRO-{}", stage));
+    auto config = pipeline_config(dir.path(), "gpt2");
+    config.pp = 2;
+    config.zero = stage;
+    config.lr_decay_steps = config.steps;
+    auto mesh = [] { return loom::testing::runtime().mesh({.dp = 2, .pp = 2}); };
+    std::vector<double> full;
+    {
+      train::Trainer t(config, mesh());
+      while (t.step() < config.steps) full.push_back(t.train_step().loss);
+    }
+    auto first = config;
+    first.steps = 2;
+    first.save_dir = (dir / fmt::format("z{}", stage)).string();
+    {
+      train::Trainer t(first, mesh());
+      t.fit();
+    }
+    const auto ckpt = fs::path(first.save_dir) / "step-00000002";
+    if (world().rank() == 0) {
+      for (const char* f : {"zero-pp000-c0-tp000-dp00000-of-pp2-tp1-dp2.safetensors",
+                            "zero-pp001-c0-tp000-dp00001-of-pp2-tp1-dp2.safetensors"}) {
+        EXPECT_TRUE(fs::exists(ckpt / f)) << f;
+      }
+    }
+    auto resumed = config;
+    resumed.resume = ckpt.string();
+    {
+      train::Trainer t(resumed, mesh());
+      std::vector<double> rest;
+      while (t.step() < config.steps) rest.push_back(t.train_step().loss);
+      ASSERT_EQ(rest.size(), 2u);
+      EXPECT_EQ(rest[0], full[2]);
+      EXPECT_EQ(rest[1], full[3]);
+    }
+    // Another layout cannot take the shards.
+    auto other = resumed;
+    other.pp = 1;
+    other.tp = 2;
+    const auto e = error_of(
+        [&] { train::Trainer bad(other, loom::testing::runtime().mesh({.dp = 2, .tp = 2})); });
+    EXPECT_TRUE(contains(e, "ZeRO shards resume only in the layout that wrote them")) << e;
+  }
 }

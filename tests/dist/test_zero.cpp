@@ -584,7 +584,9 @@ TEST(TrainerZero, FlagsThatDoNotFitAreRejected) {
   EXPECT_TRUE(contains(error_of([&] { c.validate(); }), "--activation-checkpointing 'some'"));
 }
 
-TEST(TrainerZero, TensorParallelAndCompressedHooksAreRefused) {
+// ZeRO-1/2 compose with tp (test_pipeline.cpp trains them against one process); ZeRO-3 over
+// tp, ZeRO over sequence-parallel partial gradients and compressed hooks are refused.
+TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
   auto config = zero_config(dir.path(), 2, 1);
@@ -596,7 +598,14 @@ TEST(TrainerZero, TensorParallelAndCompressedHooksAreRefused) {
   config.comm_hook = "avg";
   config.tp = 2;
   config.batch_size = 24;
-  const auto error =
+  config.zero = 3;
+  auto error =
       error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 2})); });
-  EXPECT_TRUE(contains(error, "--zero 2 with --tp 2")) << error;
+  EXPECT_TRUE(contains(error, "--zero 3 with --tp 2: ZeRO-3 over a tensor-parallel model"))
+      << error;
+  config.zero = 2;
+  config.sequence_parallel = true;
+  error = error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 2})); });
+  EXPECT_TRUE(contains(error, "--zero 2 with --tp 2 --sequence-parallel: ZeRO does not support"))
+      << error;
 }

@@ -18,6 +18,7 @@ namespace loom::testing {
 
 struct RunResult {
   std::vector<double> losses;
+  std::vector<double> grad_norms;  // before clipping, per step
   double val_loss = 0;
   std::map<std::string, at::Tensor> params;
 };
@@ -46,7 +47,11 @@ inline loom::train::TrainConfig small_run_config(const std::filesystem::path& di
 
 inline RunResult run(loom::train::Trainer& t) {
   RunResult r;
-  while (t.step() < t.config().steps) r.losses.push_back(t.train_step().loss);
+  while (t.step() < t.config().steps) {
+    const auto step = t.train_step();
+    r.losses.push_back(step.loss);
+    r.grad_norms.push_back(step.grad_norm);
+  }
   r.val_loss = t.evaluate(1);
   // Single-process tensors, assembled from tensor-parallel or ZeRO-3 shards (collective).
   for (const auto& [name, p] : t.gather_parameters()) r.params[name] = p.clone();
@@ -72,6 +77,14 @@ inline void expect_same_run(const RunResult& got, const RunResult& want, double 
                  std::abs(got.losses[s] - want.losses[s]) / want.losses[s]);
   }
   EXPECT_NEAR(got.val_loss, want.val_loss, rtol * std::abs(want.val_loss));
+  // The gradient norm counts every element of the single-process gradient once, whatever the
+  // layout shards or replicates.
+  if (got.grad_norms.size() == want.grad_norms.size()) {
+    for (size_t s = 0; s < want.grad_norms.size(); ++s) {
+      EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], rtol * want.grad_norms[s])
+          << "grad norm, step " << s + 1;
+    }
+  }
   double diff2 = 0, norm2 = 0, worst = 0;
   std::string worst_name;
   for (const auto& [name, want_p] : want.params) {

@@ -6,7 +6,8 @@
 
 namespace loom::dist {
 
-// Point-to-point over `comm`: every rank but `root` sends `mine` (any CPU tensors, any names);
+// Point-to-point over `comm`: every rank but `root` sends `mine` (CPU tensors: this is for
+// checkpoints and exports, on an MPI communicator; any names and shapes);
 // `root` returns its own tensors followed by rank 1's, rank 2's, ... in rank order, and the
 // others return nothing. Every rank of `comm` must call it.
 core::NamedTensors gather_named_tensors(Communicator& comm, int root,

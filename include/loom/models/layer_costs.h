@@ -15,7 +15,7 @@ namespace loom::models {
 //   flops    its forward FLOPs per token (matmuls, attention over seq_len, the head's vocabulary
 //            projection and loss), proportional to forward + backward time
 // (Measured times come from the trainer, which can run the layers.)
-std::string to_string_cost_kinds();  // "uniform, params, flops, measured"
+std::string to_string_cost_kinds();  // "uniform, params, flops"
 
 struct CostShape {
   int64_t micro_batch = 1;  // sequences per micro-batch on one rank

@@ -84,8 +84,10 @@ class Trainer {
   const parallel::data::DataParallel* data_parallel() const {
     return dp_.empty() ? nullptr : dp_.front().get();
   }
-  // The ZeRO engine, with --zero 1-3 (else null).
-  const parallel::zero::ZeroOptimizer* zero() const { return zero_.get(); }
+  // The ZeRO engine, with --zero 1-3 (else null); with --pp, that of this rank's first chunk.
+  const parallel::zero::ZeroOptimizer* zero() const {
+    return zero_.empty() ? nullptr : zero_.front().get();
+  }
   // Every parameter in its single-process shape, assembled from tp shards, ZeRO-3 shards or
   // pipeline stages (sharded ones as new tensors; replicated ones may alias the live
   // parameters). Collective: every rank calls it.
@@ -106,7 +108,6 @@ class Trainer {
       bool optimizer, const core::NamedTensors& extra_optimizer);
   // Sums the two copies' gradients of a tied embedding (first and last pipeline stage).
   void sum_tied_embedding_grads();
-  double pipeline_evaluate(int64_t begin, int64_t end, int64_t micro);
   void build_pipeline_parts(const models::ModelConfig& model_config,
                             const parallel::tensor::TpGroupPtr& tp_group);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
@@ -123,8 +124,8 @@ class Trainer {
 
   TrainConfig config_;
   dist::MeshPtr mesh_;
-  std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;  // one per chunk
-  std::unique_ptr<parallel::zero::ZeroOptimizer> zero_;
+  std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;                  // one per chunk
+  std::vector<std::unique_ptr<parallel::zero::ZeroOptimizer>> zero_;               // one per chunk
   std::vector<std::unique_ptr<parallel::tensor::PartialGradSync>> partial_grads_;  // per chunk
   std::unique_ptr<parallel::pipeline::PipelineExecutor> pipeline_;
   std::optional<parallel::pipeline::Partition> partition_;

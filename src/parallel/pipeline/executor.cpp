@@ -27,8 +27,8 @@ constexpr int64_t kMaxDims = 6;
 }  // namespace
 
 PipelineExecutor::PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape,
-                                   SchedulePtr schedule)
-    : comm_(std::move(comm)), shape_(shape), schedule_(std::move(schedule)) {
+                                   SchedulePtr schedule, at::Device device)
+    : comm_(std::move(comm)), shape_(shape), schedule_(std::move(schedule)), device_(device) {
   LOOM_CHECK(comm_ && schedule_, "PipelineExecutor needs a communicator and a schedule");
   LOOM_CHECK(comm_->size() == shape_.ranks,
              "the pipeline communicator has {} ranks but the pipeline shape has pp {}",
@@ -58,7 +58,7 @@ void PipelineExecutor::send(const at::Tensor& t, int64_t to_stage, int tag, Pipe
   for (int64_t d = 0; d < t.dim(); ++d) h[d + 2] = t.size(d);
   const int peer = static_cast<int>(shape_.rank_of(to_stage));
   auto body = t.detach().contiguous();
-  pending_sends_.push_back(comm_->send_async(header, peer, tag));
+  pending_sends_.push_back(comm_->send_async(header.to(device_), peer, tag));
   pending_sends_.push_back(comm_->send_async(body, peer, tag));
   ++stats.messages_sent;
   stats.bytes_sent += static_cast<double>(body.numel() * body.element_size());
@@ -69,19 +69,21 @@ void PipelineExecutor::send(const at::Tensor& t, int64_t to_stage, int tag, Pipe
 at::Tensor PipelineExecutor::receive(int64_t from_stage, int tag, PipelineStats& stats) {
   const auto start = Clock::now();
   const int peer = static_cast<int>(shape_.rank_of(from_stage));
-  auto header = at::zeros({kMaxDims + 2}, at::kLong);
+  auto header = at::zeros({kMaxDims + 2}, at::TensorOptions(at::kLong).device(device_));
   comm_->recv(header, peer, tag);
+  header = header.cpu();
   auto h = header.accessor<int64_t, 1>();
   std::vector<int64_t> sizes;
   for (int64_t d = 0; d < h[0]; ++d) sizes.push_back(h[d + 2]);
-  auto t = at::empty(sizes, at::TensorOptions(static_cast<at::ScalarType>(h[1])));
+  auto t = at::empty(sizes, at::TensorOptions(static_cast<at::ScalarType>(h[1])).device(device_));
   comm_->recv(t, peer, tag);
   stats.wait_seconds += since(start);
   return t;
 }
 
-PipelineStats PipelineExecutor::run(const ForwardFn& forward, const BeforeBackwardFn& before) {
-  return execute(actions_, forward, before, false, shape_.micro_batches);
+PipelineStats PipelineExecutor::run(const ForwardFn& forward, const BackwardHook& before,
+                                    const BackwardHook& after) {
+  return execute(actions_, forward, before, after, false, shape_.micro_batches);
 }
 
 PipelineStats PipelineExecutor::run_forward(const ForwardFn& forward, int64_t micro_batches) {
@@ -89,12 +91,13 @@ PipelineStats PipelineExecutor::run_forward(const ForwardFn& forward, int64_t mi
   if (micro_batches == 0) return {};
   auto shape = shape_;
   shape.micro_batches = micro_batches;
-  return execute(forward_only_actions(shape), forward, {}, true, micro_batches);
+  return execute(forward_only_actions(shape), forward, {}, {}, true, micro_batches);
 }
 
 PipelineStats PipelineExecutor::execute(const std::vector<Action>& actions,
-                                        const ForwardFn& forward, const BeforeBackwardFn& before,
-                                        bool forward_only, int64_t micro_batches) {
+                                        const ForwardFn& forward, const BackwardHook& before,
+                                        const BackwardHook& after, bool forward_only,
+                                        int64_t micro_batches) {
   LOOM_CHECK(forward, "PipelineExecutor: no forward function");
   const auto start = Clock::now();
   const int64_t last_stage = shape_.stages() - 1;
@@ -152,6 +155,8 @@ PipelineStats PipelineExecutor::execute(const std::vector<Action>& actions,
       send(grad, stage - 1, tag_of(a.micro_batch, stage - 1, true), stats);
     }
     live.erase(it);  // the micro-batch's activations of this chunk can go now
+    // After the gradient is on its way: the previous stage need not wait for this hook.
+    if (after) after(a.chunk, a.micro_batch);
   }
   LOOM_CHECK(live.empty() || forward_only, "pipeline: {} micro-batches never ran backward",
              live.size());

@@ -133,10 +133,26 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     }
   } else {
     std::vector<at::Tensor> tensors;
-    for (const auto& [name, p] : params_) tensors.push_back(p);
+    std::vector<size_t> shared;  // params_ index of each entry of tensors
+    std::vector<size_t> own;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& name = params_[i].first;
+      if (std::find(options_.own_bucket.begin(), options_.own_bucket.end(), name) !=
+          options_.own_bucket.end()) {
+        own.push_back(i);
+      } else {
+        tensors.push_back(params_[i].second);
+        shared.push_back(i);
+      }
+    }
     const auto bucket_bytes = static_cast<int64_t>(options_.bucket_mb * 1024.0 * 1024.0);
-    for (auto& members : data::assign_buckets(tensors, std::max<int64_t>(bucket_bytes, 1)))
-      plan.emplace_back(fmt::format("bucket {}", plan.size()), std::move(members));
+    if (!tensors.empty())
+      for (auto& members : data::assign_buckets(tensors, std::max<int64_t>(bucket_bytes, 1))) {
+        for (auto& m : members) m = shared[m];
+        plan.emplace_back(fmt::format("bucket {}", plan.size()), std::move(members));
+      }
+    // Last in launch order: they wait for nothing else, and nothing waits for them.
+    for (size_t i : own) plan.emplace_back(params_[i].first, std::vector<size_t>{i});
   }
 
   const bool on_gpu = params_.front().second.is_cuda();
@@ -193,6 +209,7 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     for (const auto& seg : b.segments) {
       const auto& [name, p] = params_[b.params[seg.param]];
       b.segment_decays.push_back(options_.decays ? options_.decays(name, p) : p.dim() >= 2);
+      if (options_.norm_weight) b.segment_norm_weights.push_back(options_.norm_weight(name));
     }
     buckets_.push_back(std::move(b));
     // Stage 3 keeps only the shard: release each unit as soon as it is sharded, so building
@@ -447,17 +464,42 @@ void ZeroOptimizer::finish_gradient_sync() {
 }
 
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
+  const double norm = std::sqrt(grad_norm_squared());
+  if (max_norm > 0 && norm > max_norm) scale_gradients(max_norm / (norm + 1e-6));
+  return norm;
+}
+
+double ZeroOptimizer::grad_norm_squared() {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> squares;
-  for (const auto& b : buckets_) squares.push_back(squared_norm(b.grad_shard));
-  auto total = at::stack(squares).sum().reshape({1});  // one host sync, after the all-reduce
-  comm_->all_reduce(total, dist::ReduceOp::Sum);
-  const double norm = std::sqrt(total.item<double>());
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (auto& b : buckets_) b.grad_shard.mul_(scale);
+  for (const auto& b : buckets_) {
+    if (b.segment_norm_weights.empty()) {
+      squares.push_back(squared_norm(b.grad_shard));
+      continue;
+    }
+    for (size_t k = 0; k < b.segments.size(); ++k)
+      squares.push_back(
+          squared_norm(b.grad_shard.narrow(0, b.segments[k].shard_offset, b.segments[k].numel)) *
+          b.segment_norm_weights[k]);
   }
-  return norm;
+  auto total = squares.empty() ? at::zeros({1}, at::kDouble)
+                               : at::stack(squares).sum().reshape({1});  // one host sync, after
+  comm_->all_reduce(total, dist::ReduceOp::Sum);
+  return total.item<double>();
+}
+
+void ZeroOptimizer::scale_gradients(double factor) {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) b.grad_shard.mul_(factor);
+}
+
+at::Tensor ZeroOptimizer::own_bucket_grad_shard(const std::string& name) {
+  LOOM_CHECK(options_.stage <= 2, "own_bucket_grad_shard: stage {} has no own buckets",
+             options_.stage);
+  for (auto& b : buckets_)
+    if (b.params.size() == 1 && params_[b.params.front()].first == name && b.name == name)
+      return b.grad_shard;
+  fail("ZeRO: '{}' has no bucket of its own (name it in ZeroOptions::own_bucket)", name);
 }
 
 // ---- The optimizer step --------------------------------------------------------------------

@@ -35,8 +35,11 @@ struct PipelineStats {
 
 class PipelineExecutor {
  public:
-  // comm: the pipeline communicator (its rank is the pipeline rank, its size pp).
-  PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape, SchedulePtr schedule);
+  // comm: the pipeline communicator (its rank is the pipeline rank, its size pp). `device`:
+  // where received activations and gradients (and the message headers) are allocated: the
+  // stages' device, one the communicator's backend takes.
+  PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape, SchedulePtr schedule,
+                   at::Device device = at::kCPU);
 
   // Runs chunk `chunk` forward on micro-batch `micro_batch`. `input` is undefined on the first
   // stage (which reads its own tokens) and the received activation elsewhere. The first stages
@@ -44,12 +47,13 @@ class PipelineExecutor {
   // micro-batch's loss, already scaled as the caller wants its gradients).
   using ForwardFn =
       std::function<at::Tensor(int64_t chunk, int64_t micro_batch, const at::Tensor& input)>;
-  // Called just before the backward of (chunk, micro_batch): e.g. to turn gradient
-  // synchronization on for a chunk's last micro-batch.
-  using BeforeBackwardFn = std::function<void(int64_t chunk, int64_t micro_batch)>;
+  // Called just before / just after the backward of (chunk, micro_batch): e.g. to turn gradient
+  // synchronization on for a chunk's last micro-batch, and to finish it.
+  using BackwardHook = std::function<void(int64_t chunk, int64_t micro_batch)>;
 
   // One training step: the schedule's forwards and backwards.
-  PipelineStats run(const ForwardFn& forward, const BeforeBackwardFn& before_backward = {});
+  PipelineStats run(const ForwardFn& forward, const BackwardHook& before_backward = {},
+                    const BackwardHook& after_backward = {});
   // Forwards only (evaluation; run it under torch::NoGradGuard): `micro_batches` micro-batches
   // (any number, 0 included) through every stage, nothing kept for backward.
   PipelineStats run_forward(const ForwardFn& forward, int64_t micro_batches);
@@ -63,8 +67,8 @@ class PipelineExecutor {
 
  private:
   PipelineStats execute(const std::vector<Action>& actions, const ForwardFn& forward,
-                        const BeforeBackwardFn& before_backward, bool forward_only,
-                        int64_t micro_batches);
+                        const BackwardHook& before_backward, const BackwardHook& after_backward,
+                        bool forward_only, int64_t micro_batches);
   void send(const at::Tensor& t, int64_t to_stage, int tag, PipelineStats& stats);
   at::Tensor receive(int64_t from_stage, int tag, PipelineStats& stats);
   int tag_of(int64_t micro_batch, int64_t edge, bool gradient) const;
@@ -72,6 +76,7 @@ class PipelineExecutor {
   dist::CommunicatorPtr comm_;
   PipelineShape shape_;
   SchedulePtr schedule_;
+  at::Device device_;
   std::vector<Action> actions_;  // this rank's, checked at construction
   std::vector<dist::WorkPtr> pending_sends_;
 };

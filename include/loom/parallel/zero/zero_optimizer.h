@@ -55,6 +55,14 @@ struct ZeroOptions {
   // parameter shard back.
   bool offload_optimizer = false;
   bool prefetch = true;  // stage 3: start the next unit's all-gather before this one computes
+  // Stages 1-2: parameters that get a flat bucket of their own, so that their gradient shard
+  // has the same layout on every engine that holds them (a tied embedding's two copies on the
+  // first and last pipeline stages, whose shards are summed; see own_bucket_grad_shard).
+  std::vector<std::string> own_bucket;
+  // How much each parameter's squares count in the gradient norm (null: 1 each). With tensor
+  // parallelism, 1 / (ranks holding the same values), so a norm summed over tp counts every
+  // element once.
+  std::function<double(const std::string&)> norm_weight;
 };
 
 // A group of parameters gathered together in stage 3 (by fully-qualified name).
@@ -122,6 +130,14 @@ class ZeroOptimizer {
   // The L2 norm of the whole (dp-averaged) gradient, from the shards in one all-reduce; scales
   // the shards by max_norm / (norm + 1e-6) when above max_norm > 0. Returns the norm before.
   double clip_grad_norm(double max_norm);
+  // The two halves of clip_grad_norm, for a norm over more groups than dp (pipeline stages,
+  // tensor-parallel shards): the squared norm of this engine's dp-averaged gradient, weighted
+  // by norm_weight, summed over the dp group (one all-reduce); and scaling every shard.
+  double grad_norm_squared();
+  void scale_gradients(double factor);
+  // This rank's shard of the dp-averaged gradient of a parameter named in own_bucket (stages
+  // 1-2; after finish_gradient_sync), to modify in place.
+  at::Tensor own_bucket_grad_shard(const std::string& name);
   // One AdamW step on this rank's shards, then (stages 1-2) all-gathers the parameters.
   void step(double lr);
   // Zeros the gradient shards (and stage 1's full buffers).
@@ -164,6 +180,7 @@ class ZeroOptimizer {
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32; master when not fp32 or offloaded
     std::vector<FlatSegment> segments;
     std::vector<bool> segment_decays;
+    std::vector<double> segment_norm_weights;  // empty: all 1
     // Per backward: gradients not yet complete.
     int64_t pending = 0;
     // Stage 3.
