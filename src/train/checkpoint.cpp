@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/parallel/tensor/shard_spec.h"
 
 namespace loom::train {
 
@@ -23,6 +25,71 @@ bool is_checkpoint_name(const std::string& name) {
   return name.rfind("step-", 0) == 0 && name.find('.') == std::string::npos;
 }
 }  // namespace
+
+namespace {
+
+// "dim,full,padded,parts,units" (what the writer recorded) back into a ShardSpec.
+parallel::tensor::ShardSpec parse_spec(const std::string& text, const std::string& where) {
+  parallel::tensor::ShardSpec spec;
+  int64_t* fields[] = {&spec.dim, &spec.full, &spec.padded, &spec.parts, &spec.units};
+  size_t pos = 0;
+  for (size_t i = 0; i < 5; ++i) {
+    const auto comma = text.find(',', pos);
+    LOOM_CHECK(i == 4 ? comma == std::string::npos : comma != std::string::npos,
+               "{}: malformed shard spec '{}'", where, text);
+    *fields[i] = std::stoll(text.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
+  return spec;
+}
+
+}  // namespace
+
+void assemble_shards(const fs::path& ckpt, CheckpointContents& out) {
+  // Every writer's pieces, by tensor, indexed by the writer's tp rank; then each tensor whole.
+  struct Pieces {
+    std::vector<at::Tensor> by_rank;
+    std::optional<parallel::tensor::ShardSpec> spec;
+    std::string file;
+  };
+  std::map<std::string, Pieces> tensors;
+  for (const auto& name : out.state.at("model_shards")) {
+    const auto file = ckpt / name.get<std::string>();
+    auto contents = core::load_safetensors(file);
+    const auto& meta = contents.metadata;
+    LOOM_CHECK(meta.count("loom.tp_rank") && meta.count("loom.tp_size"),
+               "checkpoint shard '{}' lacks its tensor-parallel coordinates", file.string());
+    const auto rank = std::stoll(meta.at("loom.tp_rank"));
+    const auto size = std::stoll(meta.at("loom.tp_size"));
+    for (auto& [key, t] : contents.tensors) {
+      auto& p = tensors[key];
+      p.by_rank.resize(static_cast<size_t>(size));
+      p.file = file.string();
+      if (meta.count(key)) p.spec = parse_spec(meta.at(key), file.string());
+      // Stages share the tied embedding, tp ranks the replicated tensors: equal copies.
+      if (!p.by_rank[static_cast<size_t>(rank)].defined())
+        p.by_rank[static_cast<size_t>(rank)] = std::move(t);
+    }
+  }
+  for (auto& [key, p] : tensors) {
+    at::Tensor whole;
+    if (p.spec) {
+      for (size_t r = 0; r < p.by_rank.size(); ++r)
+        LOOM_CHECK(p.by_rank[r].defined(),
+                   "checkpoint '{}': tensor '{}' lacks the shard of tp rank {} (its other shards "
+                   "are in '{}')",
+                   ckpt.string(), key, r, p.file);
+      whole = p.spec->unshard(p.by_rank);
+    } else {
+      for (auto& t : p.by_rank)
+        if (t.defined()) whole = t;
+    }
+    if (key.starts_with("model/"))
+      out.model.emplace(key.substr(6), whole);
+    else if (key.starts_with("optimizer/"))
+      out.optimizer.emplace(key.substr(10), whole);
+  }
+}
 
 fs::path checkpoint_dir(const fs::path& dir, int64_t step) {
   return dir / fmt::format("step-{:08d}", step);
@@ -144,6 +211,7 @@ CheckpointContents load_checkpoint(const fs::path& path) {
   out.step = out.state.value("step", int64_t{0});
   out.model = core::load_safetensors(ckpt / kModelFile).tensors;
   out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
+  if (out.state.contains("model_shards")) assemble_shards(ckpt, out);
   return out;
 }
 

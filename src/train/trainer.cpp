@@ -70,6 +70,12 @@ std::string param_of_state_key(const std::string& key, const models::CausalLM& m
   return {};
 }
 
+// The file holding the model shards (and AdamW moments) of pipeline rank p, tensor-parallel
+// rank t (written by data-parallel replica 0).
+std::string model_shard_name(int64_t pp_rank, int64_t tp_rank) {
+  return fmt::format("model-pp{:03d}-tp{:03d}.safetensors", pp_rank, tp_rank);
+}
+
 // Where a rank's coordinates put it, for ZeRO shard file names.
 struct ShardCoords {
   int64_t dp_rank = 0, dp = 1, tp_rank = 0, tp = 1, pp_rank = 0, pp = 1, chunk = 0;
@@ -940,7 +946,42 @@ fs::path Trainer::save_checkpoint() {
   // optimizer shard, which rank 0 moves into the checkpoint with the rest.
   std::map<std::string, at::Tensor> params;
   core::NamedTensors opt_state;
-  if (config_.zero == 3) {
+  // A model split over tp or pp is written as one file per (pp, tp) rank of replica 0, each
+  // holding that rank's shards (parameters, AdamW moments, RNG states) with their shard specs:
+  // no rank ever holds the whole model to save it, and a loader reassembles any layout.
+  const bool sharded_files = tp_size() * pp_size() > 1 && config_.zero != 3;
+  core::NamedTensors my_shard;
+  std::map<std::string, std::string> my_specs;
+  if (sharded_files) {
+    const int64_t steps = zero_.empty() ? 0 : zero_.front()->steps_taken();
+    opt_state.emplace_back(
+        "step", zero_.empty() ? optimizer_->state().front().second : at::tensor(steps, at::kLong));
+    if (dp_rank() == 0) {
+      my_specs["loom.tp_rank"] = std::to_string(mesh_->coord(dist::Dim::tp));
+      my_specs["loom.tp_size"] = std::to_string(tp_size());
+      auto add = [&](const std::string& key, const models::CausalLM& part, const std::string& param,
+                     const at::Tensor& t) {
+        my_shard.emplace_back(key, t.detach());
+        const auto& spec = part.shard_spec(param);
+        if (spec.sharded())
+          my_specs[key] = fmt::format("{},{},{},{},{}", spec.dim, spec.full, spec.padded,
+                                      spec.parts, spec.units);
+      };
+      for (const auto& chunk : chunks_)
+        for (const auto& item : chunk->named_parameters())
+          add("model/" + item.key(), *chunk, item.key(), item.value());
+      if (zero_.empty())
+        for (const auto& [key, t] : optimizer_->state())
+          for (const auto& chunk : chunks_) {
+            const auto param = param_of_state_key(key, *chunk);
+            if (param.empty()) continue;
+            add("optimizer/" + key, *chunk, param, t);
+            break;
+          }
+      for (const auto& [key, t] : rng_states) my_shard.emplace_back("optimizer/" + key, t);
+    }
+    rng_states.clear();
+  } else if (config_.zero == 3) {
     params = zero_.front()->gather_parameters(/*only_rank=*/0);
     opt_state.emplace_back("step", at::tensor(zero_.front()->steps_taken(), at::kLong));
   } else if (!zero_.empty()) {
@@ -956,7 +997,8 @@ fs::path Trainer::save_checkpoint() {
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::vector<fs::path> shard_files;
-  if (!zero_.empty()) {
+  std::vector<std::string> model_files;
+  if (!zero_.empty() || sharded_files) {
     const auto staging = fs::path(config_.save_dir) / (dir.filename().string() + ".zero-staging");
     std::exception_ptr failure;
     if (is_rank0()) {
@@ -977,6 +1019,9 @@ fs::path Trainer::save_checkpoint() {
         core::save_safetensors(
             staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))),
             zero_[c]->state(), zero_[c]->state_metadata());
+      if (sharded_files && dp_rank() == 0)
+        core::save_safetensors(staging / model_shard_name(pp_rank(), mesh_->coord(dist::Dim::tp)),
+                               my_shard, my_specs);
     } catch (const std::exception& e) {
       failed = 1;
       error = e.what();
@@ -985,7 +1030,7 @@ fs::path Trainer::save_checkpoint() {
     mesh_->world().all_reduce(any, dist::ReduceOp::Sum);
     LOOM_CHECK(failed == 0, "{}", error);
     LOOM_CHECK(any.item<int>() == 0,
-               "{} rank(s) failed to write their ZeRO optimizer shard for step {} into '{}'",
+               "{} rank(s) failed to write their checkpoint shards for step {} into '{}'",
                any.item<int>(), step_, staging.string());
     for (int64_t p = 0; p < pp_size(); ++p)
       for (int64_t c = 0; c < static_cast<int64_t>(zero_.size()); ++c)
@@ -993,6 +1038,12 @@ fs::path Trainer::save_checkpoint() {
           for (int64_t r = 0; r < dp_size(); ++r)
             shard_files.push_back(staging /
                                   zero_shard_name({r, dp_size(), t, tp_size(), p, pp_size(), c}));
+    if (sharded_files)
+      for (int64_t p = 0; p < pp_size(); ++p)
+        for (int64_t t = 0; t < tp_size(); ++t) {
+          model_files.push_back(model_shard_name(p, t));
+          shard_files.push_back(staging / model_files.back());
+        }
   }
   std::exception_ptr failure;
   if (is_rank0()) {
@@ -1004,6 +1055,7 @@ fs::path Trainer::save_checkpoint() {
                     {"elapsed_s", elapsed_s()},
                     {"tokenizer", tokenizer_->kind()}};
       if (partition_) state["pipeline_bounds"] = partition_->bounds;
+      if (!model_files.empty()) state["model_shards"] = model_files;
       std::vector<fs::path> extras;
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);

@@ -11,6 +11,8 @@
 
 #include "../test_util.h"
 #include "dist_util.h"
+#include "loom/core/files.h"
+#include "loom/core/safetensors.h"
 #include "loom/dist/gather_tensors.h"
 #include "loom/models/layer_costs.h"
 #include "loom/parallel/pipeline/executor.h"
@@ -416,6 +418,13 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
       t.fit();
     }
     const auto ckpt = fs::path(config.save_dir) / "step-00000002";
+    // Written as one shard file per (pp, tp) rank of replica 0, no whole model anywhere.
+    for (int64_t p = 0; p < savers[i].pp; ++p)
+      for (int64_t t = 0; t < savers[i].tp; ++t)
+        EXPECT_TRUE(fs::exists(ckpt / fmt::format("model-pp{:03d}-tp{:03d}.safetensors", p, t)));
+    if (world().rank() == 0) {
+      EXPECT_TRUE(loom::core::load_safetensors(ckpt / "model.safetensors").tensors.empty());
+    }
     at::Tensor saved_logits;
     {
       torch::NoGradGuard no_grad;
@@ -455,6 +464,43 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
       EXPECT_LE(std::sqrt(diff2 / norm2), 1e-5);
     }
   }
+}
+
+// A missing or corrupted shard file is found before any weights are touched.
+TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = pipeline_config(dir.path(), "gpt2");
+  config.pp = 2;
+  config.steps = 1;
+  config.save_dir = (dir / "saved").string();
+  {
+    train::Trainer t(config, loom::testing::runtime().mesh({.pp = 2}));
+    t.fit();
+  }
+  if (world().rank() == 0) {
+    const auto ckpt = fs::path(config.save_dir) / "step-00000001";
+    const auto shard = ckpt / "model-pp001-tp000.safetensors";
+    const auto saved = loom::core::read_file(shard);
+    // Corrupt one byte in the middle of the tensor data.
+    auto bad = saved;
+    bad[bad.size() / 2] = static_cast<char>(bad[bad.size() / 2] ^ 0x5a);
+    loom::core::write_file_atomic(shard, bad);
+    auto e = error_of([&] { train::load_checkpoint(ckpt); });
+    EXPECT_TRUE(contains(e, "model-pp001-tp000.safetensors' is corrupt")) << e;
+    fs::remove(shard);
+    e = error_of([&] { train::load_checkpoint(ckpt); });
+    EXPECT_TRUE(contains(e, "is incomplete: 'model-pp001-tp000.safetensors' is missing")) << e;
+    e = error_of([&] {
+      auto resumed = config;
+      resumed.resume = ckpt.string();
+      resumed.pp = 1;  // one process: the shards are read, not the mesh
+      train::Trainer t(resumed);
+    });
+    EXPECT_TRUE(contains(e, "is incomplete: 'model-pp001-tp000.safetensors' is missing")) << e;
+  }
+  world().barrier();
 }
 
 TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {

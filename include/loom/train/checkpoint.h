@@ -2,7 +2,9 @@
 // Training checkpoints: model + optimizer + schedule position + data position + RNG.
 //
 // Layout of a save directory:
-//   DIR/step-00000100/model.safetensors      parameters, by fully-qualified name
+//   DIR/step-00000100/model.safetensors      parameters, by fully-qualified name (a model split
+//                                            over tp or pp: empty, and model-ppP-tpT.safetensors
+//                                            hold each rank's shards with their specs)
 //   DIR/step-00000100/optimizer.safetensors  AdamW moments, fp32 masters, step count, RNG state
 //   DIR/step-00000100/state.json             step, configs, and the CRC-32 of every file
 //   DIR/latest                               name of the newest complete checkpoint
@@ -42,8 +44,15 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& dir, int64_t 
                                       const std::vector<std::filesystem::path>& moved_files = {});
 
 // `path` is either a save directory (its `latest` is used) or one checkpoint directory.
-// Verifies every checksum; throws loom::Error naming the file that is missing or corrupt.
+// Verifies every checksum; throws loom::Error naming the file that is missing or corrupt. A
+// checkpoint of a model split over tp or pp (state.json's "model_shards": one file per writer
+// rank, each tensor with its shard spec) comes back assembled into single-process tensors.
 CheckpointContents load_checkpoint(const std::filesystem::path& path);
+
+// Reassembles `out.model` and `out.optimizer` from the shard files state.json lists under
+// "model_shards" (checksums already verified): each sharded tensor from every tp rank's piece,
+// a replicated one from any copy. Throws loom::Error naming a missing piece.
+void assemble_shards(const std::filesystem::path& ckpt, CheckpointContents& out);
 
 // A checkpoint directory as given, or the one a save directory's `latest` names. Throws
 // loom::Error when `path` is neither.
