@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--pp-devices", c.pp_devices,
                  "JSON file of the pipeline ranks' devices: {\"devices\": [{\"name\": ..., "
-                 "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers");
+                 "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers. "
+                 "'measured': each rank times a block at start-up");
   app.add_option("--zero", c.zero,
                  "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
                  "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")

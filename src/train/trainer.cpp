@@ -202,9 +202,33 @@ void Trainer::build_pipeline_parts(const models::ModelConfig& model_config,
   } else {
     costs = models::layer_costs(model_config, config_.pp_partition, cost_shape);
   }
-  const auto devices = config_.pp_devices.empty()
-                           ? pl::uniform_devices(pp_size())
-                           : pl::load_device_file(config_.pp_devices, pp_size());
+  std::vector<pl::DeviceSpec> devices;
+  if (config_.pp_devices.empty()) {
+    devices = pl::uniform_devices(pp_size());
+  } else if (config_.pp_devices == "measured") {
+    // Each rank times one block; a pipeline rank is as fast as the slowest rank of its stage
+    // (its tp and dp peers), and speeds are relative to the fastest stage.
+    auto one = model_config;
+    one.n_layers = 1;
+    const double mine = time_part(one, tp_group, {0, 1, false, false}, micro, config_.seq_len);
+    auto times = at::zeros({mesh_->world_size()}, at::kDouble);
+    auto t = at::full({1}, mine, at::kDouble);
+    mesh_->world().all_gather(times, t);
+    std::vector<double> stage_time(static_cast<size_t>(pp_size()), 0.0);
+    for (int64_t r = 0; r < mesh_->world_size(); ++r) {
+      const auto p = static_cast<size_t>(mesh_->coords_of(r)[static_cast<size_t>(dist::Dim::pp)]);
+      stage_time[p] = std::max(stage_time[p], times[r].item<double>());
+    }
+    const double fastest = *std::min_element(stage_time.begin(), stage_time.end());
+    for (int64_t p = 0; p < pp_size(); ++p) {
+      pl::DeviceSpec d;
+      d.name = fmt::format("measured {:.3g} ms/block", 1e3 * stage_time[static_cast<size_t>(p)]);
+      d.speed = fastest / stage_time[static_cast<size_t>(p)];
+      devices.push_back(d);
+    }
+  } else {
+    devices = pl::load_device_file(config_.pp_devices, pp_size());
+  }
   partition_ = pl::partition_layers(costs, shape, devices);
   for (int64_t c = 0; c < config_.virtual_stages; ++c) {
     const int64_t stage = shape.stage_of(pp_rank(), c);

@@ -548,6 +548,17 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
   EXPECT_TRUE(at::equal(bounds, max)) << t.partition()->describe();
   EXPECT_GE(t.partition()->layers(1), t.partition()->layers(0)) << t.partition()->describe();
   EXPECT_EQ(t.train_step().step, 1);
+  // Speeds measured at start-up: every rank computes the same split from the same timings.
+  config.pp_devices = "measured";
+  train::Trainer m(config, mesh);
+  ASSERT_NE(m.partition(), nullptr);
+  bounds = at::tensor(m.partition()->bounds, at::kLong);
+  max = bounds.clone();
+  world().all_reduce(max, dist::ReduceOp::Max);
+  EXPECT_TRUE(at::equal(bounds, max)) << m.partition()->describe();
+  for (const auto& d : m.partition()->devices) {
+    EXPECT_TRUE(d.speed > 0 && d.speed <= 1.0) << m.partition()->describe();
+  }
 }
 
 // ZeRO-1/2 shards of a pipeline (one file per chunk, tp rank and dp rank) resume in the layout
