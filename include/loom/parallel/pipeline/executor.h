@@ -29,7 +29,9 @@ struct PipelineStats {
   double bytes_sent = 0;
   // Last stage only: the value of each micro-batch's forward (its loss), by micro-batch.
   std::vector<double> outputs;
-  // This rank's idle share: wait_seconds / seconds.
+  // This rank's idle share of its own run: wait_seconds / seconds. It leaves out the time a
+  // rank that finishes early waits for the step's slowest rank (the theory's bubble counts it),
+  // so it reads below (p - 1) / (m + p - 1); loom-bench-pipeline measures the step's bubble.
   double bubble_fraction() const { return seconds > 0 ? wait_seconds / seconds : 0.0; }
 };
 
