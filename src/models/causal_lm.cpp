@@ -282,16 +282,17 @@ void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& t
                      const std::string& source) {
   torch::NoGradGuard no_grad;
   const int64_t tp = model.tp().size(), rank = model.tp().rank();
-  for (auto& item : model.named_parameters()) {
+  // Every name and shape first: a source that does not fit leaves the model untouched.
+  for (const auto& item : model.named_parameters()) {
     auto it = tensors.find(item.key());
     LOOM_CHECK(it != tensors.end(), "'{}' has no tensor '{}'", source, item.key());
-    const auto& spec = model.shard_spec(item.key());
-    const auto full_shape = spec.full_shape(item.value().sizes());
+    const auto full_shape = model.shard_spec(item.key()).full_shape(item.value().sizes());
     LOOM_CHECK(it->second.sizes() == at::IntArrayRef(full_shape),
                "'{}': tensor '{}' has shape {} but the model needs {}", source, item.key(),
                it->second.sizes(), at::IntArrayRef(full_shape));
-    item.value().copy_(spec.shard(it->second, rank, tp));
   }
+  for (auto& item : model.named_parameters())
+    item.value().copy_(model.shard_spec(item.key()).shard(tensors.at(item.key()), rank, tp));
 }
 
 at::Tensor gather_shard(const CausalLM& model, const std::string& name, const at::Tensor& shard) {

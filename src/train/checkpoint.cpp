@@ -9,6 +9,7 @@
 #include "loom/core/error.h"
 #include "loom/core/files.h"
 #include "loom/parallel/tensor/shard_spec.h"
+#include "loom/parallel/zero/flat_layout.h"
 
 namespace loom::train {
 
@@ -45,7 +46,8 @@ parallel::tensor::ShardSpec parse_spec(const std::string& text, const std::strin
 
 }  // namespace
 
-void assemble_shards(const fs::path& ckpt, CheckpointContents& out) {
+void assemble_shards(const fs::path& ckpt, CheckpointContents& out,
+                     std::map<std::string, parallel::tensor::ShardSpec>* specs) {
   // Every writer's pieces, by tensor, indexed by the writer's tp rank; then each tensor whole.
   struct Pieces {
     std::vector<at::Tensor> by_rank;
@@ -65,7 +67,10 @@ void assemble_shards(const fs::path& ckpt, CheckpointContents& out) {
       auto& p = tensors[key];
       p.by_rank.resize(static_cast<size_t>(size));
       p.file = file.string();
-      if (meta.count(key)) p.spec = parse_spec(meta.at(key), file.string());
+      if (meta.count(key)) {
+        p.spec = parse_spec(meta.at(key), file.string());
+        if (specs && key.starts_with("model/")) (*specs)[key.substr(6)] = *p.spec;
+      }
       // Stages share the tied embedding, tp ranks the replicated tensors: equal copies.
       if (!p.by_rank[static_cast<size_t>(rank)].defined())
         p.by_rank[static_cast<size_t>(rank)] = std::move(t);
@@ -211,8 +216,90 @@ CheckpointContents load_checkpoint(const fs::path& path) {
   out.step = out.state.value("step", int64_t{0});
   out.model = core::load_safetensors(ckpt / kModelFile).tensors;
   out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
-  if (out.state.contains("model_shards")) assemble_shards(ckpt, out);
+  std::map<std::string, parallel::tensor::ShardSpec> specs;
+  if (out.state.contains("model_shards")) assemble_shards(ckpt, out, &specs);
+  if (out.state.contains("zero_shards")) assemble_zero_shards(ckpt, out, specs);
   return out;
+}
+
+void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out,
+                          const std::map<std::string, parallel::tensor::ShardSpec>& specs) {
+  // Per optimizer entry ("<param>.exp_avg", ...): the tensor each tp rank's engines held,
+  // rebuilt from the dp ranks' flat shards; then whole across tp.
+  std::map<std::string, std::vector<at::Tensor>> by_tp;
+  // Files of one engine (pipeline group and tp rank), indexed by dp rank.
+  std::map<std::pair<std::string, int64_t>, std::vector<core::SafetensorsContents>> engines;
+  for (const auto& name : out.state.at("zero_shards")) {
+    const auto file = ckpt / name.get<std::string>();
+    auto contents = core::load_safetensors(file);
+    const auto& meta = contents.metadata;
+    for (const char* key :
+         {"loom.group", "loom.tp_rank", "loom.tp_size", "dp_rank", "dp_size", "bucket_params"})
+      LOOM_CHECK(meta.count(key), "ZeRO shard '{}' lacks '{}' in its metadata", file.string(), key);
+    auto& files = engines[{meta.at("loom.group"), std::stoll(meta.at("loom.tp_rank"))}];
+    files.resize(static_cast<size_t>(std::stoll(meta.at("dp_size"))));
+    files[static_cast<size_t>(std::stoll(meta.at("dp_rank")))] = std::move(contents);
+  }
+  for (auto& [engine, files] : engines) {
+    const auto tp_rank = engine.second;
+    for (size_t r = 0; r < files.size(); ++r)
+      LOOM_CHECK(!files[r].metadata.empty(),
+                 "checkpoint '{}': the ZeRO shard of dp rank {} ({}, tp rank {}) is missing",
+                 ckpt.string(), r, engine.first, tp_rank);
+    const auto tp_size = std::stoll(files.front().metadata.at("loom.tp_size"));
+    const auto buckets = nlohmann::json::parse(files.front().metadata.at("bucket_params"));
+    std::map<std::string, at::Tensor> flat;  // "<param>.<kind>" -> its elements
+    for (size_t bi = 0; bi < buckets.size(); ++bi) {
+      std::vector<std::string> names;
+      std::vector<std::vector<int64_t>> shapes;
+      std::vector<int64_t> numels;
+      for (const auto& entry : buckets[bi]) {
+        names.push_back(entry.at(0).get<std::string>());
+        shapes.push_back(entry.at(1).get<std::vector<int64_t>>());
+        int64_t n = 1;
+        for (auto d : shapes.back()) n *= d;
+        numels.push_back(n);
+      }
+      const parallel::zero::FlatLayout layout(numels, static_cast<int64_t>(files.size()));
+      for (const char* kind : {"exp_avg", "exp_avg_sq", "master"}) {
+        const auto key = fmt::format("zero.bucket{}.{}", bi, kind);
+        for (size_t r = 0; r < files.size(); ++r) {
+          auto it = files[r].tensors.find(key);
+          if (it == files[r].tensors.end()) continue;  // masters exist only in some runs
+          for (const auto& seg : layout.segments(static_cast<int64_t>(r))) {
+            const auto entry = fmt::format("{}.{}", names[seg.param], kind);
+            auto& whole = flat[entry];
+            if (!whole.defined()) whole = at::zeros({numels[seg.param]}, it->second.options());
+            whole.narrow(0, seg.param_offset, seg.numel)
+                .copy_(it->second.reshape({-1}).narrow(0, seg.shard_offset, seg.numel));
+          }
+        }
+      }
+      for (size_t k = 0; k < names.size(); ++k)
+        for (const char* kind : {"exp_avg", "exp_avg_sq", "master"}) {
+          auto it = flat.find(fmt::format("{}.{}", names[k], kind));
+          if (it == flat.end()) continue;
+          auto& pieces = by_tp[it->first];
+          pieces.resize(static_cast<size_t>(tp_size));
+          pieces[static_cast<size_t>(tp_rank)] = it->second.view(shapes[k]);
+        }
+    }
+  }
+  for (auto& [entry, pieces] : by_tp) {
+    const auto param = entry.substr(0, entry.rfind('.'));
+    auto spec = specs.find(param);
+    at::Tensor whole;
+    if (spec != specs.end() && spec->second.sharded()) {
+      for (size_t t = 0; t < pieces.size(); ++t)
+        LOOM_CHECK(pieces[t].defined(), "checkpoint '{}': '{}' lacks the ZeRO shards of tp rank {}",
+                   ckpt.string(), entry, t);
+      whole = spec->second.unshard(pieces);
+    } else {
+      for (auto& t : pieces)
+        if (t.defined()) whole = t;
+    }
+    out.optimizer.emplace(entry, whole);  // the tied embedding's second copy: equal, skipped
+  }
 }
 
 }  // namespace loom::train

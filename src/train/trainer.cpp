@@ -460,32 +460,31 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     gen.set_current_seed(seed);
   } else {
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
-    if (!zero_.empty()) {
-      LOOM_CHECK(saved.zero == config_.zero && saved.dp == dp_size(),
-                 "checkpoint '{}' was written at --zero {} with dp {}; this run is --zero {} "
-                 "with dp {}. ZeRO optimizer shards resume only at the stage and dp size that "
-                 "wrote them",
-                 resume->dir.string(), saved.zero, saved.dp, config_.zero, dp_size());
-      const auto saved_bounds =
-          resume->state.value("pipeline_bounds", std::vector<int64_t>{0, model_config.n_layers});
-      const auto bounds =
-          partition_ ? partition_->bounds : std::vector<int64_t>{0, model_config.n_layers};
-      LOOM_CHECK(saved.tp != tp_size() || saved.pp != pp_size() ||
-                     saved.virtual_stages != config_.virtual_stages || saved_bounds == bounds,
-                 "checkpoint '{}' holds ZeRO optimizer shards of pipeline stages with layer "
-                 "bounds [{}]; this run's partition is [{}] (--pp-partition or --pp-devices "
-                 "changed, or measured costs moved). ZeRO shards resume only with the same split",
-                 resume->dir.string(), fmt::join(saved_bounds, ", "), fmt::join(bounds, ", "));
-      LOOM_CHECK(saved.tp == tp_size() && saved.pp == pp_size() &&
-                     saved.virtual_stages == config_.virtual_stages,
-                 "checkpoint '{}' holds ZeRO optimizer shards of tp {} x pp {} (v {}); this run "
-                 "is tp {} x pp {} (v {}). ZeRO shards resume only in the layout that wrote them",
-                 resume->dir.string(), saved.tp, saved.pp, saved.virtual_stages, tp_size(),
-                 pp_size(), config_.virtual_stages);
-      // A rank that cannot read its shards tells the others, which would otherwise wait for it
-      // in the first collective.
-      std::string error;
-      try {
+    // The optimizer state: ZeRO shards of the same layout load rank by rank, exactly; anything
+    // else (another layout, ZeRO to replicated or back) goes through the whole per-parameter
+    // state load_checkpoint assembled, each rank taking its tp shard (and ZeRO its segments).
+    const auto saved_bounds =
+        resume->state.value("pipeline_bounds", std::vector<int64_t>{0, model_config.n_layers});
+    const auto bounds =
+        partition_ ? partition_->bounds : std::vector<int64_t>{0, model_config.n_layers};
+    const bool same_zero_layout = !zero_.empty() && saved.zero == config_.zero &&
+                                  saved.dp == dp_size() && saved.tp == tp_size() &&
+                                  saved.pp == pp_size() &&
+                                  saved.virtual_stages == config_.virtual_stages &&
+                                  saved_bounds == bounds && saved.bucket_mb == config_.bucket_mb;
+    if (saved.zero != config_.zero || (saved.zero > 0 && !same_zero_layout))
+      spdlog::info(
+          "checkpoint '{}' holds {} optimizer state of dp {} x tp {} x pp {}; resharding it for "
+          "{} at dp {} x tp {} x pp {}",
+          resume->dir.string(), saved.zero > 0 ? fmt::format("ZeRO-{}", saved.zero) : "replicated",
+          saved.dp, saved.tp, saved.pp,
+          config_.zero > 0 ? fmt::format("ZeRO-{}", config_.zero) : "replicated AdamW", dp_size(),
+          tp_size(), pp_size());
+    // A rank that cannot load its state tells the others, which would otherwise wait for it in
+    // the first collective.
+    std::string error;
+    try {
+      if (same_zero_layout) {
         for (size_t c = 0; c < zero_.size(); ++c) {
           const auto shard_file =
               resume->dir / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c)));
@@ -496,38 +495,51 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
           auto shard = core::load_safetensors(shard_file);
           zero_[c]->load_state(shard.tensors, shard.metadata, shard_file.string());
         }
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
-      mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
-      LOOM_CHECK(error.empty(), "{}", error);
-      LOOM_CHECK(failed.item<int>() == 0,
-                 "{} rank(s) could not load their ZeRO optimizer shard from '{}' (their errors say "
-                 "why)",
-                 failed.item<int>(), resume->dir.string());
-    } else {
-      LOOM_CHECK(saved.zero == 0,
-                 "checkpoint '{}' holds ZeRO-{} optimizer shards (dp {}); resume it with --zero "
-                 "{} at dp {}",
-                 resume->dir.string(), saved.zero, saved.dp, saved.zero, saved.dp);
-      auto opt_state = resume->optimizer;
-      for (auto& [key, tensor] : opt_state) {
-        std::string param;
-        const models::CausalLM* holder = nullptr;
-        for (const auto& chunk : chunks_) {
-          param = param_of_state_key(key, *chunk);
-          if (!param.empty()) {
-            holder = chunk.get();
-            break;
+      } else {
+        auto opt_state = resume->optimizer;
+        for (auto& [key, tensor] : opt_state) {
+          std::string param;
+          const models::CausalLM* holder = nullptr;
+          for (const auto& chunk : chunks_) {
+            param = param_of_state_key(key, *chunk);
+            if (!param.empty()) {
+              holder = chunk.get();
+              break;
+            }
           }
+          if (!holder) continue;  // another stage's, or the step count and RNG states
+          const auto& spec = holder->shard_spec(param);
+          if (spec.sharded()) tensor = spec.shard(tensor, holder->tp().rank(), holder->tp().size());
         }
-        if (!holder) continue;  // another stage's, or the step count and RNG states
-        const auto& spec = holder->shard_spec(param);
-        if (spec.sharded()) tensor = spec.shard(tensor, holder->tp().rank(), holder->tp().size());
+        const auto source =
+            fmt::format("checkpoint '{}'{}", resume->dir.string(),
+                        saved.zero > 0 && !resume->state.contains("zero_shards")
+                            ? " (its ZeRO shards predate resharding: resume it in the layout "
+                              "that wrote it)"
+                            : "");
+        if (zero_.empty()) {
+          LOOM_CHECK(opt_state.count("step"), "{} has no optimizer step count", source);
+          for (const auto& chunk : chunks_)
+            for (const auto& item : chunk->named_parameters())
+              LOOM_CHECK(opt_state.count(item.key() + ".exp_avg"),
+                         "{} has no optimizer entry '{}.exp_avg'", source, item.key());
+          optimizer_->load_state(opt_state);
+        } else {
+          auto step = opt_state.find("step");
+          LOOM_CHECK(step != opt_state.end(), "{} has no optimizer step count", source);
+          for (auto& z : zero_)
+            z->load_param_state(opt_state, step->second.item<int64_t>(), source);
+        }
       }
-      optimizer_->load_state(opt_state);
+    } catch (const std::exception& e) {
+      error = e.what();
     }
+    auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+    if (mesh_->world_size() > 1) mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
+    LOOM_CHECK(error.empty(), "{}", error);
+    LOOM_CHECK(failed.item<int>() == 0,
+               "{} rank(s) could not load their optimizer state from '{}' (their errors say why)",
+               failed.item<int>(), resume->dir.string());
     step_ = resume->step;
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -1021,7 +1033,7 @@ fs::path Trainer::save_checkpoint() {
   }
   const auto dir = checkpoint_dir(config_.save_dir, step_);
   std::vector<fs::path> shard_files;
-  std::vector<std::string> model_files;
+  std::vector<std::string> model_files, zero_files;
   if (!zero_.empty() || sharded_files) {
     const auto staging = fs::path(config_.save_dir) / (dir.filename().string() + ".zero-staging");
     std::exception_ptr failure;
@@ -1039,10 +1051,16 @@ fs::path Trainer::save_checkpoint() {
     int failed = 0;
     std::string error;
     try {
-      for (size_t c = 0; c < zero_.size(); ++c)
+      for (size_t c = 0; c < zero_.size(); ++c) {
+        // Where the engine sits, so a loader can cut its shards back into parameters.
+        auto meta = zero_[c]->state_metadata();
+        meta["loom.group"] = fmt::format("pp{}-c{}", pp_rank(), c);
+        meta["loom.tp_rank"] = std::to_string(mesh_->coord(dist::Dim::tp));
+        meta["loom.tp_size"] = std::to_string(tp_size());
         core::save_safetensors(
             staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))),
-            zero_[c]->state(), zero_[c]->state_metadata());
+            zero_[c]->state(), meta);
+      }
       if (sharded_files && dp_rank() == 0)
         core::save_safetensors(staging / model_shard_name(pp_rank(), mesh_->coord(dist::Dim::tp)),
                                my_shard, my_specs);
@@ -1059,9 +1077,10 @@ fs::path Trainer::save_checkpoint() {
     for (int64_t p = 0; p < pp_size(); ++p)
       for (int64_t c = 0; c < static_cast<int64_t>(zero_.size()); ++c)
         for (int64_t t = 0; t < tp_size(); ++t)
-          for (int64_t r = 0; r < dp_size(); ++r)
-            shard_files.push_back(staging /
-                                  zero_shard_name({r, dp_size(), t, tp_size(), p, pp_size(), c}));
+          for (int64_t r = 0; r < dp_size(); ++r) {
+            zero_files.push_back(zero_shard_name({r, dp_size(), t, tp_size(), p, pp_size(), c}));
+            shard_files.push_back(staging / zero_files.back());
+          }
     if (sharded_files)
       for (int64_t p = 0; p < pp_size(); ++p)
         for (int64_t t = 0; t < tp_size(); ++t) {
@@ -1080,6 +1099,7 @@ fs::path Trainer::save_checkpoint() {
                     {"tokenizer", tokenizer_->kind()}};
       if (partition_) state["pipeline_bounds"] = partition_->bounds;
       if (!model_files.empty()) state["model_shards"] = model_files;
+      if (!zero_files.empty()) state["zero_shards"] = zero_files;
       std::vector<fs::path> extras;
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);

@@ -377,8 +377,8 @@ TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
     expect_layout_trains_like_one_process(layout, dir.path(), single);
 }
 
-// Checkpoints hold single-process tensors, so a run saved under one layout resumes under any
-// other: three layouts save at step 2, three others load each checkpoint (their assembled model
+// A checkpoint saved under one layout resumes under any other: four layouts (one with ZeRO-2)
+// save at step 2, three others (one with ZeRO-1) load each checkpoint (their assembled model
 // gives the checkpoint's logits) and continue to step 4 on the one-process loss curve.
 TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   const int64_t n = world().size();
@@ -394,9 +394,10 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   }
   const std::vector<Layout> savers = {{"gpt2", 1, 1, 4, "1f1b"},
                                       {"gpt2", 2, 1, 2, "gpipe"},
-                                      {"gpt2", 1, 2, 2, "interleaved", 2, true}};
-  const std::vector<Layout> loaders = {{"gpt2", 1, 1, 1, "1f1b"},  // one process
-                                       {"gpt2", 2, 2, 1, "1f1b"},
+                                      {"gpt2", 1, 2, 2, "interleaved", 2, true},
+                                      {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 2}};  // ZeRO-2
+  const std::vector<Layout> loaders = {{"gpt2", 1, 1, 1, "1f1b"},                  // one process
+                                       {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 1},  // ZeRO-1
                                        {"gpt2", 2, 1, 2, "interleaved", 2}};
   auto apply = [](train::TrainConfig c, const Layout& l) {
     c.tp = l.tp;
@@ -404,6 +405,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
     c.schedule = l.schedule;
     c.virtual_stages = l.v;
     c.sequence_parallel = l.sp;
+    c.zero = l.zero;
     return c;
   };
   auto tokens = at::randint(0, 256, {2, 16}, at::kLong);
@@ -481,6 +483,24 @@ TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
   }
   if (world().rank() == 0) {
     const auto ckpt = fs::path(config.save_dir) / "step-00000001";
+    // A model of another shape: refused, naming the tensor, before any weight is written.
+    {
+      auto other_config = models::ModelConfig::preset("gpt2-tiny");
+      other_config.n_layers = 8;
+      other_config.vocab_size = 320;
+      other_config.d_ff = 384;
+      auto other = models::make_model(other_config);
+      models::init_parameters(*other, 3);
+      const auto before = other->named_parameters()["transformer.wte.weight"].clone();
+      const auto e = error_of([&] {
+        models::load_parameters(*other, train::load_checkpoint(ckpt).model, ckpt.string());
+      });
+      EXPECT_TRUE(contains(e,
+                           "tensor 'transformer.h.0.mlp.c_fc.weight' has shape [512, 128] "
+                           "but the model needs [384, 128]"))
+          << e;
+      EXPECT_TRUE(at::equal(other->named_parameters()["transformer.wte.weight"], before));
+    }
     const auto shard = ckpt / "model-pp001-tp000.safetensors";
     const auto saved = loom::core::read_file(shard);
     // Corrupt one byte in the middle of the tensor data.
@@ -562,8 +582,8 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
 }
 
 // ZeRO-1/2 shards of a pipeline (one file per chunk, tp rank and dp rank) resume in the layout
-// that wrote them, continuing the uninterrupted run exactly.
-TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactly) {
+// that wrote them, continuing the uninterrupted run exactly, and reshard into another.
+TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
@@ -603,12 +623,16 @@ TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactly) {
       EXPECT_EQ(rest[0], full[2]);
       EXPECT_EQ(rest[1], full[3]);
     }
-    // Another layout cannot take the shards.
+    // Another layout reshards them (dp 2 x tp 2, ZeRO-1): the same run up to float rounding.
     auto other = resumed;
     other.pp = 1;
     other.tp = 2;
-    const auto e = error_of(
-        [&] { train::Trainer bad(other, loom::testing::runtime().mesh({.dp = 2, .tp = 2})); });
-    EXPECT_TRUE(contains(e, "ZeRO shards resume only in the layout that wrote them")) << e;
+    other.zero = 1;
+    train::Trainer t(other, loom::testing::runtime().mesh({.dp = 2, .tp = 2}));
+    std::vector<double> rest;
+    while (t.step() < config.steps) rest.push_back(t.train_step().loss);
+    ASSERT_EQ(rest.size(), 2u);
+    EXPECT_NEAR(rest[0], full[2], 1e-5 * full[2]);
+    EXPECT_NEAR(rest[1], full[3], 1e-5 * full[3]);
   }
 }

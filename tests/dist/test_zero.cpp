@@ -523,14 +523,23 @@ TEST_P(TrainerZeroResume, ResumeIsExactAndEachRankSavesItsShard) {
     for (const auto& [name, p] : t.gather_parameters())
       EXPECT_TRUE(at::equal(p, full.at(name))) << name << " differs after resume";
   }
-  // Another stage, or none, cannot read these shards: clear errors, on every rank.
+  // Another stage, or none, reshards the optimizer state and continues the same run (up to
+  // float rounding: the sums run in another order).
   world().barrier();
   for (const int64_t other : {int64_t{0}, GetParam() % 3 + 1}) {
-    auto wrong = resumed;
-    wrong.zero = other;
-    wrong.save_dir = (dir / fmt::format("ckpt-z{}", other)).string();
-    const auto error = error_of([&] { train::Trainer t(wrong, mesh); });
-    EXPECT_TRUE(contains(error, fmt::format("--zero {}", GetParam()))) << error;
+    SCOPED_TRACE(fmt::format("resumed at --zero {}", other));
+    auto another = resumed;
+    another.zero = other;
+    another.save_dir = (dir / fmt::format("ckpt-z{}", other)).string();
+    train::Trainer t(another, mesh);
+    EXPECT_EQ(t.step(), 2);
+    t.fit();
+    double diff2 = 0, norm2 = 0;
+    for (const auto& [name, p] : t.gather_parameters()) {
+      diff2 += (p - full.at(name)).pow(2).sum().item<double>();
+      norm2 += full.at(name).pow(2).sum().item<double>();
+    }
+    EXPECT_LE(std::sqrt(diff2 / norm2), 1e-5);
   }
   // A missing shard file: load_checkpoint names it.
   world().barrier();

@@ -196,7 +196,8 @@ void init_parameters(CausalLM& model, uint64_t seed);
 
 // Copies tensors[name] (single-process shapes) into every parameter, each rank taking its
 // shard (cast to the parameter's dtype). A missing name or a shape that differs is a
-// loom::Error naming `source` (the file or directory they came from).
+// loom::Error naming `source` (the file or directory they came from), raised before any
+// parameter is written.
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source);
 

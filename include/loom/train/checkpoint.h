@@ -18,6 +18,7 @@
 #include <optional>
 
 #include "loom/core/safetensors.h"
+#include "loom/parallel/tensor/shard_spec.h"
 
 namespace loom::train {
 
@@ -52,7 +53,17 @@ CheckpointContents load_checkpoint(const std::filesystem::path& path);
 // Reassembles `out.model` and `out.optimizer` from the shard files state.json lists under
 // "model_shards" (checksums already verified): each sharded tensor from every tp rank's piece,
 // a replicated one from any copy. Throws loom::Error naming a missing piece.
-void assemble_shards(const std::filesystem::path& ckpt, CheckpointContents& out);
+// The shard specs of the model's tensors are put into `specs` (by parameter name).
+void assemble_shards(const std::filesystem::path& ckpt, CheckpointContents& out,
+                     std::map<std::string, parallel::tensor::ShardSpec>* specs = nullptr);
+
+// Adds to `out.optimizer` the whole AdamW state ("<param>.exp_avg", ".exp_avg_sq", ".master")
+// rebuilt from the ZeRO shards state.json lists under "zero_shards": each engine's flat dp
+// shards cut back into parameters (their metadata names them), then joined across tp with
+// `specs`. So a ZeRO run resumes in any layout, ZeRO or not. A missing dp or tp shard is a
+// loom::Error naming it.
+void assemble_zero_shards(const std::filesystem::path& ckpt, CheckpointContents& out,
+                          const std::map<std::string, parallel::tensor::ShardSpec>& specs);
 
 // A checkpoint directory as given, or the one a save directory's `latest` names. Throws
 // loom::Error when `path` is neither.

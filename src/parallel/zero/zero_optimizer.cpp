@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 
@@ -585,11 +586,55 @@ std::map<std::string, std::string> ZeroOptimizer::state_metadata() const {
     for (size_t k : b.params)
       for (char c : params_[k].first)
         names = (names ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  // Each bucket's parameters and shapes, in buffer order: what a loader needs to cut the flat
+  // shards back into parameters (and so to resume in another layout).
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& b : buckets_) {
+    nlohmann::json bucket = nlohmann::json::array();
+    for (size_t k : b.params) bucket.push_back({params_[k].first, params_[k].second.sizes().vec()});
+    params.push_back(bucket);
+  }
   return {{"zero_stage", std::to_string(options_.stage)},
           {"dp_size", std::to_string(ranks_)},
           {"dp_rank", std::to_string(rank_)},
           {"bucket_numels", layout},
+          {"bucket_params", params.dump()},
           {"param_names_fnv1a", fmt::format("{:016x}", names)}};
+}
+
+void ZeroOptimizer::load_param_state(const std::map<std::string, at::Tensor>& state, int64_t step,
+                                     const std::string& source) {
+  torch::NoGradGuard no_grad;
+  // Everything is checked before anything is written.
+  for (const auto& b : buckets_)
+    for (size_t k : b.params)
+      for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+        const auto& [name, p] = params_[k];
+        auto it = state.find(name + suffix);
+        LOOM_CHECK(it != state.end(), "'{}' has no optimizer entry '{}{}'", source, name, suffix);
+        LOOM_CHECK(it->second.numel() == p.numel(),
+                   "'{}': optimizer entry '{}{}' has {} elements, the parameter {}", source, name,
+                   suffix, it->second.numel(), p.numel());
+      }
+  steps_ = step;
+  for (auto& b : buckets_) {
+    for (const auto& seg : b.segments) {
+      const auto& name = params_[b.params[seg.param]].first;
+      auto piece = [&](const std::string& key) {
+        return state.at(key).reshape({-1}).narrow(0, seg.param_offset, seg.numel);
+      };
+      b.exp_avg.narrow(0, seg.shard_offset, seg.numel).copy_(piece(name + ".exp_avg"));
+      b.exp_avg_sq.narrow(0, seg.shard_offset, seg.numel).copy_(piece(name + ".exp_avg_sq"));
+      if (b.master.defined() && state.count(name + ".master"))
+        b.master.narrow(0, seg.shard_offset, seg.numel).copy_(piece(name + ".master"));
+    }
+    // Masters the state does not have are the parameters themselves (fp32 saved without one).
+    if (b.master.defined())
+      for (const auto& seg : b.segments)
+        if (!state.count(params_[b.params[seg.param]].first + ".master"))
+          b.master.narrow(0, seg.shard_offset, seg.numel)
+              .copy_(b.param_shard.narrow(0, seg.shard_offset, seg.numel));
+  }
 }
 
 void ZeroOptimizer::load_state(const std::map<std::string, at::Tensor>& state,

@@ -161,6 +161,13 @@ class ZeroOptimizer {
   // or an entry is missing or misshapen.
   void load_state(const std::map<std::string, at::Tensor>& state,
                   const std::map<std::string, std::string>& metadata, const std::string& source);
+  // Restores from whole per-parameter state instead (what assemble_zero_shards makes of the
+  // shards of any layout, or a replicated AdamW's): "<name>.exp_avg", "<name>.exp_avg_sq" and
+  // optionally "<name>.master", each with the parameter's elements; this rank takes its
+  // segments. A missing or misshapen entry is a loom::Error naming `source`, raised before
+  // anything is written.
+  void load_param_state(const std::map<std::string, at::Tensor>& state, int64_t step,
+                        const std::string& source);
 
   ZeroMemory memory() const;
   const ZeroCommStats& comm_stats() const { return stats_; }
