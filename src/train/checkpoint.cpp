@@ -216,14 +216,16 @@ CheckpointContents load_checkpoint(const fs::path& path) {
   out.step = out.state.value("step", int64_t{0});
   out.model = core::load_safetensors(ckpt / kModelFile).tensors;
   out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
-  std::map<std::string, parallel::tensor::ShardSpec> specs;
-  if (out.state.contains("model_shards")) assemble_shards(ckpt, out, &specs);
-  if (out.state.contains("zero_shards")) assemble_zero_shards(ckpt, out, specs);
+  if (out.state.contains("model_shards")) assemble_shards(ckpt, out, &out.specs);
   return out;
 }
 
-void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out,
-                          const std::map<std::string, parallel::tensor::ShardSpec>& specs) {
+void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
+  LOOM_CHECK(out.state.contains("zero_shards"),
+             "checkpoint '{}' lists no ZeRO shards it could reshard (written before loom could: "
+             "resume it in the layout that wrote it)",
+             ckpt.string());
+  auto specs = out.specs;
   // Per optimizer entry ("<param>.exp_avg", ...): the tensor each tp rank's engines held,
   // rebuilt from the dp ranks' flat shards; then whole across tp.
   std::map<std::string, std::vector<at::Tensor>> by_tp;
@@ -236,6 +238,12 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out,
     for (const char* key :
          {"loom.group", "loom.tp_rank", "loom.tp_size", "dp_rank", "dp_size", "bucket_params"})
       LOOM_CHECK(meta.count(key), "ZeRO shard '{}' lacks '{}' in its metadata", file.string(), key);
+    // The specs of the engine's parameters (vocabulary padding exists even at tp 1).
+    if (meta.count("loom.specs")) {
+      const auto listed = nlohmann::json::parse(meta.at("loom.specs"));  // outlives the loop
+      for (const auto& [param, text] : listed.items())
+        specs.emplace(param, parse_spec(text.get<std::string>(), file.string()));
+    }
     auto& files = engines[{meta.at("loom.group"), std::stoll(meta.at("loom.tp_rank"))}];
     files.resize(static_cast<size_t>(std::stoll(meta.at("dp_size"))));
     files[static_cast<size_t>(std::stoll(meta.at("dp_rank")))] = std::move(contents);
@@ -265,7 +273,18 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out,
         const auto key = fmt::format("zero.bucket{}.{}", bi, kind);
         for (size_t r = 0; r < files.size(); ++r) {
           auto it = files[r].tensors.find(key);
-          if (it == files[r].tensors.end()) continue;  // masters exist only in some runs
+          if (it == files[r].tensors.end()) {
+            // Masters exist only in some runs; the moments always.
+            LOOM_CHECK(std::string(kind) == "master",
+                       "checkpoint '{}': the ZeRO shard of dp rank {} ({}, tp rank {}) has no '{}'",
+                       ckpt.string(), r, engine.first, tp_rank, key);
+            continue;
+          }
+          LOOM_CHECK(it->second.numel() == layout.shard_numel(),
+                     "checkpoint '{}': '{}' of dp rank {} ({}, tp rank {}) holds {} elements; its "
+                     "bucket's layout needs {}",
+                     ckpt.string(), key, r, engine.first, tp_rank, it->second.numel(),
+                     layout.shard_numel());
           for (const auto& seg : layout.segments(static_cast<int64_t>(r))) {
             const auto entry = fmt::format("{}.{}", names[seg.param], kind);
             auto& whole = flat[entry];
@@ -284,6 +303,7 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out,
           pieces[static_cast<size_t>(tp_rank)] = it->second.view(shapes[k]);
         }
     }
+    files.clear();  // this engine's raw shards are no longer needed
   }
   for (auto& [entry, pieces] : by_tp) {
     const auto param = entry.substr(0, entry.rfind('.'));

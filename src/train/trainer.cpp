@@ -471,7 +471,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                                   saved.dp == dp_size() && saved.tp == tp_size() &&
                                   saved.pp == pp_size() &&
                                   saved.virtual_stages == config_.virtual_stages &&
-                                  saved_bounds == bounds && saved.bucket_mb == config_.bucket_mb;
+                                  saved_bounds == bounds && saved.bucket_mb == config_.bucket_mb &&
+                                  saved.pad_vocab_multiple == config_.pad_vocab_multiple;
     if (saved.zero != config_.zero || (saved.zero > 0 && !same_zero_layout))
       spdlog::info(
           "checkpoint '{}' holds {} optimizer state of dp {} x tp {} x pp {}; resharding it for "
@@ -496,6 +497,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
           zero_[c]->load_state(shard.tensors, shard.metadata, shard_file.string());
         }
       } else {
+        // ZeRO shards of another layout: cut back into whole per-parameter state first.
+        if (saved.zero > 0) assemble_zero_shards(resume->dir, *resume);
         auto opt_state = resume->optimizer;
         for (auto& [key, tensor] : opt_state) {
           std::string param;
@@ -1057,6 +1060,14 @@ fs::path Trainer::save_checkpoint() {
         meta["loom.group"] = fmt::format("pp{}-c{}", pp_rank(), c);
         meta["loom.tp_rank"] = std::to_string(mesh_->coord(dist::Dim::tp));
         meta["loom.tp_size"] = std::to_string(tp_size());
+        json specs = json::object();  // how each split (or padded) parameter maps to the whole
+        for (const auto& item : chunks_[c]->named_parameters()) {
+          const auto& spec = chunks_[c]->shard_spec(item.key());
+          if (spec.sharded())
+            specs[item.key()] = fmt::format("{},{},{},{},{}", spec.dim, spec.full, spec.padded,
+                                            spec.parts, spec.units);
+        }
+        meta["loom.specs"] = specs.dump();
         core::save_safetensors(
             staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))),
             zero_[c]->state(), meta);

@@ -112,8 +112,31 @@ for r in 0 1; do
   [ -f "$work/z3/step-00000003/zero-dp0000$r-of-00002.safetensors" ] \
     || { say "FAIL: no ZeRO shard for dp rank $r"; fail=1; }
 done
+# The step-3 weights of a resharded resume against the uninterrupted run's (the step's loss is
+# computed before the update: only the weights show that the optimizer state came back).
+same_weights() {
+  python3 - "$1" "$2" <<'PY'
+import json, struct, sys, array
+def read(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__": continue
+        assert info["dtype"] == "F32", (name, info["dtype"])
+        a, b = info["data_offsets"]
+        out[name] = array.array("f", raw[8 + n + a:8 + n + b])
+    return out
+want, got = read(sys.argv[1]), read(sys.argv[2])
+assert want.keys() == got.keys(), (sorted(want), sorted(got))
+diff2 = sum((x - y) ** 2 for k in want for x, y in zip(got[k], want[k]))
+norm2 = sum(y * y for k in want for y in want[k])
+assert (diff2 / norm2) ** 0.5 <= 1e-5, (diff2 / norm2) ** 0.5
+PY
+}
 out=$("$MPIEXEC" -np 2 "${run[@]}" --zero 2 --resume "$work/z3/step-00000002" \
-  --metrics-out "$work/m5b.jsonl" 2>&1)
+  --metrics-out "$work/m5b.jsonl" --save-dir "$work/z3b" 2>&1)
 status=$?
 if [ $status -ne 0 ] || ! python3 - "$work/m4.jsonl" "$work/m5b.jsonl" <<'PY'
 import json, sys
@@ -124,7 +147,9 @@ assert abs(resumed[0]["loss"] - full[3]) <= 1e-5 * full[3], (resumed[0]["loss"],
 PY
 then
   say "FAIL: resuming --zero 3 shards at --zero 2 -> status $status (or step 3 differs): $out"; fail=1
-else say "ok: --zero 3 shards resharded for --zero 2"; fi
+elif ! same_weights "$work/z3/step-00000003/model.safetensors" "$work/z3b/step-00000003/model.safetensors"; then
+  say "FAIL: --zero 3 shards resharded for --zero 2: step-3 weights differ"; fail=1
+else say "ok: --zero 3 shards resharded for --zero 2 (same step-3 weights)"; fi
 out=$("$MPIEXEC" -np 2 "${run[@]}" --zero 3 --resume "$work/z3/step-00000002" \
   --metrics-out "$work/m5.jsonl" 2>&1)
 status=$?
@@ -138,7 +163,8 @@ PY
 then
   say "FAIL: resuming --zero 3 from step 2 -> status $status (or step 3 differs): $out"; fail=1
 else say "ok: --zero 3 resumed from its shards"; fi
-out=$("${run[@]}" --resume "$work/z3/step-00000002" --metrics-out "$work/m5c.jsonl" 2>&1)
+out=$("${run[@]}" --resume "$work/z3/step-00000002" --metrics-out "$work/m5c.jsonl" \
+  --save-dir "$work/z3c" 2>&1)
 status=$?
 if [ $status -ne 0 ] || ! python3 - "$work/m4.jsonl" "$work/m5c.jsonl" <<'PY'
 import json, sys
@@ -149,7 +175,9 @@ assert abs(resumed[0]["loss"] - full[3]) <= 1e-5 * full[3], (resumed[0]["loss"],
 PY
 then
   say "FAIL: resuming dp 2 --zero 3 shards on 1 rank without ZeRO -> status $status: $out"; fail=1
-else say "ok: a dp 2 --zero 3 checkpoint resumed on 1 rank, replicated"; fi
+elif ! same_weights "$work/z3/step-00000003/model.safetensors" "$work/z3c/step-00000003/model.safetensors"; then
+  say "FAIL: a dp 2 --zero 3 checkpoint resumed on 1 rank: step-3 weights differ"; fail=1
+else say "ok: a dp 2 --zero 3 checkpoint resumed on 1 rank, replicated (same step-3 weights)"; fi
 # Each "FLAGS|MESSAGE": loom-pretrain on 2 ranks with the base flags, --batch-size 4 unless
 # FLAGS give one, and FLAGS must exit with status 2 naming MESSAGE.
 refuse_each() {

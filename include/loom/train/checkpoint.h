@@ -28,6 +28,8 @@ struct CheckpointContents {
   std::map<std::string, at::Tensor> model;
   std::map<std::string, at::Tensor> optimizer;
   std::filesystem::path dir;
+  // The shard specs of the model's tensors, from the model shard files (split layouts only).
+  std::map<std::string, parallel::tensor::ShardSpec> specs;
 };
 
 // DIR/step-<step, 8 digits>: where the checkpoint of `step` goes.
@@ -58,12 +60,12 @@ void assemble_shards(const std::filesystem::path& ckpt, CheckpointContents& out,
                      std::map<std::string, parallel::tensor::ShardSpec>* specs = nullptr);
 
 // Adds to `out.optimizer` the whole AdamW state ("<param>.exp_avg", ".exp_avg_sq", ".master")
-// rebuilt from the ZeRO shards state.json lists under "zero_shards": each engine's flat dp
-// shards cut back into parameters (their metadata names them), then joined across tp with
-// `specs`. So a ZeRO run resumes in any layout, ZeRO or not. A missing dp or tp shard is a
-// loom::Error naming it.
-void assemble_zero_shards(const std::filesystem::path& ckpt, CheckpointContents& out,
-                          const std::map<std::string, parallel::tensor::ShardSpec>& specs);
+// rebuilt from the ZeRO shards state.json lists under "zero_shards" (not done by
+// load_checkpoint: only a resume in another layout needs it): each engine's flat dp shards cut
+// back into parameters (their metadata names them and their shard specs), then joined across
+// tp. So a ZeRO run resumes in any layout, ZeRO or not. A missing dp or tp shard, or a shard
+// without its moments or of the wrong length, is a loom::Error naming it.
+void assemble_zero_shards(const std::filesystem::path& ckpt, CheckpointContents& out);
 
 // A checkpoint directory as given, or the one a save directory's `latest` names. Throws
 // loom::Error when `path` is neither.
