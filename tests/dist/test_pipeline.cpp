@@ -304,6 +304,16 @@ struct Layout {
   bool sp = false;
   int64_t micro_batches = 4;  // interleaved needs a multiple of pp
   int64_t zero = 0;
+  // `c` laid out this way.
+  train::TrainConfig applied_to(train::TrainConfig c) const {
+    c.tp = tp;
+    c.pp = pp;
+    c.schedule = schedule;
+    c.virtual_stages = v;
+    c.sequence_parallel = sp;
+    c.zero = zero;
+    return c;
+  }
   std::string describe() const {
     return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}", model, dp, tp, sp ? " sp" : "",
                        pp, schedule, v, zero > 0 ? fmt::format(", ZeRO-{}", zero) : "");
@@ -321,12 +331,7 @@ void expect_layout_trains_like_one_process(
     train::Trainer t(config);
     single[key] = loom::testing::run(t);
   }
-  config.tp = layout.tp;
-  config.pp = layout.pp;
-  config.schedule = layout.schedule;
-  config.virtual_stages = layout.v;
-  config.sequence_parallel = layout.sp;
-  config.zero = layout.zero;
+  config = layout.applied_to(config);
   train::Trainer t(
       config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
   EXPECT_EQ(t.pipeline() != nullptr, layout.pp > 1);
@@ -399,19 +404,10 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   const std::vector<Layout> loaders = {{"gpt2", 1, 1, 1, "1f1b"},                  // one process
                                        {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 1},  // ZeRO-1
                                        {"gpt2", 2, 1, 2, "interleaved", 2}};
-  auto apply = [](train::TrainConfig c, const Layout& l) {
-    c.tp = l.tp;
-    c.pp = l.pp;
-    c.schedule = l.schedule;
-    c.virtual_stages = l.v;
-    c.sequence_parallel = l.sp;
-    c.zero = l.zero;
-    return c;
-  };
   auto tokens = at::randint(0, 256, {2, 16}, at::kLong);
   world().broadcast(tokens, 0);
   for (size_t i = 0; i < savers.size(); ++i) {
-    auto config = apply(base, savers[i]);
+    auto config = savers[i].applied_to(base);
     config.steps = 2;
     config.save_dir = (dir / fmt::format("saved{}", i)).string();
     {
@@ -436,7 +432,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
     }
     for (const auto& loader : loaders) {
       SCOPED_TRACE(savers[i].describe() + " -> " + loader.describe());
-      auto resumed = apply(base, loader);
+      auto resumed = loader.applied_to(base);
       resumed.resume = ckpt.string();
       const bool one_process = loader.dp * loader.tp * loader.pp == 1;
       train::Trainer t(resumed, one_process
