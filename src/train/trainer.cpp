@@ -376,15 +376,6 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                "--zero 3 with --tp {}: ZeRO-3 over a tensor-parallel model is not supported yet; "
                "use --zero 1 or 2 with --tp, or --tp 1",
                tp_size());
-    // Partial gradients (sequence parallelism, key/value heads replicated across tp) are summed
-    // across tp after the step's backwards; ZeRO would shard them before that.
-    LOOM_CHECK(
-        tp_size() == 1 || (!config_.sequence_parallel && model_config.n_kv_heads % tp_size() == 0),
-        "--zero {} with --tp {}{}: ZeRO does not support yet gradients that are partial "
-        "across tp ranks ({}); use --zero 0, or drop --sequence-parallel",
-        config_.zero, tp_size(), config_.sequence_parallel ? " --sequence-parallel" : "",
-        config_.sequence_parallel ? "norms on sequence shards"
-                                  : "key/value heads replicated across tp ranks");
     LOOM_CHECK(config_.comm_hook == "avg",
                "--comm-hook {} compresses plain data parallelism's all-reduce; ZeRO "
                "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
@@ -829,7 +820,18 @@ StepResult Trainer::train_step() {
   // The tied embedding's two copies (first and last stage) each got part of its gradient.
   if (tied_group_) sum_tied_embedding_grads();
   // Replicated parameters used on sequence shards and shared key/value heads: sum their parts.
-  for (auto& pg : partial_grads_) pg->sync();
+  // ZeRO keeps a shard of each gradient: the tp ranks hold alike-laid-out shards and sum the
+  // pieces in them.
+  for (size_t c = 0; c < partial_grads_.size(); ++c) {
+    if (zero_.empty()) {
+      partial_grads_[c]->sync();
+    } else {
+      partial_grads_[c]->sync([zero = zero_[c].get()](const std::string& name) {
+        auto [values, offset] = zero->grad_shard_of(name);
+        return parallel::tensor::PartialGradSync::GradPiece{values, offset};
+      });
+    }
+  }
   if (zero_.size() == 1 && tp_size() == 1 && pp_size() == 1) {
     r.grad_norm = zero_.front()->clip_grad_norm(config_.grad_clip);
   } else if (!zero_.empty()) {

@@ -362,7 +362,11 @@ TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
                                    {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 1},
                                    {"gpt2", 2, 1, 2, "interleaved", 2, false, 4, 2},
                                    {"llama", 2, 1, 2, "interleaved", 2, false, 4, 2},
-                                   {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 2}});
+                                   {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 2},
+                                   // ZeRO with sequence parallelism: the norms' (and GPT-2's
+                                   // biases' and positions') gradient shards summed over tp.
+                                   {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 2},
+                                   {"llama", 2, 2, 1, "1f1b", 1, true, 4, 1}});
   if (n == 2) layouts.push_back({"gpt2", 1, 1, 2, "gpipe", 1, false, 4, 2});
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : layouts)
@@ -377,9 +381,20 @@ TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : std::vector<Layout>{{"gpt2", 2, 2, 2, "1f1b", 1, true},
                                                 {"llama", 2, 2, 2, "interleaved", 2},
-                                                {"gpt2", 2, 2, 2, "interleaved", 2, false, 4, 1},
+                                                {"gpt2", 2, 2, 2, "interleaved", 2, true, 4, 1},
                                                 {"llama", 2, 2, 2, "1f1b", 1, false, 4, 2}})
     expect_layout_trains_like_one_process(layout, dir.path(), single);
+}
+
+// ZeRO over tp 4 with llama-tiny's 2 key/value heads, each held by 2 tp ranks: their gradient
+// shards are summed across the ranks that share them.
+TEST(Pipeline3D, ZeroWithKeyValueHeadsReplicatedAcrossTp) {
+  if (world().size() != 8) GTEST_SKIP() << "needs 8 ranks (ctest dist.np8_3d)";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  std::map<std::string, loom::testing::RunResult> single;
+  expect_layout_trains_like_one_process({"llama", 2, 4, 1, "1f1b", 1, false, 4, 2}, dir.path(),
+                                        single);
 }
 
 // A checkpoint saved under one layout resumes under any other: four layouts (one with ZeRO-2)

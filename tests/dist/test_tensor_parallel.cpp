@@ -178,6 +178,38 @@ TEST_P(TpLayers, ColumnThenRowEqualTheirTwins) {
   EXPECT_CLOSE(row.bias.grad(), b2r.grad(), "row bias gradient");
 }
 
+// ZeRO keeps only a shard of each gradient: PartialGradSync sums pieces of them. Each rank
+// passes the same piece (elements 1..d-1) of a per-rank partial gradient; the sum is the whole
+// one's piece, the rest untouched. Pieces that differ between ranks are refused by name.
+TEST(PartialGradSync, SumsPiecesOfGradientsAndRefusesPiecesThatDiffer) {
+  auto tp = world_group(true);
+  const int64_t n = tp->size(), r = tp->rank(), d = 5;
+  if (n == 1) GTEST_SKIP() << "one rank has no partial gradients";
+  auto bias = at::zeros({d}).requires_grad_();
+  pt::ShardSpec spec;
+  spec.grad_partial = true;
+  pt::PartialGradSync sync({{"bias", bias}}, {{"bias", spec}}, tp);
+  ASSERT_EQ(sync.num_params(), 1);
+  // Rank k's part: (k + 1) * [0, 1, 2, 3, 4]; summed over n ranks: n (n + 1) / 2 times that.
+  auto grad = at::arange(d, at::kFloat) * static_cast<double>(r + 1);
+  auto shard = grad.clone();
+  sync.sync([&](const std::string& name) {
+    EXPECT_EQ(name, "bias");
+    return pt::PartialGradSync::GradPiece{shard.narrow(0, 1, d - 1), 1};
+  });
+  auto expected = at::arange(d, at::kFloat) * static_cast<double>(n * (n + 1) / 2);
+  expected[0] = grad[0];  // outside the piece
+  EXPECT_CLOSE(shard, expected, "summed piece");
+  auto fresh = pt::PartialGradSync({{"bias", bias}}, {{"bias", spec}}, tp);
+  const auto msg = error_of([&] {
+    fresh.sync([&](const std::string&) {
+      return pt::PartialGradSync::GradPiece{shard.narrow(0, 0, r == 0 ? 2 : 3), 0};
+    });
+  });
+  EXPECT_TRUE(contains(msg, "different pieces of the gradient of 'bias'")) << msg;
+  EXPECT_TRUE(contains(msg, "lengths 2..3")) << msg;
+}
+
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, TpLayers, ::testing::Bool());
 
 TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {

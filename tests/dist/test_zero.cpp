@@ -612,9 +612,4 @@ TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
       error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 2})); });
   EXPECT_TRUE(contains(error, "--zero 3 with --tp 2: ZeRO-3 over a tensor-parallel model"))
       << error;
-  config.zero = 2;
-  config.sequence_parallel = true;
-  error = error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 2})); });
-  EXPECT_TRUE(contains(error, "--zero 2 with --tp 2 --sequence-parallel: ZeRO does not support"))
-      << error;
 }

@@ -19,11 +19,17 @@ PartialGradSync::PartialGradSync(const NamedParams& params,
     LOOM_CHECK(it != specs.end(), "no tensor-parallel layout for parameter '{}'", name);
     const auto& spec = it->second;
     if (!spec.sharded()) {
-      if (spec.grad_partial) whole.params.push_back(param);
+      if (spec.grad_partial) {
+        whole.names.push_back(name);
+        whole.params.push_back(param);
+      }
       continue;
     }
     const int64_t reps = spec.replicas(tp_->size());
-    if (reps > 1) by_replicas[reps].params.push_back(param);
+    if (reps > 1) {
+      by_replicas[reps].names.push_back(name);
+      by_replicas[reps].params.push_back(param);
+    }
   }
   if (!whole.params.empty()) groups_.push_back(std::move(whole));
   // Every rank knows the same layouts, so every rank splits the same groups in the same order.
@@ -41,24 +47,67 @@ int64_t PartialGradSync::num_params() const {
   return n;
 }
 
+void PartialGradSync::sum_in_place(Group& group, const std::vector<at::Tensor>& parts) {
+  // Coalesced: one flat buffer per dtype would be needed for mixed dtypes; parameters of a
+  // model share one.
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& p : parts) flat_parts.push_back(p.reshape({-1}));
+  auto flat = at::cat(flat_parts);
+  if (flat.numel() == 0) return;  // alike on every rank: the pieces were compared
+  group.comm->all_reduce(flat, dist::ReduceOp::Sum);
+  int64_t offset = 0;
+  for (const auto& p : parts) {
+    const int64_t n = p.numel();
+    p.copy_(flat.narrow(0, offset, n).view_as(p));
+    offset += n;
+  }
+}
+
 void PartialGradSync::sync() {
   torch::NoGradGuard no_grad;
   for (auto& group : groups_) {
-    // Coalesced: one flat buffer per dtype would be needed for mixed dtypes; parameters of a
-    // model share one.
     std::vector<at::Tensor> grads;
     for (const auto& p : group.params) {
       LOOM_CHECK(p.grad().defined(), "a partial gradient is missing: did backward run?");
-      grads.push_back(p.grad().reshape({-1}));
+      grads.push_back(p.mutable_grad());
     }
-    auto flat = at::cat(grads);
-    group.comm->all_reduce(flat, dist::ReduceOp::Sum);
-    int64_t offset = 0;
-    for (const auto& p : group.params) {
-      const int64_t n = p.grad().numel();
-      p.mutable_grad().copy_(flat.narrow(0, offset, n).view_as(p.grad()));
-      offset += n;
+    sum_in_place(group, grads);
+  }
+}
+
+void PartialGradSync::sync(const GradPieceFn& piece) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : groups_) {
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> where;  // offset and length per parameter
+    for (const auto& name : group.names) {
+      auto p = piece(name);
+      LOOM_CHECK(p.values.defined() && p.values.dim() == 1,
+                 "PartialGradSync: the gradient piece of '{}' must be a 1-D tensor", name);
+      where.push_back(p.offset);
+      where.push_back(p.values.numel());
+      parts.push_back(p.values);
     }
+    if (!group.pieces_checked) {
+      // Summing pieces that cover different elements would silently mix parameters: compare
+      // every rank's offsets and lengths with the group's largest and smallest.
+      auto hi = at::tensor(where);
+      auto lo = -hi;
+      group.comm->all_reduce(hi, dist::ReduceOp::Max);
+      group.comm->all_reduce(lo, dist::ReduceOp::Max);
+      const auto h = hi.accessor<int64_t, 1>();
+      const auto l = lo.accessor<int64_t, 1>();
+      for (size_t i = 0; i < group.names.size(); ++i) {
+        const auto k = static_cast<int64_t>(2 * i);
+        LOOM_CHECK(h[k] == -l[k] && h[k + 1] == -l[k + 1],
+                   "the tensor-parallel ranks hold different pieces of the gradient of '{}' "
+                   "(offsets {}..{}, lengths {}..{}): their gradient shards are laid out "
+                   "differently, so its partial sums cannot be added",
+                   group.names[i], -l[k], h[k], -l[k + 1], h[k + 1]);
+      }
+      group.pieces_checked = true;
+    }
+    sum_in_place(group, parts);
   }
 }
 

@@ -503,6 +503,21 @@ at::Tensor ZeroOptimizer::own_bucket_grad_shard(const std::string& name) {
   fail("ZeRO: '{}' has no bucket of its own (name it in ZeroOptions::own_bucket)", name);
 }
 
+std::pair<at::Tensor, int64_t> ZeroOptimizer::grad_shard_of(const std::string& name) {
+  for (auto& b : buckets_) {
+    for (size_t slot = 0; slot < b.params.size(); ++slot) {
+      if (params_[b.params[slot]].first != name) continue;
+      // A parameter lies in one bucket, and in at most one segment of each rank's shard.
+      for (const auto& seg : b.segments)
+        if (seg.param == slot)
+          return {b.grad_shard.narrow(0, seg.shard_offset, seg.numel), seg.param_offset};
+      return {b.grad_shard.narrow(0, 0, 0), 0};
+    }
+  }
+  fail("ZeRO: no parameter named '{}' (it does not require a gradient, or is not in this engine)",
+       name);
+}
+
 // ---- The optimizer step --------------------------------------------------------------------
 
 void ZeroOptimizer::step(double lr) {

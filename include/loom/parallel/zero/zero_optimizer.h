@@ -138,6 +138,11 @@ class ZeroOptimizer {
   // This rank's shard of the dp-averaged gradient of a parameter named in own_bucket (stages
   // 1-2; after finish_gradient_sync), to modify in place.
   at::Tensor own_bucket_grad_shard(const std::string& name);
+  // This rank's part of any parameter's dp-averaged gradient (after finish_gradient_sync): a
+  // 1-D view of its gradient shard, to modify in place (empty when the rank holds none of it),
+  // and the element of the flattened parameter where it starts. What tensor parallelism needs
+  // to sum gradients that are partial across tp ranks (PartialGradSync).
+  std::pair<at::Tensor, int64_t> grad_shard_of(const std::string& name);
   // One AdamW step on this rank's shards, then (stages 1-2) all-gathers the parameters.
   void step(double lr);
   // Zeros the gradient shards (and stage 1's full buffers).
