@@ -1,8 +1,13 @@
-// loom-bench-train: training throughput of a loom GPT-2 on the CPU, step by step.
-// benchmarks/train_throughput.py is the same model and step in PyTorch's Python API, with the
-// same flags and the same JSON line, so scripts/bench can put the two side by side.
+// loom-bench-train: training throughput of a loom GPT-2, step by step, on the CPU or (--device
+// cuda) a GPU. benchmarks/train_throughput.py is the same model and step in PyTorch's Python API,
+// with the same flags and the same JSON line, so scripts/bench can put the two side by side (on
+// the CPU). On a GPU, --precision bf16 computes under autocast with fp32 master weights,
+// --attention picks the attention implementation (fused: loom's kernel; sdpa: PyTorch's), each
+// step ends with a device synchronize (so the clock sees the GPU's work), and the line adds the
+// MFU against the device's bf16 peak (train/mfu.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +17,9 @@
 #include <vector>
 
 #include "../examples/common/app_main.h"
+#include "loom/core/autocast.h"
 #include "loom/loom.h"
+#include "loom/train/mfu.h"
 
 namespace {
 
@@ -23,6 +30,8 @@ struct Options {
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
   int threads = 2;
   uint64_t seed = 1337;
+  std::string device = "cpu", precision = "fp32", attention = "auto";
+  double peak_tflops = 0;  // 0: from the GPU's name
 };
 
 loom::models::ModelConfig model_config(const Options& o) {
@@ -42,6 +51,8 @@ loom::models::ModelConfig model_config(const Options& o) {
   LOOM_CHECK(o.steps > 0, "--steps {} must be positive", o.steps);
   LOOM_CHECK(o.warmup >= 0, "--warmup {} must be >= 0", o.warmup);
   LOOM_CHECK(o.threads > 0, "--threads {} must be positive", o.threads);
+  LOOM_CHECK(o.precision == "fp32" || o.precision == "bf16",
+             "--precision '{}' must be fp32 or bf16", o.precision);
   return c;
 }
 
@@ -55,8 +66,13 @@ void run(const Options& o) {
   const auto config = model_config(o);
   at::set_num_threads(o.threads);
 
+  const at::Device device(o.device);
+  LOOM_CHECK(device.is_cpu() || loom::ops::cuda_device_count() > 0,
+             "--device {}: no CUDA device is visible", o.device);
   auto model = loom::models::make_model(config);
   loom::models::init_parameters(*model, o.seed);
+  model->to(device);
+  model->set_attention_backend(loom::ops::parse_attention_backend(o.attention));
   model->train();
   loom::core::NamedTensors named;
   std::vector<at::Tensor> params;
@@ -77,19 +93,27 @@ void run(const Options& o) {
   const auto tokens = at::randint(o.vocab, {total, o.batch_size, o.seq_len + 1}, gen, at::kLong);
   std::vector<at::Tensor> inputs, targets;
   for (int64_t i = 0; i < total; ++i) {
-    inputs.push_back(tokens[i].narrow(1, 0, o.seq_len).contiguous());
-    targets.push_back(tokens[i].narrow(1, 1, o.seq_len).contiguous());
+    inputs.push_back(tokens[i].narrow(1, 0, o.seq_len).contiguous().to(device));
+    targets.push_back(tokens[i].narrow(1, 1, o.seq_len).contiguous().to(device));
   }
 
   std::vector<double> step_ms;
   std::vector<at::Tensor> losses;  // read after timing; .item() on the CPU would not sync anyway
   for (int64_t i = 0; i < total; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    auto loss = loom::models::next_token_loss(model->forward(inputs[i]), targets[i]);
+    at::Tensor loss;
+    {
+      loom::core::Bf16Autocast autocast(o.precision == "bf16", device.type());
+      loss = loom::models::next_token_loss(model->forward(inputs[i]), targets[i]);
+    }
     loss.backward();
-    loom::train::clip_grad_norm(params, kMaxGradNorm);
+    if (device.is_cuda())
+      loom::train::clip_grad_norm_on_device(params, kMaxGradNorm);  // no host sync
+    else
+      loom::train::clip_grad_norm(params, kMaxGradNorm);
     optimizer.step(kLr);
     optimizer.zero_grad();
+    if (device.is_cuda()) torch::cuda::synchronize();
     const auto stop = std::chrono::steady_clock::now();
     losses.push_back(loss.detach());
     if (i >= o.warmup)
@@ -126,14 +150,28 @@ void run(const Options& o) {
         {"seed", o.seed},
         {"decayed_tensors", optimizer.num_decayed()},
         {"undecayed_tensors", optimizer.num_not_decayed()}}}};
+  if (!device.is_cpu()) {
+    // Outside "config", which scripts/bench compares with the Python twin's (CPU only).
+    out["device"] = loom::ops::cuda_device_name(device.has_index() ? device.index() : 0);
+    out["precision"] = o.precision;
+    out["attention"] = o.attention;
+    const double peak =
+        o.peak_tflops > 0
+            ? o.peak_tflops * 1e12
+            : loom::train::peak_flops_for_device(out["device"].get<std::string>()).value_or(0.0);
+    const double flops = loom::train::model_flops_per_token(config, o.seq_len);
+    out["model_flops_per_token"] = flops;
+    if (auto m = loom::train::mfu(out["tokens_per_s"].get<double>(), flops, peak)) out["mfu"] = *m;
+  }
   std::printf("%s\n", out.dump().c_str());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Time loom GPT-2 training steps (forward, backward, clip, AdamW) on the CPU.",
-               "loom-bench-train"};
+  CLI::App app{
+      "Time loom GPT-2 training steps (forward, backward, clip, AdamW) on the CPU or a GPU.",
+      "loom-bench-train"};
   Options o;
   app.add_option("--preset", o.preset, "GPT-2 shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m")
       ->capture_default_str();
@@ -148,6 +186,13 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Untimed steps before them")->capture_default_str();
   app.add_option("--threads", o.threads, "Intra-op threads")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed for initialization and the token batches")
+      ->capture_default_str();
+  app.add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();
+  app.add_option("--precision", o.precision, "fp32 | bf16 (autocast, fp32 master weights)")
+      ->capture_default_str();
+  app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "Device bf16 peak for MFU (0: from the GPU's name)")
       ->capture_default_str();
   return loom::apps::run_app(app, argc, argv, [&] { run(o); });
 }

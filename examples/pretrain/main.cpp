@@ -55,6 +55,17 @@ int main(int argc, char** argv) {
   app.add_option("--precision", c.precision,
                  "fp32 | bf16 (bf16: compute under autocast, fp32 master weights and gradients)")
       ->capture_default_str();
+  app.add_option("--device", c.device,
+                 "cpu | cuda | cuda:N: where the model trains (CUDA: one process, one GPU)")
+      ->capture_default_str();
+  app.add_option("--attention", c.attention,
+                 "auto | fused | sdpa | math: auto runs loom's fused FlashAttention-2 kernel on "
+                 "CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), else PyTorch's SDPA")
+      ->capture_default_str();
+  app.add_option("--peak-tflops", c.peak_tflops,
+                 "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "
+                 "name (H100/H200 989, A100 312, ...)")
+      ->capture_default_str();
   app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
   app.add_option("--save-dir", c.save_dir, "Write checkpoints here");

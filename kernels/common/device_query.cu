@@ -19,6 +19,25 @@ int device_count() {
   return count;
 }
 
+int device_compute_capability(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return major * 10 + minor;
+}
+
+std::string device_name(int device) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return prop.name;
+}
+
 bool launch_smoke_test(int device) {
   if (cudaSetDevice(device) != cudaSuccess) return false;
   int* d_out = nullptr;

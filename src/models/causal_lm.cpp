@@ -228,14 +228,16 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
   // Holds the group by value: with kSelective this runs again in backward.
-  auto attend = [p, tp](const std::vector<at::Tensor>& qkv) {
+  const auto backend = execution ? execution->attention : ops::AttentionBackend::kAuto;
+  auto attend = [p, tp, backend](const std::vector<at::Tensor>& qkv) {
     const auto& query = qkv[0];
     const int64_t b = query.size(0), h = query.size(1), t = query.size(2);
     return ops::attention(query, qkv[1], qkv[2],
                           {.causal = true,
                            .dropout = p,
                            .dropout_mask = pt::sharded_dropout_mask(
-                               {b, h, t, t}, query.options().dtype(at::kFloat), p, *tp, 1)});
+                               {b, h, t, t}, query.options().dtype(at::kFloat), p, *tp, 1),
+                           .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
     return attend({q, k, v});

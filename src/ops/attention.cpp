@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/flash_attention.h"
 
 namespace loom::ops {
 
@@ -29,15 +30,60 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
+std::string to_string(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::kAuto:
+      return "auto";
+    case AttentionBackend::kFused:
+      return "fused";
+    case AttentionBackend::kSdpa:
+      return "sdpa";
+    case AttentionBackend::kMath:
+      return "math";
+  }
+  return "?";
+}
+
+std::vector<std::string> attention_backend_names() {
+  return {"auto", "fused", "sdpa", "math"};
+}
+
+AttentionBackend parse_attention_backend(const std::string& name) {
+  for (auto b : {AttentionBackend::kAuto, AttentionBackend::kFused, AttentionBackend::kSdpa,
+                 AttentionBackend::kMath})
+    if (to_string(b) == name) return b;
+  fail("attention backend '{}' is not known; valid: {}", name,
+       fmt::join(attention_backend_names(), ", "));
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options) {
   check_shapes(q, k, v, options.causal);
+  const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  switch (options.backend) {
+    case AttentionBackend::kMath:
+      return attention_reference(q, k, v, options);
+    case AttentionBackend::kFused: {
+      LOOM_CHECK(!options.dropout_mask.defined() && options.dropout == 0,
+                 "attention backend 'fused' has no attention dropout (asked for {}); use 'auto'",
+                 options.dropout);
+      return flash_attention(q, k, v, options.causal, scale);
+    }
+    case AttentionBackend::kAuto:
+      if (!options.dropout_mask.defined() && q.is_cuda() &&
+          !flash_attention_unsupported(q, k, v, options.dropout))
+        return flash_attention(q, k, v, options.causal, scale);
+      break;
+    case AttentionBackend::kSdpa:
+      break;
+  }
   if (options.dropout_mask.defined()) return attention_reference(q, k, v, options);
-  // PyTorch's fused CPU kernel (flash-attention style, with its own backward). Grouped-query
-  // attention is handled natively by enable_gqa.
+  // PyTorch's fused kernels (flash-attention style on CPU; FlashAttention-2, memory-efficient
+  // or cuDNN on CUDA, its choice), each with its own backward. Grouped-query attention is
+  // handled natively by enable_gqa.
   const bool gqa = q.size(1) != k.size(1);
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, options.dropout,
-                                          options.causal, options.scale, gqa);
+                                          options.causal, scale, gqa);
 }
 
 at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,8 +1,10 @@
 #include "loom/train/config.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/ops/attention.h"
 
 namespace loom::train {
 
@@ -67,6 +69,15 @@ void TrainConfig::validate() const {
              "it needs --activation-checkpointing full (it is '{}')",
              activation_checkpointing);
   LOOM_CHECK(memory_cap_mb >= 0, "--memory-cap-mb {} must be >= 0 (0: no cap)", memory_cap_mb);
+  LOOM_CHECK(device == "cpu" || device == "cuda" ||
+                 (device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+                  device.find_first_not_of("0123456789", 5) == std::string::npos),
+             "--device '{}' is not valid: cpu, cuda or cuda:N (N a device index)", device);
+  const auto backends = ops::attention_backend_names();
+  LOOM_CHECK(std::find(backends.begin(), backends.end(), attention) != backends.end(),
+             "--attention '{}' is not valid: auto, fused, sdpa or math", attention);
+  LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
+             peak_tflops);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
              "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
              "the data)",
@@ -80,7 +91,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
-    pp, schedule, virtual_stages, pp_partition, pp_devices)
+    pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

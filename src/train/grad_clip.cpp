@@ -45,6 +45,24 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
   return total;
 }
 
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> squares, grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) {
+      squares.push_back(squared_norm(p.grad()));
+      grads.push_back(p.grad());
+    }
+  if (squares.empty()) return at::zeros({}, at::kDouble);
+  auto norm = at::stack(squares).sum().sqrt();
+  if (max_norm > 0) {
+    // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.
+    const auto scale = (max_norm / (norm + 1e-6)).clamp_max(1.0).to(grads.front().scalar_type());
+    at::_foreach_mul_(grads, scale);
+  }
+  return norm;
+}
+
 double clip_grad_norm(const models::CausalLM& model, double max_norm) {
   return clip_grad_norm({&model}, max_norm, nullptr);
 }

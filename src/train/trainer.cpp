@@ -1,7 +1,6 @@
 #include "loom/train/trainer.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -12,6 +11,7 @@
 #include <set>
 #include <tuple>
 
+#include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/files.h"
 #include "loom/core/format.h"
@@ -19,9 +19,11 @@
 #include "loom/dist/gather_tensors.h"
 #include "loom/models/hf.h"
 #include "loom/models/layer_costs.h"
+#include "loom/ops/cuda.h"
 #include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/grad_clip.h"
+#include "loom/train/mfu.h"
 
 namespace loom::train {
 
@@ -105,30 +107,6 @@ std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
   for (const auto& item : model.named_parameters()) out.emplace(item.key(), item.value());
   return out;
 }
-
-// Enables CPU autocast to bf16 for its lifetime (and restores the previous state).
-class Bf16Autocast {
- public:
-  explicit Bf16Autocast(bool enabled)
-      : enabled_(enabled), was_enabled_(at::autocast::is_autocast_enabled(at::kCPU)) {
-    if (!enabled_) return;
-    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-  }
-  ~Bf16Autocast() {
-    if (!enabled_) return;
-    at::autocast::set_autocast_enabled(at::kCPU, was_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, previous_dtype_);
-    at::autocast::clear_cache();
-  }
-  Bf16Autocast(const Bf16Autocast&) = delete;
-  Bf16Autocast& operator=(const Bf16Autocast&) = delete;
-
- private:
-  bool enabled_, was_enabled_;
-  at::ScalarType previous_dtype_ = at::kBFloat16;
-};
 
 }  // namespace
 
@@ -267,6 +245,24 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     parallel::pipeline::simulate(*parallel::pipeline::make_schedule(config_.schedule),
                                  {pp_size(), config_.virtual_stages, config_.grad_accum});
   }
+  device_ = at::Device(config_.device);
+  if (device_.is_cuda()) {
+    if (!device_.has_index()) device_ = at::Device(at::kCUDA, 0);
+    const int devices = ops::cuda_device_count();
+    LOOM_CHECK(device_.index() < devices,
+               "--device {}: there is no such CUDA device ({} visible; this loom was built {} "
+               "CUDA)",
+               config_.device, devices, ops::built_with_cuda() ? "with" : "without");
+    LOOM_CHECK(mesh_->world_size() == 1,
+               "--device {} trains in one process for now; this run has {} ranks ({}). "
+               "Multi-rank GPU training needs the mesh's groups on NCCL, which the Trainer does "
+               "not wire yet: use --device cpu, or one process",
+               config_.device, mesh_->world_size(), mesh_->shape().describe());
+    LOOM_CHECK(config_.zero == 0 && !config_.offload_activations && config_.memory_cap_mb == 0,
+               "--device {} does not support yet --zero, --offload-activations or "
+               "--memory-cap-mb (CPU-only so far)",
+               config_.device);
+  }
   config_.dp = dp_size();  // checkpoints record the layout that was actually used
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
@@ -363,6 +359,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     // Checkpoints hold single-process tensors: each rank takes its shards (before ZeRO takes
     // the parameters over).
     if (resume) models::load_parameters(*chunk, resume->model, resume->dir.string());
+    chunk->to(device_);
+    chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));
     chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
     chunk->set_activation_checkpointing(
         models::parse_activation_checkpointing(config_.activation_checkpointing));
@@ -370,6 +368,14 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
       chunk->set_activation_offload(std::make_shared<parallel::memory::ActivationOffloader>());
   }
   hf_tensors.clear();
+  flops_per_token_ = model_flops_per_token(model_config, config_.seq_len);
+  peak_flops_ = config_.peak_tflops * 1e12;
+  if (peak_flops_ == 0 && device_.is_cuda()) {
+    const auto name = ops::cuda_device_name(device_.index());
+    peak_flops_ = peak_flops_for_device(name).value_or(0.0);
+    if (peak_flops_ == 0)
+      spdlog::warn("no bf16 peak is known for device '{}': pass --peak-tflops to get MFU", name);
+  }
   const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
   if (config_.zero > 0) {
     LOOM_CHECK(tp_size() == 1 || config_.zero <= 2,
@@ -746,6 +752,7 @@ StepResult Trainer::train_step() {
   for (auto& z : zero_) z->reset_comm_stats();
   StepResult r;
   double local_loss = 0;
+  at::Tensor device_loss;  // on a GPU: read together with the gradient norm
   if (pipeline_) {
     // Every micro-batch's gradients accumulate; each chunk's buckets are reduced during its last
     // micro-batch's backward.
@@ -756,7 +763,7 @@ StepResult Trainer::train_step() {
     r.pipeline = pipeline_->run(
         [&](int64_t chunk, int64_t k, const at::Tensor& input) {
           auto& part = *chunks_[static_cast<size_t>(chunk)];
-          Bf16Autocast autocast(config_.precision == "bf16");
+          core::Bf16Autocast autocast(config_.precision == "bf16", device_.type());
           const bool needs_batch = part.part().first || part.part().last;
           const auto batch = needs_batch ? batch_of(k) : data::Batch{};
           auto out = part.forward_part(part.part().first ? batch.inputs : input);
@@ -782,7 +789,8 @@ StepResult Trainer::train_step() {
     mesh_->comm(dist::Dim::pp).broadcast(loss_t, static_cast<int>(pp_size() - 1));
     local_loss = loss_t.item<double>();
   } else {
-    double loss_sum = 0;
+    // Summed on the device: reading each micro-batch's loss would stall a GPU's stream.
+    auto loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(device_));
     for (int64_t k = 0; k < config_.grad_accum; ++k) {
       const bool last = k == config_.grad_accum - 1;
       for (auto& dp : dp_) dp->set_sync(last);  // sync on the last micro-batch only
@@ -790,18 +798,23 @@ StepResult Trainer::train_step() {
         z->set_sync(last);
         z->prepare_forward();
       }
-      auto batch = train_sampler_->random_batch(step_, shard.first + k * micro, micro);
+      auto batch = on_device(train_sampler_->random_batch(step_, shard.first + k * micro, micro));
       at::Tensor loss;
       {
-        Bf16Autocast autocast(config_.precision == "bf16");
+        core::Bf16Autocast autocast(config_.precision == "bf16", device_.type());
         loss = model_->loss(batch.inputs, batch.targets);
       }
       // Each micro-batch is an equal share of the global batch: scale so gradients are the mean.
       (loss / static_cast<double>(config_.grad_accum)).backward();
       for (auto& z : zero_) z->finish_gradient_sync();
-      loss_sum += loss.item<double>();
+      loss_sum += loss.detach().to(at::kDouble);
     }
-    local_loss = loss_sum / static_cast<double>(config_.grad_accum);
+    loss_sum /= static_cast<double>(config_.grad_accum);
+    if (device_.is_cuda()) {
+      device_loss = loss_sum;
+    } else {
+      local_loss = loss_sum.item<double>();
+    }
   }
   if (measure) {
     r.peak_activation_bytes = core::memory_counters(device).peak_bytes - baseline;
@@ -845,6 +858,15 @@ StepResult Trainer::train_step() {
     r.grad_norm = std::sqrt(total.item<double>());
     if (config_.grad_clip > 0 && r.grad_norm > config_.grad_clip)
       for (auto& z : zero_) z->scale_gradients(config_.grad_clip / (r.grad_norm + 1e-6));
+  } else if (device_.is_cuda()) {
+    // One process on a GPU: the norm and the clip stay on the device, and the step's one host
+    // sync reads the loss and the norm together.
+    std::vector<at::Tensor> params;
+    for (const auto& [name, p] : named_parameters(chunks_)) params.push_back(p);
+    auto norm = clip_grad_norm_on_device(params, config_.grad_clip);
+    const auto both = at::stack({device_loss, norm.to(at::kDouble)}).cpu();
+    local_loss = both[0].item<double>();
+    r.grad_norm = both[1].item<double>();
   } else {
     std::vector<const models::CausalLM*> parts;
     for (const auto& chunk : chunks_) parts.push_back(chunk.get());
@@ -892,7 +914,7 @@ double Trainer::evaluate(int64_t batches) {
   const int64_t per_rank = (windows + dp_size() - 1) / dp_size();
   const int64_t begin = std::min(windows, dp_rank() * per_rank);
   const int64_t end = std::min(windows, begin + per_rank);
-  Bf16Autocast autocast(config_.precision == "bf16");
+  core::Bf16Autocast autocast(config_.precision == "bf16", device_.type());
   double sum = 0;
   if (pipeline_) {
     // Micro-batches through the stages, forwards only; the last stage's sums go to every stage.
@@ -922,17 +944,20 @@ double Trainer::evaluate(int64_t batches) {
     // forwards as the one with the most windows; a rank with fewer repeats window 0 and counts
     // nothing from it.
     const bool collective_forward = config_.zero == 3;
+    auto sum_t = at::zeros({}, at::TensorOptions(at::kDouble).device(device_));
     const int64_t forwards =
         collective_forward ? (per_rank + micro - 1) / micro : (end - begin + micro - 1) / micro;
     for (int64_t i = 0; i < forwards; ++i) {
       const int64_t first = begin + i * micro;
       const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
-      auto batch =
-          val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1));
+      auto batch = on_device(
+          val_sampler_->sequential_batch(count > 0 ? first : 0, std::max<int64_t>(count, 1)));
       for (auto& z : zero_) z->prepare_forward();
-      const double loss = model_->loss(batch.inputs, batch.targets).item<double>();
-      sum += loss * static_cast<double>(count);
+      // In double on the device: one host read at the end, not one per batch.
+      sum_t +=
+          model_->loss(batch.inputs, batch.targets).to(at::kDouble) * static_cast<double>(count);
     }
+    sum = sum_t.item<double>();
     for (auto& z : zero_) z->release_parameters();
   }
   model_->train();
@@ -1152,6 +1177,14 @@ void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_
                format_duration(eta_s));
 }
 
+data::Batch Trainer::on_device(data::Batch batch) const {
+  if (device_.is_cpu()) return batch;
+  // Pinned, the copies run on the stream without holding the host.
+  batch.inputs = batch.inputs.pin_memory().to(device_, /*non_blocking=*/true);
+  batch.targets = batch.targets.pin_memory().to(device_, /*non_blocking=*/true);
+  return batch;
+}
+
 double Trainer::elapsed_s() const {
   return elapsed_before_ +
          std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
@@ -1169,6 +1202,9 @@ StepResult Trainer::fit() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double avg_step = elapsed / static_cast<double>(step_ - first_step);
     const double tokens_per_s = tokens_per_step / last.seconds;
+    // The peak is per device: the run's is the mesh's devices together.
+    last.mfu =
+        mfu(tokens_per_s, flops_per_token_, peak_flops_ * static_cast<double>(mesh_->world_size()));
     LOOM_CHECK(std::isfinite(last.loss), "loss became {} at step {}: lower --lr or use --grad-clip",
                last.loss, step_);
     json record = {{"step", last.step},
@@ -1179,6 +1215,7 @@ StepResult Trainer::fit() {
                    {"comm_wait_s", last.comm_wait_s},
                    {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
+    if (last.mfu) record["mfu"] = *last.mfu;
     if (pipeline_)
       record["pipeline"] = {{"bubble", last.pipeline.bubble_fraction()},
                             {"wait_s", last.pipeline.wait_seconds},

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loom/models/config.h"
+#include "loom/ops/attention.h"
 #include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
 #include "loom/parallel/tensor/tp_group.h"
@@ -41,6 +42,8 @@ struct BlockExecution {
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kNone;
   // With kFull: where the blocks' saved inputs wait for backward (null: on their device).
   std::shared_ptr<parallel::memory::ActivationOffloader> offload;
+  // Which implementation computes the blocks' attention (kAuto: the fused kernel on CUDA).
+  ops::AttentionBackend attention = ops::AttentionBackend::kAuto;
 };
 using BlockExecutionPtr = std::shared_ptr<const BlockExecution>;
 
@@ -114,6 +117,10 @@ class CausalLM : public torch::nn::Module {
   // those of kNone.
   void set_activation_checkpointing(ActivationCheckpointing mode);
   ActivationCheckpointing activation_checkpointing() const { return execution_->checkpointing; }
+  // Which attention implementation the blocks use in the forwards that follow (default kAuto:
+  // loom's fused kernel for CUDA bf16/fp16 without attention dropout, else PyTorch's SDPA).
+  void set_attention_backend(ops::AttentionBackend backend) { execution_->attention = backend; }
+  ops::AttentionBackend attention_backend() const { return execution_->attention; }
   // Activation offload: with kFull, each block's saved input goes to host memory in forward and
   // comes back (prefetched one block ahead) for its recompute in backward. Null turns it off;
   // throws loom::Error when set while checkpointing is not kFull.

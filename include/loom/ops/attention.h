@@ -4,8 +4,23 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace loom::ops {
+
+// Which implementation computes attention.
+enum class AttentionBackend {
+  kAuto,   // the fused kernel where it applies (flash_attention_unsupported), else kSdpa
+  kFused,  // loom's FlashAttention-2 kernel (ops/flash_attention.h); other inputs: an error
+  kSdpa,   // at::scaled_dot_product_attention (PyTorch's fused kernels)
+  kMath,   // attention_reference: the plain math, T x T scores and all
+};
+// "auto", "fused", "sdpa", "math".
+std::string to_string(AttentionBackend backend);
+// Throws loom::Error naming the value and the valid names.
+AttentionBackend parse_attention_backend(const std::string& name);
+std::vector<std::string> attention_backend_names();
 
 struct AttentionOptions {
   bool causal = true;
@@ -15,12 +30,14 @@ struct AttentionOptions {
   // 1 / (1 - dropout), multiplied into the attention probabilities. Tensor-parallel models pass
   // one drawn for all heads and sliced, so dropout does not depend on tp. Runs the math path.
   at::Tensor dropout_mask;
+  AttentionBackend backend = AttentionBackend::kAuto;
 };
 
 // q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] with Hkv dividing Hq (grouped-query attention:
 // query head h reads key/value head h / (Hq / Hkv)). Causal attention needs S == T.
 // Returns [B, Hq, T, D].
-// Throws loom::Error naming the shapes when they do not fit together.
+// Throws loom::Error naming the shapes when they do not fit together, and (backend kFused)
+// saying why the fused kernel cannot take the inputs.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options = {});
 

@@ -66,6 +66,12 @@ struct TrainConfig {
   bool offload_activations = false;  // with full checkpointing: block inputs wait on the host
   double memory_cap_mb = 0;          // CPU: refuse allocations above this per rank (0: none)
 
+  // Device and kernels. One process per device: --device cuda trains on GPU 0 (cuda:N on GPU
+  // N) in one process; multi-rank CUDA runs are not wired yet (the Trainer refuses them).
+  std::string device = "cpu";      // cpu | cuda | cuda:N
+  std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
+  double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
+
   // Output.
   std::string metrics_out;  // JSON lines; empty = none
   std::string save_dir;     // checkpoints; empty = none

@@ -17,6 +17,11 @@ namespace loom::train {
 // Returns the norm before clipping.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 
+// The same without a host sync, for a GPU's stream: the norm stays a 0-dim float64 tensor on
+// the gradients' device, and the scale (max_norm / (norm + 1e-6) where the norm exceeds
+// max_norm, else 1) is applied on the device. One process, unsharded gradients.
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm);
+
 // The same for a (possibly tensor-parallel) model, giving the norm of the single-process
 // model's gradient: squares of sharded gradients are summed across the tp group in one
 // all-reduce, a piece held by several ranks (replicated key/value heads) is counted once, and

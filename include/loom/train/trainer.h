@@ -38,6 +38,9 @@ struct StepResult {
   // Peak bytes allocated during the step's forwards and backwards above what was allocated
   // when it began (activations, temporaries, and at ZeRO-3 the gathered units).
   int64_t peak_activation_bytes = 0;
+  // Model FLOPs utilization of the step (mfu.h), when the device's peak is known (a GPU in
+  // the table, or --peak-tflops).
+  std::optional<double> mfu;
   // With --pp > 1: this rank's pipeline run (time blocked on its neighbours, most
   // micro-batches in flight).
   parallel::pipeline::PipelineStats pipeline;
@@ -147,6 +150,12 @@ class Trainer {
   double elapsed_before_ = 0;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   double elapsed_s() const;
+  // Where the model trains (--device) and what its FLOPs are measured against.
+  at::Device device_{at::kCPU};
+  double flops_per_token_ = 0;
+  double peak_flops_ = 0;  // 0: unknown, no MFU
+  // The batch on the training device (pinned and copied without blocking the host on a GPU).
+  data::Batch on_device(data::Batch batch) const;
 };
 
 // Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded.

@@ -1,0 +1,156 @@
+// loom-bench-attention: loom's fused attention kernel against at::scaled_dot_product_attention
+// (PyTorch's own choice of FlashAttention-2, memory-efficient or cuDNN kernels) in the same
+// process, on the same inputs. For each sequence length, head dim and causal or not: forward
+// and forward + backward TFLOP/s of both, and their ratio.
+//
+// FLOPs (FlashAttention's convention): forward 4 b h s^2 d (two matrix products), halved when
+// causal; backward 2.5 times the forward, so forward + backward is 3.5 times it. b * s is held at
+// --tokens (16384) and h * d at --width (2048), as FlashAttention's own benchmark does, so every
+// row moves about the same data. Timing: each measurement runs the op until at least --min-ms
+// have passed (after two warm-up calls), then divides; the device is synchronized around it.
+// Each row also records the largest difference between the two outputs, so a fast wrong kernel
+// does not pass for a fast one.
+//
+// Prints one JSON object per row on stdout and a readable line on stderr. Needs a CUDA device.
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "../examples/common/app_main.h"
+#include "loom/loom.h"
+#include "loom/ops/flash_attention.h"
+
+namespace {
+
+struct Options {
+  std::vector<int64_t> seq_lens{512, 1024, 2048, 4096, 8192};
+  std::vector<int64_t> head_dims{64, 128};
+  int64_t tokens = 16384, width = 2048;
+  std::string dtype = "bf16";
+  double min_ms = 100;
+};
+
+// Seconds per call of fn, over enough calls to fill min_ms.
+double seconds_per_call(const std::function<void()>& fn, double min_ms) {
+  using Clock = std::chrono::steady_clock;
+  fn();
+  fn();
+  torch::cuda::synchronize();
+  int64_t calls = 0;
+  const auto start = Clock::now();
+  double elapsed_ms = 0;
+  while (elapsed_ms < min_ms || calls < 3) {
+    fn();
+    ++calls;
+    if (calls % 4 == 0 || elapsed_ms == 0) {
+      torch::cuda::synchronize();
+      elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    }
+  }
+  torch::cuda::synchronize();
+  elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return elapsed_ms / 1e3 / static_cast<double>(calls);
+}
+
+void run(const Options& o) {
+  LOOM_CHECK(loom::ops::cuda_device_count() > 0,
+             "loom-bench-attention needs a CUDA device (this machine has none{})",
+             loom::ops::built_with_cuda() ? "" : "; and this loom was built without CUDA");
+  LOOM_CHECK(o.dtype == "bf16" || o.dtype == "fp16", "--dtype '{}' must be bf16 or fp16", o.dtype);
+  const auto dtype = o.dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+  const at::Device cuda(at::kCUDA, 0);
+  const auto device_name = loom::ops::cuda_device_name(0);
+  for (int64_t d : o.head_dims)
+    for (int64_t s : o.seq_lens)
+      for (bool causal : {false, true}) {
+        LOOM_CHECK(o.tokens % s == 0 && o.width % d == 0,
+                   "--tokens {} must be a multiple of the sequence length {} and --width {} of "
+                   "the head dim {}",
+                   o.tokens, s, o.width, d);
+        const int64_t b = o.tokens / s, h = o.width / d;
+        const auto opts = at::TensorOptions(dtype).device(cuda);
+        auto q = at::randn({b, h, s, d}, opts).requires_grad_();
+        auto k = at::randn({b, h, s, d}, opts).requires_grad_();
+        auto v = at::randn({b, h, s, d}, opts).requires_grad_();
+        auto d_o = at::randn({b, h, s, d}, opts);
+        const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+        using Attn = std::function<at::Tensor()>;
+        const Attn fused = [&] { return loom::ops::flash_attention(q, k, v, causal, scale); };
+        const Attn sdpa = [&] {
+          return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, causal, scale);
+        };
+        double max_diff = 0;
+        {
+          torch::NoGradGuard no_grad;
+          max_diff = (fused() - sdpa()).abs().max().item<double>();
+        }
+        const double fwd_flops = 4.0 * static_cast<double>(b * h * s * s * d) * (causal ? 0.5 : 1);
+        auto time = [&](const Attn& attn, bool backward) {
+          if (!backward) {
+            torch::NoGradGuard no_grad;
+            return seconds_per_call([&] { attn(); }, o.min_ms);
+          }
+          return seconds_per_call(
+              [&] {
+                q.mutable_grad() = k.mutable_grad() = v.mutable_grad() = at::Tensor();
+                attn().backward(d_o);
+              },
+              o.min_ms);
+        };
+        const double fused_fwd = time(fused, false), sdpa_fwd = time(sdpa, false);
+        const double fused_all = time(fused, true), sdpa_all = time(sdpa, true);
+        nlohmann::ordered_json row = {{"bench", "attention"},
+                                      {"device", device_name},
+                                      {"dtype", o.dtype},
+                                      {"batch", b},
+                                      {"heads", h},
+                                      {"seq_len", s},
+                                      {"head_dim", d},
+                                      {"causal", causal},
+                                      {"fused_fwd_tflops", fwd_flops / fused_fwd / 1e12},
+                                      {"sdpa_fwd_tflops", fwd_flops / sdpa_fwd / 1e12},
+                                      {"fwd_ratio", sdpa_fwd / fused_fwd},
+                                      {"fused_fwd_bwd_tflops", 3.5 * fwd_flops / fused_all / 1e12},
+                                      {"sdpa_fwd_bwd_tflops", 3.5 * fwd_flops / sdpa_all / 1e12},
+                                      {"fwd_bwd_ratio", sdpa_all / fused_all},
+                                      {"max_abs_diff_vs_sdpa", max_diff}};
+        std::printf("%s\n", row.dump().c_str());
+        std::fflush(stdout);
+        std::fprintf(stderr,
+                     "d %3ld s %5ld %-6s fwd: fused %6.1f sdpa %6.1f TFLOP/s (x%.2f) | fwd+bwd: "
+                     "fused %6.1f sdpa %6.1f (x%.2f) | max diff %.3g\n",
+                     static_cast<long>(d), static_cast<long>(s), causal ? "causal" : "full",
+                     row["fused_fwd_tflops"].get<double>(), row["sdpa_fwd_tflops"].get<double>(),
+                     row["fwd_ratio"].get<double>(), row["fused_fwd_bwd_tflops"].get<double>(),
+                     row["sdpa_fwd_bwd_tflops"].get<double>(), row["fwd_bwd_ratio"].get<double>(),
+                     max_diff);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Fused attention vs at::scaled_dot_product_attention: TFLOP/s forward and "
+      "forward + backward (needs a CUDA device).",
+      "loom-bench-attention"};
+  Options o;
+  app.add_option("--seq-lens", o.seq_lens, "Sequence lengths")->capture_default_str();
+  app.add_option("--head-dims", o.head_dims, "Head dims (the kernel has 64 and 128)")
+      ->capture_default_str();
+  app.add_option("--tokens", o.tokens, "batch x sequence length, held constant")
+      ->capture_default_str();
+  app.add_option("--width", o.width, "heads x head dim, held constant")->capture_default_str();
+  app.add_option("--dtype", o.dtype, "bf16 | fp16")->capture_default_str();
+  app.add_option("--min-ms", o.min_ms, "Time each measurement at least this long")
+      ->capture_default_str();
+  return loom::apps::run_app(app, argc, argv, [&] { run(o); });
+}

@@ -1,0 +1,183 @@
+#include "loom/ops/flash_attention.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+#include "loom/ops/cuda.h"
+
+#ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "attention/flash_attention.h"
+#endif
+
+namespace loom::ops {
+
+std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, double dropout) {
+  if (!built_with_cuda()) return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";
+  if (!q.is_cuda() || !k.is_cuda() || !v.is_cuda())
+    return fmt::format("it takes CUDA tensors; got q on {}, k on {}, v on {}", q.device().str(),
+                       k.device().str(), v.device().str());
+  if (k.device() != q.device() || v.device() != q.device())
+    return fmt::format("q, k and v must be on one device; got {}, {}, {}", q.device().str(),
+                       k.device().str(), v.device().str());
+  const auto dtype = q.scalar_type();
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype)
+    return fmt::format("it takes bf16 or fp16 q, k and v of one dtype; got {}, {}, {}",
+                       c10::toString(q.scalar_type()), c10::toString(k.scalar_type()),
+                       c10::toString(v.scalar_type()));
+  if (q.dim() != 4 || (q.size(3) != 64 && q.size(3) != 128))
+    return fmt::format("head_dim must be 64 or 128; got q of shape {}", q.sizes());
+  if (dropout > 0) return fmt::format("it has no attention dropout (asked for {})", dropout);
+  const int cc = cuda_compute_capability(q.device().index());
+  if (cc < 80)
+    return fmt::format(
+        "it needs compute capability 8.0 or newer (tensor-core mma.sync); {} "
+        "has {}",
+        q.device().str(), cc < 0 ? "none" : fmt::format("{}.{}", cc / 10, cc % 10));
+  return std::nullopt;
+}
+
+#ifdef LOOM_WITH_CUDA
+namespace {
+
+// The kernel wants the last dimension contiguous; any other strides are taken as they are.
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+kernels::AttentionStrides strides_of(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void check_status(const kernels::Status& status, const char* what) {
+  LOOM_CHECK(status.ok(), "fused attention {}: {}", what, status.message);
+}
+
+kernels::FlashAttentionParams params_of(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, bool causal, double scale) {
+  kernels::FlashAttentionParams p;
+  p.batch = static_cast<int>(q.size(0));
+  p.q_heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k.size(1));
+  p.q_len = static_cast<int>(q.size(2));
+  p.kv_len = static_cast<int>(k.size(2));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.dtype = q.scalar_type() == at::kBFloat16 ? kernels::AttentionDtype::kBFloat16
+                                             : kernels::AttentionDtype::kFloat16;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+  return p;
+}
+
+std::pair<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& v_in, bool causal, double scale) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in);
+  auto o = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto p = params_of(q, k, v, causal, scale);
+  p.o = o.data_ptr();
+  p.o_strides = strides_of(o);
+  p.lse = lse.data_ptr<float>();
+  check_status(kernels::flash_attention_forward(p, c10::cuda::getCurrentCUDAStream().stream()),
+               "forward");
+  return {o, lse};
+}
+
+// Saves q, k, v, the output and the logsumexp; the backward recomputes the rest tile by tile.
+struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+    auto [o, lse] = forward_impl(q, k, v, causal, scale);
+    ctx->save_for_backward(
+        {last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), o, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return o;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const c10::cuda::CUDAGuard guard(q.device());
+    const auto d_o = last_dim_contiguous(grads[0]);
+    auto dq = at::empty(q.sizes(), q.options());
+    auto dk = at::empty(k.sizes(), k.options());
+    auto dv = at::empty(v.sizes(), v.options());
+    auto p =
+        params_of(q, k, v, ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
+    p.o = o.data_ptr();
+    p.o_strides = strides_of(o);
+    p.lse = lse.data_ptr<float>();
+    p.d_o = d_o.data_ptr();
+    p.d_o_strides = strides_of(d_o);
+    p.dq = dq.data_ptr();
+    p.dq_strides = strides_of(dq);
+    p.dk = dk.data_ptr();
+    p.dk_strides = strides_of(dk);
+    p.dv = dv.data_ptr();
+    p.dv_strides = strides_of(dv);
+    const size_t bytes = kernels::flash_attention_backward_workspace_bytes(p);
+    // From torch's caching allocator, on the current stream: reused, not cudaMalloc'd each call.
+    auto workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+    check_status(kernels::flash_attention_backward(p, workspace.data_ptr(), bytes,
+                                                   c10::cuda::getCurrentCUDAStream().stream()),
+                 "backward");
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  LOOM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
+                 q.size(0) == k.size(0) && q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
+             "fused attention: q {} must be [B, Hq, T, D] and k {}, v {} [B, Hkv, S, D] with Hkv "
+             "dividing Hq",
+             q.sizes(), k.sizes(), v.sizes());
+  if (auto why = flash_attention_unsupported(q, k, v, 0.0))
+    fail("fused attention cannot take these inputs: {}", *why);
+}
+
+}  // namespace
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           bool causal, double scale) {
+  check_supported(q, k, v);
+  return FlashAttentionFunction::apply(q, k, v, causal, scale);
+}
+
+std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, bool causal,
+                                                          double scale) {
+  check_supported(q, k, v);
+  return forward_impl(q, k, v, causal, scale);
+}
+
+#else  // no CUDA in this build: the reason is all there is
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool,
+                           double) {
+  fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
+}
+
+std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, bool, double) {
+  fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
+}
+
+#endif
+
+}  // namespace loom::ops

@@ -1,0 +1,338 @@
+// The kernels' host references against the naive math (DESIGN.md: CPU tests check the reference,
+// GPU tests check the kernel against the reference). No GPU needed.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "attention/flash_attention_host.h"
+
+namespace kernels = loom::kernels;
+
+namespace {
+
+kernels::AttentionStrides strides_of(const at::Tensor& t) {
+  EXPECT_EQ(t.dim(), 4);
+  EXPECT_EQ(t.stride(3), 1) << "head_dim must be contiguous";
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// [batch, heads, seq, dim] fp32 filled with NaN (so an element the reference never writes shows);
+// strided: a transposed view of a [batch, seq, heads, dim] tensor, as attention inputs usually are.
+at::Tensor nan_tensor(int b, int h, int s, int d, bool strided) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (strided) return at::full({b, s, h, d}, nan).transpose(1, 2);
+  return at::full({b, h, s, d}, nan);
+}
+
+at::Tensor random_tensor(int b, int h, int s, int d, bool strided) {
+  if (strided) return at::randn({b, s, h, d}).transpose(1, 2);
+  return at::randn({b, h, s, d});
+}
+
+struct Case {
+  std::string name;
+  int batch, q_heads, kv_heads, q_len, kv_len, head_dim;
+  bool causal;
+  bool strided;       // inputs and outputs as transposed views [B, T, H, D] -> [B, H, T, D]
+  float scale = 0.f;  // 0: 1/sqrt(head_dim)
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
+struct Result {
+  at::Tensor o, lse, dq, dk, dv;
+};
+
+// The plain math in fp64 with autograd: scores = q k^T * scale, causal mask, softmax, times v;
+// lse = logsumexp of the masked scores; gradients of sum(o * d_o).
+Result naive(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& d_o,
+             bool causal, double scale) {
+  auto q64 = q.to(at::kDouble).detach().requires_grad_(true);
+  auto k64 = k.to(at::kDouble).detach().requires_grad_(true);
+  auto v64 = v.to(at::kDouble).detach().requires_grad_(true);
+  const int64_t group = q.size(1) / k.size(1);
+  auto kk = k64.repeat_interleave(group, 1);
+  auto vv = v64.repeat_interleave(group, 1);
+  auto scores = at::matmul(q64, kk.transpose(-2, -1)) * scale;
+  if (causal) {
+    auto mask = at::ones({q.size(2), k.size(2)}, at::kBool).triu(1);
+    scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  }
+  auto lse = at::logsumexp(scores, -1);
+  auto o = at::matmul(at::softmax(scores, -1), vv);
+  (o * d_o.to(at::kDouble)).sum().backward();
+  return {o.detach(), lse.detach(), q64.grad(), k64.grad(), v64.grad()};
+}
+
+struct HostRun {
+  Result result;
+  kernels::FlashAttentionHostStats forward, backward;
+};
+
+HostRun run_host(const Case& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& d_o, float scale) {
+  HostRun run;
+  Result& r = run.result;
+  r.o = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  r.lse = at::full({c.batch, c.q_heads, c.q_len}, std::numeric_limits<float>::quiet_NaN());
+  r.dq = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  r.dk = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+  r.dv = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+
+  kernels::FlashAttentionHostParams p;
+  p.batch = c.batch;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  p.q_len = c.q_len;
+  p.kv_len = c.kv_len;
+  p.head_dim = c.head_dim;
+  p.scale = scale;
+  p.causal = c.causal;
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+  p.o_strides = strides_of(r.o);
+  p.d_o_strides = strides_of(d_o);
+  p.dq_strides = strides_of(r.dq);
+  p.dk_strides = strides_of(r.dk);
+  p.dv_strides = strides_of(r.dv);
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.o = r.o.data_ptr<float>();
+  p.lse = r.lse.data_ptr<float>();
+  p.d_o = d_o.data_ptr<float>();
+  p.dq = r.dq.data_ptr<float>();
+  p.dk = r.dk.data_ptr<float>();
+  p.dv = r.dv.data_ptr<float>();
+  auto s = kernels::flash_attention_forward_host(p, &run.forward);
+  EXPECT_TRUE(s.ok()) << s.message;
+  s = kernels::flash_attention_backward_host(p, &run.backward);
+  EXPECT_TRUE(s.ok()) << s.message;
+  return run;
+}
+
+// max |got - want| / max(1, max |want|): absolute error for O(1) values, relative for large ones.
+double scaled_error(const at::Tensor& got, const at::Tensor& want) {
+  EXPECT_EQ(got.sizes(), want.sizes());
+  const double diff = (got.to(at::kDouble) - want).abs().max().item<double>();
+  const double mag = want.numel() ? want.abs().max().item<double>() : 0.0;
+  return diff / std::max(1.0, mag);
+}
+
+class FlashAttentionHost : public ::testing::TestWithParam<Case> {};
+
+// The fp32 host reference against fp64 autograd. Tolerance: 1e-5 on max |error| / max(1, max
+// |value|) for o, lse, dq, dk, dv (fp32 rounding over sums of a few hundred terms is ~1e-6).
+TEST_P(FlashAttentionHost, MatchesNaiveAttentionForwardAndBackward) {
+  const Case& c = GetParam();
+  at::manual_seed(1234);
+  const auto q = random_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  const auto k = random_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+  const auto v = random_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+  const auto d_o = random_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  const float scale = c.scale > 0 ? c.scale : 1.f / std::sqrt(float(c.head_dim));
+
+  const Result want = naive(q, k, v, d_o, c.causal, scale);
+  const HostRun run = run_host(c, q, k, v, d_o, scale);
+  const Result& got = run.result;
+  constexpr double kTol = 1e-5;
+  const double err_o = scaled_error(got.o, want.o), err_lse = scaled_error(got.lse, want.lse);
+  const double err_dq = scaled_error(got.dq, want.dq), err_dk = scaled_error(got.dk, want.dk);
+  const double err_dv = scaled_error(got.dv, want.dv);
+  EXPECT_LE(err_o, kTol);
+  EXPECT_LE(err_lse, kTol);
+  EXPECT_LE(err_dq, kTol);
+  EXPECT_LE(err_dk, kTol);
+  EXPECT_LE(err_dv, kTol);
+  RecordProperty("max_error", std::to_string(std::max({err_o, err_lse, err_dq, err_dk, err_dv})));
+  std::printf("  %s: errors o %.2e lse %.2e dq %.2e dk %.2e dv %.2e; tiles fwd %lld bwd %lld\n",
+              c.name.c_str(), err_o, err_lse, err_dq, err_dk, err_dv,
+              static_cast<long long>(run.forward.tiles),
+              static_cast<long long>(run.backward.tiles));
+
+  // The reference visits exactly the tiles the kernel's grid does: every (query tile, key tile)
+  // pair of each (batch, query head), less the causal tiles above the diagonal.
+  int64_t fwd_tiles = 0, bwd_tiles = 0;
+  for (int m = 0; m < kernels::attention_ceil_div(c.q_len, kernels::kFwdBlockM); ++m)
+    fwd_tiles += kernels::fwd_num_kv_tiles(m, c.q_len, c.kv_len, c.causal);
+  const int block_m = kernels::bwd_block_m(c.head_dim);
+  for (int n = 0; n < kernels::attention_ceil_div(c.kv_len, kernels::kBwdBlockN); ++n)
+    bwd_tiles += kernels::attention_ceil_div(c.q_len, block_m) -
+                 kernels::bwd_first_q_tile(n, block_m, c.causal);
+  EXPECT_EQ(run.forward.tiles, fwd_tiles * c.batch * c.q_heads);
+  EXPECT_EQ(run.backward.tiles, bwd_tiles * c.batch * c.q_heads);
+}
+
+std::vector<Case> cases() {
+  using kernels::kFwdBlockM;
+  using kernels::kFwdBlockN;
+  return {
+      {"tiny_d16", 2, 2, 2, 7, 7, 16, false, false},
+      {"tiny_d16_causal", 2, 2, 2, 7, 7, 16, true, false},
+      {"one_row_d64", 1, 2, 2, 1, 1, 64, false, false},
+      {"one_row_d64_causal", 1, 2, 1, 1, 1, 64, true, true},
+      {"d64_t65_causal_gqa2", 1, 4, 2, 65, 65, 64, true, false},
+      {"d64_t130_mha_scale", 1, 2, 2, 130, 130, 64, false, false, 0.3f},
+      {"d128_t130_causal_gqa4_strided", 1, 4, 1, 130, 130, 128, true, true},
+      {"d128_t130_s77_gqa2", 2, 4, 2, 130, 77, 128, false, false},
+      {"d64_t33_s200_gqa4_strided", 1, 4, 1, 33, 200, 64, false, true},
+      // Spans several tiles both ways: 3 query tiles and 5 key tiles in the forward.
+      {"multi_tile_causal", 1, 1, 1, 2 * kFwdBlockM + 3, 2 * kFwdBlockM + 3, 32, true, false},
+      {"multi_tile_s_gt_t", 1, 2, 1, kFwdBlockM + 1, 4 * kFwdBlockN + 1, 32, false, true},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, FlashAttentionHost, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(FlashAttentionHostTiles, LengthsUsedAboveSpanSeveralTiles) {
+  // The multi_tile cases above only test tiling if they cross tile boundaries.
+  EXPECT_GT(2 * kernels::kFwdBlockM + 3, 2 * kernels::kFwdBlockM);
+  EXPECT_GT(4 * kernels::kFwdBlockN + 1, 4 * kernels::kFwdBlockN);
+  EXPECT_EQ(kernels::kFwdBlockM, 128);
+  EXPECT_EQ(kernels::kFwdBlockN, 64);
+  EXPECT_EQ(kernels::kBwdBlockN, 64);
+  EXPECT_EQ(kernels::bwd_block_m(64), 64);
+  EXPECT_EQ(kernels::bwd_block_m(128), 32);
+}
+
+// The tile ranges shared by the kernel and the reference, against brute force over every element:
+// a skipped tile is fully masked, a visited one is not, and a tile said to need no mask has no
+// masked element.
+TEST(FlashAttentionHostTiles, CausalTileRangesMatchTheElementMask) {
+  using namespace kernels;
+  for (bool causal : {false, true}) {
+    for (int len : {1, 2, 63, 64, 65, 127, 128, 129, 200, 256, 300}) {
+      const int q_len = len, kv_len = causal ? len : len + 37;
+      auto masked = [&](int row, int key) { return key >= kv_len || (causal && key > row); };
+      auto count_unmasked = [&](int r0, int r1, int k0, int k1) {
+        int n = 0;
+        for (int r = r0; r < std::min(r1, q_len); ++r)
+          for (int key = k0; key < k1; ++key) n += !masked(r, key);
+        return n;
+      };
+      // Forward.
+      for (int m = 0; m < attention_ceil_div(q_len, kFwdBlockM); ++m) {
+        const int r0 = m * kFwdBlockM, visited = fwd_num_kv_tiles(m, q_len, kv_len, causal);
+        for (int n = 0; n < attention_ceil_div(kv_len, kFwdBlockN) + 1; ++n) {
+          const int k0 = n * kFwdBlockN,
+                    live = count_unmasked(r0, r0 + kFwdBlockM, k0, k0 + kFwdBlockN);
+          if (n < visited) {
+            EXPECT_GT(live, 0) << "forward visits a fully masked tile " << m << "," << n;
+            const int rows = std::min(kFwdBlockM, q_len - r0);
+            if (!fwd_tile_needs_mask(m, n, kv_len, causal)) {
+              EXPECT_EQ(live, rows * kFwdBlockN) << "unmasked tile has masked elements";
+            }
+          } else {
+            EXPECT_EQ(live, 0) << "forward skips a live tile " << m << "," << n;
+          }
+        }
+      }
+      // Backward, for both query tile heights.
+      for (int block_m : {bwd_block_m(64), bwd_block_m(128)}) {
+        for (int n = 0; n < attention_ceil_div(kv_len, kBwdBlockN); ++n) {
+          const int k0 = n * kBwdBlockN, first = bwd_first_q_tile(n, block_m, causal);
+          for (int m = 0; m < attention_ceil_div(q_len, block_m); ++m) {
+            const int r0 = m * block_m,
+                      live = count_unmasked(r0, r0 + block_m, k0, k0 + kBwdBlockN);
+            if (m < first) {
+              EXPECT_EQ(live, 0) << "backward skips a live tile " << m << "," << n;
+            } else if (!bwd_tile_needs_mask(m, block_m, n, kv_len, causal)) {
+              const int rows = std::min(block_m, q_len - r0);
+              EXPECT_EQ(live, rows * kBwdBlockN) << "unmasked tile has masked elements";
+            }
+          }
+          if (first < attention_ceil_div(q_len, block_m)) {
+            EXPECT_GT(count_unmasked(first * block_m, (first + 1) * block_m, k0, k0 + kBwdBlockN),
+                      0);
+          }
+        }
+      }
+    }
+  }
+}
+
+// With no key at all every row is fully masked: o = 0 and lse = -inf (no NaN), zero dq.
+TEST(FlashAttentionHostTiles, FullyMaskedRowsGiveZeroOutputAndMinusInfinityLse) {
+  const int B = 1, H = 2, T = 5, S = 0, D = 8;
+  auto q = at::randn({B, H, T, D}), d_o = at::randn({B, H, T, D});
+  auto k = at::empty({B, H, S, D}), v = at::empty({B, H, S, D});
+  auto o = at::full({B, H, T, D}, 7.f), lse = at::full({B, H, T}, 7.f);
+  auto dq = at::full({B, H, T, D}, 7.f);
+  kernels::FlashAttentionHostParams p;
+  p.batch = B;
+  p.q_heads = p.kv_heads = H;
+  p.q_len = T;
+  p.kv_len = S;
+  p.head_dim = D;
+  p.scale = 0.5f;
+  p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_of(q);
+  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_of(k);
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.o = o.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  p.d_o = d_o.data_ptr<float>();
+  p.dq = dq.data_ptr<float>();
+  p.dk = k.data_ptr<float>();
+  p.dv = v.data_ptr<float>();
+  ASSERT_TRUE(kernels::flash_attention_forward_host(p).ok());
+  EXPECT_TRUE(at::equal(o, at::zeros_like(o)));
+  EXPECT_TRUE(at::equal(lse, at::full_like(lse, -std::numeric_limits<float>::infinity())));
+  ASSERT_TRUE(kernels::flash_attention_backward_host(p).ok());
+  EXPECT_TRUE(at::equal(dq, at::zeros_like(dq)));
+}
+
+TEST(FlashAttentionChecks, RejectWhatTheKernelCannotRunWithClearMessages) {
+  kernels::AttentionProblem p;
+  p.batch = 1;
+  p.q_heads = 4;
+  p.kv_heads = 2;
+  p.q_len = p.kv_len = 16;
+  p.head_dim = 64;
+  p.scale = 0.125f;
+  EXPECT_TRUE(kernels::check_attention_problem(p, true).ok());
+
+  auto message = [](const kernels::AttentionProblem& x, bool kernel) {
+    auto s = kernels::check_attention_problem(x, kernel);
+    EXPECT_FALSE(s.ok());
+    EXPECT_EQ(s.code, kernels::StatusCode::kInvalidArgument);
+    return s.message;
+  };
+  auto contains = [](const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+  };
+  auto bad = p;
+  bad.head_dim = 96;
+  const auto m = message(bad, true);
+  EXPECT_TRUE(contains(m, "head_dim 96") && contains(m, "64, 128")) << m;
+  EXPECT_TRUE(kernels::check_attention_problem(bad, false).ok());  // the host reference takes it
+
+  bad = p;
+  bad.q_heads = 6;
+  bad.kv_heads = 4;
+  EXPECT_TRUE(contains(message(bad, true), "q_heads 6 is not a multiple of kv_heads 4"));
+
+  bad = p;
+  bad.causal = true;
+  bad.kv_len = 17;
+  EXPECT_TRUE(contains(message(bad, false), "q_len 16 and kv_len 17"));
+
+  bad = p;
+  bad.scale = 0.f;
+  EXPECT_TRUE(contains(message(bad, false), "scale"));
+}
+
+}  // namespace
