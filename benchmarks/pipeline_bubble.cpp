@@ -13,7 +13,8 @@
 // --steps timed steps, each started after a barrier. A step's makespan T is the slowest rank's
 // run; a rank's idle time is the time it waited on receives plus the time between its own end
 // and T (a rank that finishes early idles until the step ends: the theory counts that too).
-// measured_bubble = mean over ranks of idle / T, worst_rank_bubble the largest; executor_bubble
+// measured_bubble = the median over steps of the mean over ranks of idle / T; worst_rank_bubble
+// the largest rank's mean; executor_bubble
 // is PipelineStats::bubble_fraction() (wait / the rank's own run), averaged over ranks, and
 // busy_bubble = 1 - (time in forwards and backwards) / T. Theory: (P-1)/(m+P-1) for gpipe and
 // 1f1b, (P-1)/(v*m+P-1) for interleaved; simulated: simulate(schedule, shape, f, b) with f, b
@@ -48,8 +49,17 @@ using loom::bench::median;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Sleeps `ms` precisely: the kernel sleep overshoots by tens of microseconds at random, which
+// adds jitter no real kernel has, so it sleeps to 0.2 ms short of the deadline and yields the
+// rest (a yield lets oversubscribed ranks run, unlike a pure spin).
 void sleep_ms(double ms) {
-  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+  if (ms <= 0) return;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double, std::milli>(ms));
+  const auto coarse = deadline - std::chrono::microseconds(200);
+  if (Clock::now() < coarse) std::this_thread::sleep_until(coarse);
+  while (Clock::now() < deadline) std::this_thread::yield();
 }
 
 // One simulated layer: forward sleeps `ms`, backward 2 * `ms`; values pass through unchanged.
@@ -67,12 +77,12 @@ struct SleepLayer : torch::autograd::Function<SleepLayer> {
 
 struct Options {
   double layer_ms = 4.0;
-  int64_t rows = 4, width = 64, steps = 3;
+  int64_t rows = 4, width = 64, steps = 5;
 };
 
 // What one configuration measured, over its timed steps.
 struct Measured {
-  double bubble = 0;           // mean over steps of the mean over ranks of idle / makespan
+  double bubble = 0;           // median over steps of the mean over ranks of idle / makespan
   double worst_bubble = 0;     // the rank with the largest mean idle share
   double executor_bubble = 0;  // mean over ranks and steps of wait / the rank's own run
   double busy_bubble = 0;      // mean of 1 - (forward + backward seconds) / makespan
@@ -138,7 +148,9 @@ Measured run_pipeline(const loom::dist::CommunicatorPtr& world, const pp::Pipeli
     return x.empty() ? 0.0 : s / static_cast<double>(x.size());
   };
   Measured out;
-  out.bubble = mean(step_bubbles);
+  // The median step: a virtual machine's vCPU is now and then descheduled for a millisecond,
+  // which lands in one step's idle time and says nothing about the schedule.
+  out.bubble = median(step_bubbles);
   for (const auto& r : idle_share) out.worst_bubble = std::max(out.worst_bubble, mean(r));
   out.executor_bubble = mean(executor_bubbles);
   out.busy_bubble = mean(busy_bubbles);
