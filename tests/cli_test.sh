@@ -20,7 +20,8 @@ expect() {  # expect "<text in stderr>" command...
 }
 help=$("$TOOLS/loom-pretrain" --help)
 for flag in --model --preset --data --val-data --steps --batch-size --seq-len --grad-accum --lr \
-  --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config; do
+  --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config \
+  --device --attention --peak-tflops; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
 for tool in loom-prepare loom-eval loom-generate; do
@@ -42,6 +43,11 @@ JSON
 expect "n_heads = 5 does not divide d_model = 48" "${run[@]}" --data "$work/data/train.bin" --init-from-hf "$work/hf"
 expect "/proc/loom-nope" "${run[@]}" --data "$work/data/train.bin" --save-dir /proc/loom-nope
 expect "--precision 'fp16'" "${run[@]}" --data "$work/data/train.bin" --precision fp16
+expect "--device 'tpu' is not valid: cpu, cuda or cuda:N" "${run[@]}" --data "$work/data/train.bin" --device tpu
+if ! command -v nvidia-smi > /dev/null; then  # a machine without a GPU says so
+  expect "--device cuda: there is no such CUDA device (0 visible" "${run[@]}" --data "$work/data/train.bin" --device cuda
+fi
+expect "--attention 'flash' is not valid: auto, fused, sdpa or math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "does not exist" "$TOOLS/loom-eval" --checkpoint "$work/none" --data "$work/data/val.bin"
 # A run refused for bad input leaves no checkpoint behind.
 expect "missing.bin" "${run[@]}" --data "$work/missing.bin" --save-dir "$work/refused"
