@@ -70,11 +70,13 @@ void run(const Options& o) {
   const auto device_name = loom::ops::cuda_device_name(0);
   for (int64_t d : o.head_dims)
     for (int64_t s : o.seq_lens)
+      LOOM_CHECK(s > 0 && d > 0 && o.tokens % s == 0 && o.width % d == 0,
+                 "--tokens {} must be a multiple of every sequence length ({}) and --width {} of "
+                 "every head dim ({})",
+                 o.tokens, s, o.width, d);
+  for (int64_t d : o.head_dims)
+    for (int64_t s : o.seq_lens)
       for (bool causal : {false, true}) {
-        LOOM_CHECK(o.tokens % s == 0 && o.width % d == 0,
-                   "--tokens {} must be a multiple of the sequence length {} and --width {} of "
-                   "the head dim {}",
-                   o.tokens, s, o.width, d);
         const int64_t b = o.tokens / s, h = o.width / d;
         const auto opts = at::TensorOptions(dtype).device(cuda);
         auto q = at::randn({b, h, s, d}, opts).requires_grad_();
@@ -126,12 +128,12 @@ void run(const Options& o) {
         std::fflush(stdout);
         std::fprintf(stderr,
                      "d %3ld s %5ld %-6s fwd: fused %6.1f sdpa %6.1f TFLOP/s (x%.2f) | fwd+bwd: "
-                     "fused %6.1f sdpa %6.1f (x%.2f) | max diff %.3g\n",
+                     "fused %6.1f sdpa %6.1f (x%.2f) | max diff %.3g%s\n",
                      static_cast<long>(d), static_cast<long>(s), causal ? "causal" : "full",
                      row["fused_fwd_tflops"].get<double>(), row["sdpa_fwd_tflops"].get<double>(),
                      row["fwd_ratio"].get<double>(), row["fused_fwd_bwd_tflops"].get<double>(),
                      row["sdpa_fwd_bwd_tflops"].get<double>(), row["fwd_bwd_ratio"].get<double>(),
-                     max_diff);
+                     max_diff, max_diff > 0.05 ? "  <- SUSPECT: outputs disagree" : "");
       }
 }
 

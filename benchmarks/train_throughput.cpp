@@ -66,6 +66,8 @@ void run(const Options& o) {
   const auto config = model_config(o);
   at::set_num_threads(o.threads);
 
+  LOOM_CHECK(o.device == "cpu" || o.device.rfind("cuda", 0) == 0,
+             "--device '{}' is not valid: cpu, cuda or cuda:N", o.device);
   const at::Device device(o.device);
   LOOM_CHECK(device.is_cpu() || loom::ops::cuda_device_count() > 0,
              "--device {}: no CUDA device is visible", o.device);
@@ -113,7 +115,7 @@ void run(const Options& o) {
       loom::train::clip_grad_norm(params, kMaxGradNorm);
     optimizer.step(kLr);
     optimizer.zero_grad();
-    if (device.is_cuda()) torch::cuda::synchronize();
+    if (device.is_cuda()) torch::cuda::synchronize(device.has_index() ? device.index() : 0);
     const auto stop = std::chrono::steady_clock::now();
     losses.push_back(loss.detach());
     if (i >= o.warmup)

@@ -47,7 +47,7 @@ expect "--device 'tpu' is not valid: cpu, cuda or cuda:N" "${run[@]}" --data "$w
 if ! command -v nvidia-smi > /dev/null; then  # a machine without a GPU says so
   expect "--device cuda: there is no such CUDA device (0 visible" "${run[@]}" --data "$work/data/train.bin" --device cuda
 fi
-expect "--attention 'flash' is not valid: auto, fused, sdpa or math" "${run[@]}" --data "$work/data/train.bin" --attention flash
+expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "does not exist" "$TOOLS/loom-eval" --checkpoint "$work/none" --data "$work/data/val.bin"
 # A run refused for bad input leaves no checkpoint behind.
 expect "missing.bin" "${run[@]}" --data "$work/missing.bin" --save-dir "$work/refused"

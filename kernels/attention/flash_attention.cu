@@ -1022,6 +1022,28 @@ Status flash_attention_forward(const FlashAttentionParams& p, cudaStream_t strea
   return forward_for_dtype(p, stream);  // head_dim is 64 or 128 (checked)
 }
 
+Status flash_attention_device_check(int device) {
+  // A binary built for other architectures has no image of the kernel for this device:
+  // cudaFuncGetAttributes says so without launching anything. Asked of the current device, so
+  // switch to `device` for the question and back.
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return Status::cuda_error("flash_attention: CUDA device " + std::to_string(device) +
+                              " cannot be selected");
+  }
+  cudaFuncAttributes attributes{};
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, flash_fwd_kernel<__nv_bfloat16, 64>);
+  cudaSetDevice(previous);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Status::cuda_error("flash_attention: this build has no kernel image for CUDA device " +
+                              std::to_string(device) + " (" + cudaGetErrorString(e) +
+                              "); rebuild with its architecture in CMAKE_CUDA_ARCHITECTURES");
+  }
+  return Status::success();
+}
+
 size_t flash_attention_backward_workspace_bytes(const AttentionProblem& problem) {
   if (problem.batch <= 0 || problem.q_heads <= 0 || problem.q_len <= 0 || problem.head_dim <= 0)
     return 0;

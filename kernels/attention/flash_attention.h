@@ -37,6 +37,11 @@ struct FlashAttentionParams : AttentionProblem {
   void* dv = nullptr;
 };
 
+// Whether this build holds the kernels for CUDA device `device` (they are compiled for the
+// architectures in CMAKE_CUDA_ARCHITECTURES only: sm_90a code does not run on sm_80 or on
+// Blackwell). A kCudaError naming the device otherwise.
+Status flash_attention_device_check(int device);
+
 // Writes o and lse. Asynchronous on `stream`; the returned status covers argument checks and the
 // launch (not faults while the kernel runs).
 Status flash_attention_forward(const FlashAttentionParams& params, cudaStream_t stream);

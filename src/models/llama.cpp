@@ -139,8 +139,13 @@ at::Tensor Llama::embed(const at::Tensor& tokens) {
 
 at::Tensor Llama::run_layers(const at::Tensor& input) {
   const int64_t t = full_seq_len(input);
-  auto cos = rope_cos_.narrow(0, 0, t).to(input.device());
-  auto sin = rope_sin_.narrow(0, 0, t).to(input.device());
+  if (rope_cos_.device() != input.device()) {
+    // Moved once: a copy from pageable host memory every forward would wait for the GPU.
+    rope_cos_ = rope_cos_.to(input.device());
+    rope_sin_ = rope_sin_.to(input.device());
+  }
+  auto cos = rope_cos_.narrow(0, 0, t);
+  auto sin = rope_sin_.narrow(0, 0, t);
   auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
   for (size_t i = 0; i < layers_.size(); ++i) {

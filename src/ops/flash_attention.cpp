@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <map>
+#include <mutex>
+
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -15,6 +18,31 @@
 #endif
 
 namespace loom::ops {
+
+namespace {
+
+// Whether this build has the kernel for `device` (asked once per device: it does not change).
+std::optional<std::string> kernel_image_missing(int device) {
+#ifdef LOOM_WITH_CUDA
+  static std::mutex mutex;
+  static std::map<int, std::optional<std::string>> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    const auto status = kernels::flash_attention_device_check(device);
+    it = known
+             .emplace(device,
+                      status.ok() ? std::nullopt : std::optional<std::string>(status.message))
+             .first;
+  }
+  return it->second;
+#else
+  (void)device;
+  return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";
+#endif
+}
+
+}  // namespace
 
 std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& v, double dropout) {
@@ -34,13 +62,14 @@ std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, cons
   if (q.dim() != 4 || (q.size(3) != 64 && q.size(3) != 128))
     return fmt::format("head_dim must be 64 or 128; got q of shape {}", q.sizes());
   if (dropout > 0) return fmt::format("it has no attention dropout (asked for {})", dropout);
+  if (q.size(0) > 65535 || q.size(1) > 65535)
+    return fmt::format("batch {} and query heads {} must be at most 65535 (CUDA grid limit)",
+                       q.size(0), q.size(1));
   const int cc = cuda_compute_capability(q.device().index());
   if (cc < 80)
-    return fmt::format(
-        "it needs compute capability 8.0 or newer (tensor-core mma.sync); {} "
-        "has {}",
-        q.device().str(), cc < 0 ? "none" : fmt::format("{}.{}", cc / 10, cc % 10));
-  return std::nullopt;
+    return fmt::format("it needs compute capability 8.0 or newer (tensor-core mma.sync); {} has {}",
+                       q.device().str(), cc < 0 ? "none" : fmt::format("{}.{}", cc / 10, cc % 10));
+  return kernel_image_missing(static_cast<int>(q.device().index()));
 }
 
 #ifdef LOOM_WITH_CUDA
@@ -81,32 +110,39 @@ kernels::FlashAttentionParams params_of(const at::Tensor& q, const at::Tensor& k
   return p;
 }
 
-std::pair<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at::Tensor& k_in,
-                                               const at::Tensor& v_in, bool causal, double scale) {
+struct ForwardResult {
+  at::Tensor q, k, v;  // as the kernel read them (last dimension contiguous)
+  at::Tensor o, lse;
+};
+
+ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                           bool causal, double scale) {
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
-             v = last_dim_contiguous(v_in);
-  auto o = at::empty(q.sizes(), q.options());
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  auto p = params_of(q, k, v, causal, scale);
-  p.o = o.data_ptr();
-  p.o_strides = strides_of(o);
-  p.lse = lse.data_ptr<float>();
+  ForwardResult r{
+      last_dim_contiguous(q_in), last_dim_contiguous(k_in), last_dim_contiguous(v_in), {}, {}};
+  // [B, T, H, D] storage seen as [B, H, T, D]: the models' next step, transpose(1, 2) and a
+  // reshape to [B, T, H * D], is then free instead of a copy.
+  r.o = at::empty({r.q.size(0), r.q.size(2), r.q.size(1), r.q.size(3)}, r.q.options())
+            .transpose(1, 2);
+  r.lse = at::empty({r.q.size(0), r.q.size(1), r.q.size(2)}, r.q.options().dtype(at::kFloat));
+  auto p = params_of(r.q, r.k, r.v, causal, scale);
+  p.o = r.o.data_ptr();
+  p.o_strides = strides_of(r.o);
+  p.lse = r.lse.data_ptr<float>();
   check_status(kernels::flash_attention_forward(p, c10::cuda::getCurrentCUDAStream().stream()),
                "forward");
-  return {o, lse};
+  return r;
 }
 
 // Saves q, k, v, the output and the logsumexp; the backward recomputes the rest tile by tile.
 struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
-    auto [o, lse] = forward_impl(q, k, v, causal, scale);
-    ctx->save_for_backward(
-        {last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), o, lse});
+    auto r = forward_impl(q, k, v, causal, scale);
+    ctx->save_for_backward({r.q, r.k, r.v, r.o, r.lse});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
-    return o;
+    return r.o;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -163,7 +199,8 @@ std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, c
                                                           const at::Tensor& v, bool causal,
                                                           double scale) {
   check_supported(q, k, v);
-  return forward_impl(q, k, v, causal, scale);
+  auto r = forward_impl(q, k, v, causal, scale);
+  return {r.o, r.lse};
 }
 
 #else  // no CUDA in this build: the reason is all there is

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/format.h"
 #include "loom/ops/attention.h"
 
 namespace loom::train {
@@ -75,7 +76,7 @@ void TrainConfig::validate() const {
              "--device '{}' is not valid: cpu, cuda or cuda:N (N a device index)", device);
   const auto backends = ops::attention_backend_names();
   LOOM_CHECK(std::find(backends.begin(), backends.end(), attention) != backends.end(),
-             "--attention '{}' is not valid: auto, fused, sdpa or math", attention);
+             "--attention '{}' is not valid: {}", attention, fmt::join(backends, ", "));
   LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
              peak_tflops);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,

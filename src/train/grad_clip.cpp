@@ -53,7 +53,10 @@ at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, doubl
       squares.push_back(squared_norm(p.grad()));
       grads.push_back(p.grad());
     }
-  if (squares.empty()) return at::zeros({}, at::kDouble);
+  if (squares.empty()) {
+    const auto device = params.empty() ? at::Device(at::kCPU) : params.front().device();
+    return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
+  }
   auto norm = at::stack(squares).sum().sqrt();
   if (max_norm > 0) {
     // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.

@@ -258,10 +258,30 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
                "Multi-rank GPU training needs the mesh's groups on NCCL, which the Trainer does "
                "not wire yet: use --device cpu, or one process",
                config_.device, mesh_->world_size(), mesh_->shape().describe());
-    LOOM_CHECK(config_.zero == 0 && !config_.offload_activations && config_.memory_cap_mb == 0,
-               "--device {} does not support yet --zero, --offload-activations or "
-               "--memory-cap-mb (CPU-only so far)",
+    LOOM_CHECK(config_.zero == 0, "--zero {} with --device {}: ZeRO runs on the CPU only so far",
+               config_.zero, config_.device);
+    LOOM_CHECK(!config_.offload_activations && config_.memory_cap_mb == 0,
+               "--offload-activations and --memory-cap-mb run on the CPU only so far (given with "
+               "--device {})",
                config_.device);
+    // Dropout masks are drawn on the host (layout-invariant, tp-sliced) and would be copied to
+    // the device every layer, and attention dropout takes the math path.
+    LOOM_CHECK(
+        config_.dropout == 0,
+        "--dropout {} with --device {}: dropout on a GPU is not supported yet (its masks are "
+        "drawn on the host); use --dropout 0",
+        config_.dropout, config_.device);
+  }
+  if (config_.attention == "fused") {
+    // What the kernel needs, named by flag before anything is built (the kernel itself would
+    // only refuse at the first forward).
+    LOOM_CHECK(device_.is_cuda(),
+               "--attention fused runs loom's CUDA kernel: it needs --device "
+               "cuda (the device is {})",
+               config_.device);
+    LOOM_CHECK(config_.precision == "bf16",
+               "--attention fused computes in bf16: it needs --precision bf16 (it is {})",
+               config_.precision);
   }
   config_.dp = dp_size();  // checkpoints record the layout that was actually used
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
@@ -318,6 +338,11 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
   if (!resume) model_config.dropout = config_.dropout;
   model_config.validate();
+  LOOM_CHECK(config_.attention != "fused" || model_config.head_dim() == 64 ||
+                 model_config.head_dim() == 128,
+             "--attention fused: the kernel has head dims 64 and 128, and this model's is {} "
+             "(d_model {} / {} heads); use --attention auto",
+             model_config.head_dim(), model_config.d_model, model_config.n_heads);
   LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
              "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
              model_config.max_seq_len);

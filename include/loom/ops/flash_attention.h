@@ -1,7 +1,7 @@
 #pragma once
 // loom's fused attention kernel (kernels/attention/, FlashAttention-2 style) as a LibTorch op:
-// a custom autograd function whose forward saves only the output and the logsumexp of each
-// row, and whose backward recomputes the scores tile by tile. No [T, S] matrix is stored.
+// a custom autograd function whose forward saves q, k, v, the output and the logsumexp of each
+// row (no attention matrix), and whose backward recomputes the scores tile by tile.
 // ops::attention calls it for CUDA tensors (backend kAuto or kFused).
 #include <ATen/core/Tensor.h>
 
@@ -12,12 +12,14 @@ namespace loom::ops {
 
 // Why the fused kernel cannot compute attention of these inputs, or nullopt when it can:
 // CUDA tensors of one device, bf16 or fp16 alike, head_dim 64 or 128, kv heads dividing q
-// heads, no dropout, a loom built with CUDA and a device of compute capability 8.0 or newer.
+// heads, batch and heads up to 65535, no dropout, a loom built with CUDA and a device of
+// compute capability 8.0 or newer that this build has the kernel for (CMAKE_CUDA_ARCHITECTURES).
 std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& v, double dropout);
 
 // q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] (any strides with a contiguous last dimension; others
-// are copied). Returns [B, Hq, T, D] in q's dtype; differentiable in q, k and v. Throws
+// are copied). Returns [B, Hq, T, D] in q's dtype (a transposed view of [B, T, Hq, D] storage,
+// which is what the models reshape it to next); differentiable in q, k and v. Throws
 // loom::Error with flash_attention_unsupported's reason when the kernel cannot take them.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool causal, double scale);

@@ -91,10 +91,14 @@ void PartialGradSync::sync(const GradPieceFn& piece) {
     if (!group.pieces_checked) {
       // Summing pieces that cover different elements would silently mix parameters: compare
       // every rank's offsets and lengths with the group's largest and smallest.
-      auto hi = at::tensor(where);
-      auto lo = -hi;
-      group.comm->all_reduce(hi, dist::ReduceOp::Max);
-      group.comm->all_reduce(lo, dist::ReduceOp::Max);
+      // [where; -where] in one all-reduce (max), on the pieces' device (an NCCL group reduces
+      // device tensors only).
+      auto mine = at::tensor(where);
+      auto both = at::cat({mine, -mine}).to(parts.front().device());
+      group.comm->all_reduce(both, dist::ReduceOp::Max);
+      both = both.cpu();
+      const auto n = static_cast<int64_t>(where.size());
+      const auto hi = both.narrow(0, 0, n), lo = both.narrow(0, n, n);
       const auto h = hi.accessor<int64_t, 1>();
       const auto l = lo.accessor<int64_t, 1>();
       for (size_t i = 0; i < group.names.size(); ++i) {
