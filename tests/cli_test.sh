@@ -60,9 +60,17 @@ kill_run=("$TOOLS/loom-pretrain" --model llama --preset llama-tiny --data "$work
 for i in 1 2 3 4 5; do
   extra=()
   [ -f "$work/killed/latest" ] && extra=(--resume "$work/killed")
+  before=$(cat "$work/killed/latest" 2> /dev/null)
   "${kill_run[@]}" "${extra[@]}" &
   pid=$!
-  sleep "1.$((RANDOM % 10))"
+  # Until this run has written a checkpoint of its own (start-up is slow on a loaded machine;
+  # at most 60 s), then a random moment within the next second: mid-save or between saves.
+  for ((w = 0; w < 600; w++)); do
+    [ "$(cat "$work/killed/latest" 2> /dev/null)" != "$before" ] && break
+    kill -0 $pid 2> /dev/null || break
+    sleep 0.1
+  done
+  sleep "0.$((RANDOM % 10))"
   kill -9 $pid 2> /dev/null
   wait $pid 2> /dev/null
   if [ -f "$work/killed/latest" ]; then
