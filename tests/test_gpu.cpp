@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "attention/flash_attention_host.h"
+#include "flash_attention_host_run.h"
 #include "loom/loom.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/train/mfu.h"
@@ -39,45 +39,12 @@ double max_abs(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The host reference (fp32) on CPU copies of the same inputs: output, lse and gradients.
-struct HostResult {
-  at::Tensor o, lse, dq, dk, dv;
-};
-
-HostResult host_reference(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                          const at::Tensor& d_o_in, bool causal, double scale) {
-  auto q = q_in.to(at::kFloat).cpu().contiguous(), k = k_in.to(at::kFloat).cpu().contiguous(),
-       v = v_in.to(at::kFloat).cpu().contiguous(), d_o = d_o_in.to(at::kFloat).cpu().contiguous();
-  HostResult r{at::empty_like(q), at::empty({q.size(0), q.size(1), q.size(2)}), at::empty_like(q),
-               at::empty_like(k), at::empty_like(v)};
-  auto strides = [](const at::Tensor& t) {
-    return kernels::AttentionStrides{t.stride(0), t.stride(1), t.stride(2)};
-  };
-  kernels::FlashAttentionHostParams p;
-  p.batch = static_cast<int>(q.size(0));
-  p.q_heads = static_cast<int>(q.size(1));
-  p.kv_heads = static_cast<int>(k.size(1));
-  p.q_len = static_cast<int>(q.size(2));
-  p.kv_len = static_cast<int>(k.size(2));
-  p.head_dim = static_cast<int>(q.size(3));
-  p.scale = static_cast<float>(scale);
-  p.causal = causal;
-  p.q = q.data_ptr<float>();
-  p.k = k.data_ptr<float>();
-  p.v = v.data_ptr<float>();
-  p.o = r.o.data_ptr<float>();
-  p.lse = r.lse.data_ptr<float>();
-  p.d_o = d_o.data_ptr<float>();
-  p.dq = r.dq.data_ptr<float>();
-  p.dk = r.dk.data_ptr<float>();
-  p.dv = r.dv.data_ptr<float>();
-  p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides(q);
-  p.k_strides = p.dk_strides = strides(k);
-  p.v_strides = p.dv_strides = strides(v);
-  auto status = kernels::flash_attention_forward_host(p);
-  EXPECT_TRUE(status.ok()) << status.message;
-  status = kernels::flash_attention_backward_host(p);
-  EXPECT_TRUE(status.ok()) << status.message;
-  return r;
+loom::testing::FlashAttentionHostRun host_reference(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& d_o,
+                                                    bool causal, double scale) {
+  auto cpu = [](const at::Tensor& t) { return t.to(at::kFloat).cpu().contiguous(); };
+  return loom::testing::run_flash_attention_host(cpu(q), cpu(k), cpu(v), cpu(d_o), causal,
+                                                 static_cast<float>(scale));
 }
 
 struct GpuCase {

@@ -13,16 +13,13 @@
 #include <vector>
 
 #include "attention/flash_attention_host.h"
+#include "flash_attention_host_run.h"
 
 namespace kernels = loom::kernels;
 
 namespace {
 
-kernels::AttentionStrides strides_of(const at::Tensor& t) {
-  EXPECT_EQ(t.dim(), 4);
-  EXPECT_EQ(t.stride(3), 1) << "head_dim must be contiguous";
-  return {t.stride(0), t.stride(1), t.stride(2)};
-}
+using loom::testing::attention_strides_of;
 
 // [batch, heads, seq, dim] fp32 filled with NaN (so an element the reference never writes shows);
 // strided: a transposed view of a [batch, seq, heads, dim] tensor, as attention inputs usually are.
@@ -74,52 +71,16 @@ Result naive(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   return {o.detach(), lse.detach(), q64.grad(), k64.grad(), v64.grad()};
 }
 
-struct HostRun {
-  Result result;
-  kernels::FlashAttentionHostStats forward, backward;
-};
-
-HostRun run_host(const Case& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& d_o, float scale) {
-  HostRun run;
-  Result& r = run.result;
-  r.o = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
-  r.lse = at::full({c.batch, c.q_heads, c.q_len}, std::numeric_limits<float>::quiet_NaN());
-  r.dq = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
-  r.dk = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
-  r.dv = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
-
-  kernels::FlashAttentionHostParams p;
-  p.batch = c.batch;
-  p.q_heads = c.q_heads;
-  p.kv_heads = c.kv_heads;
-  p.q_len = c.q_len;
-  p.kv_len = c.kv_len;
-  p.head_dim = c.head_dim;
-  p.scale = scale;
-  p.causal = c.causal;
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.o_strides = strides_of(r.o);
-  p.d_o_strides = strides_of(d_o);
-  p.dq_strides = strides_of(r.dq);
-  p.dk_strides = strides_of(r.dk);
-  p.dv_strides = strides_of(r.dv);
-  p.q = q.data_ptr<float>();
-  p.k = k.data_ptr<float>();
-  p.v = v.data_ptr<float>();
-  p.o = r.o.data_ptr<float>();
-  p.lse = r.lse.data_ptr<float>();
-  p.d_o = d_o.data_ptr<float>();
-  p.dq = r.dq.data_ptr<float>();
-  p.dk = r.dk.data_ptr<float>();
-  p.dv = r.dv.data_ptr<float>();
-  auto s = kernels::flash_attention_forward_host(p, &run.forward);
-  EXPECT_TRUE(s.ok()) << s.message;
-  s = kernels::flash_attention_backward_host(p, &run.backward);
-  EXPECT_TRUE(s.ok()) << s.message;
-  return run;
+// The reference into NaN-filled outputs laid out like the inputs (strided or not).
+loom::testing::FlashAttentionHostRun run_host(const Case& c, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& d_o, float scale) {
+  loom::testing::FlashAttentionHostRun out;
+  out.o = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  out.dq = nan_tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.strided);
+  out.dk = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+  out.dv = nan_tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.strided);
+  return loom::testing::run_flash_attention_host(q, k, v, d_o, c.causal, scale, out);
 }
 
 // max |got - want| / max(1, max |want|): absolute error for O(1) values, relative for large ones.
@@ -144,8 +105,8 @@ TEST_P(FlashAttentionHost, MatchesNaiveAttentionForwardAndBackward) {
   const float scale = c.scale > 0 ? c.scale : 1.f / std::sqrt(float(c.head_dim));
 
   const Result want = naive(q, k, v, d_o, c.causal, scale);
-  const HostRun run = run_host(c, q, k, v, d_o, scale);
-  const Result& got = run.result;
+  const auto run = run_host(c, q, k, v, d_o, scale);
+  const Result got{run.o, run.lse, run.dq, run.dk, run.dv};
   constexpr double kTol = 1e-5;
   const double err_o = scaled_error(got.o, want.o), err_lse = scaled_error(got.lse, want.lse);
   const double err_dq = scaled_error(got.dq, want.dq), err_dk = scaled_error(got.dk, want.dk);
@@ -277,8 +238,8 @@ TEST(FlashAttentionHostTiles, FullyMaskedRowsGiveZeroOutputAndMinusInfinityLse) 
   p.kv_len = S;
   p.head_dim = D;
   p.scale = 0.5f;
-  p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_of(q);
-  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_of(k);
+  p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = attention_strides_of(q);
+  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = attention_strides_of(k);
   p.q = q.data_ptr<float>();
   p.k = k.data_ptr<float>();
   p.v = v.data_ptr<float>();
