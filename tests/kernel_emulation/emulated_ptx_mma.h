@@ -1,0 +1,71 @@
+#pragma once
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, emulated for the
+// kernel-emulation test (tests/kernel_emulation, docs/gpu.md). transform.py includes this file in
+// place of the kernel's PTX wrapper mma_16816, inside the kernel's namespace, so it includes
+// nothing itself: emulated_cuda_runtime.h (included earlier) provides the emulation. Written by
+// the loom authors for this test.
+//
+// D[16x8] = A[16x16] B[16x8] + C, per warp. The fragment layouts are taken from the PTX ISA
+// ("Matrix Fragments for mma.m16n8k16 with floating point type"), independently of the kernel's
+// own description of them. With g = lane / 4 and t = lane % 4, each 32-bit register holding two
+// 16-bit elements, the lower index in the low 16 bits:
+//   A: a0,a1 = A[g][2t, 2t+1]    a2,a3 = A[g+8][2t, 2t+1]
+//      a4,a5 = A[g][2t+8, 2t+9]  a6,a7 = A[g+8][2t+8, 2t+9]     (registers a[0..3] = pairs)
+//   B: b0,b1 = B[2t, 2t+1][g]    b2,b3 = B[2t+8, 2t+9][g]       (registers b0, b1 = pairs)
+//   C, D: c0,c1 = C[g][2t, 2t+1]  c2,c3 = C[g+8][2t, 2t+1]
+// The warp's last lane to arrive gathers all fragments and computes the product in double
+// precision (the hardware accumulates in at least fp32), rounded to fp32 once per element.
+
+template <typename E>
+float emulated_element_to_float(uint32_t bits) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    __nv_bfloat16_raw raw;
+    raw.x = static_cast<unsigned short>(bits);
+    return __bfloat162float(__nv_bfloat16(raw));
+  } else {
+    static_assert(std::is_same_v<E, __half>);
+    __half_raw raw;
+    raw.x = static_cast<unsigned short>(bits);
+    return __half2float(__half(raw));
+  }
+}
+
+template <typename E>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  const int lane = emulation::lane();
+  const emulation::WarpExchange& exchange = emulation::warp_instruction(
+      std::is_same_v<E, __nv_bfloat16> ? "mma.m16n8k16.bf16" : "mma.m16n8k16.f16", 0,
+      [&](emulation::WarpExchange& x) {
+        for (int i = 0; i < 4; ++i) {
+          x.registers[lane][i] = a[i];
+          x.accumulator[lane][i] = c[i];
+        }
+        x.registers[lane][4] = b0;
+        x.registers[lane][5] = b1;
+      },
+      [](emulation::WarpExchange& x) {
+        float A[16][16], B[16][8], C[16][8];
+        auto half_of = [](uint32_t reg, int i) { return i % 2 ? reg >> 16 : reg & 0xffffu; };
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 4, t = l % 4;
+          for (int i = 0; i < 8; ++i)  // a_i, in register a[i / 2]
+            A[g + 8 * (i / 2 % 2)][2 * t + i % 2 + 8 * (i / 4)] =
+                emulated_element_to_float<E>(half_of(x.registers[l][i / 2], i));
+          for (int i = 0; i < 4; ++i)  // b_i, in register b[i / 2]
+            B[2 * t + i % 2 + 8 * (i / 2)][g] =
+                emulated_element_to_float<E>(half_of(x.registers[l][4 + i / 2], i));
+          for (int i = 0; i < 4; ++i) C[g + 8 * (i / 2)][2 * t + i % 2] = x.accumulator[l][i];
+        }
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 4, t = l % 4;
+          for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+            double sum = C[row][col];
+            for (int k = 0; k < 16; ++k) sum += double(A[row][k]) * double(B[k][col]);
+            x.accumulator[l][i] = float(sum);
+          }
+        }
+      });
+  for (int i = 0; i < 4; ++i) c[i] = exchange.accumulator[lane][i];
+}

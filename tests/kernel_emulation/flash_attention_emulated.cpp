@@ -1,0 +1,544 @@
+// flash_attention_emulated: the CUDA fused-attention kernel (kernels/attention/flash_attention.cu),
+// run on the CPU under the emulation in this folder (see emulated_cuda_runtime.h, transform.py
+// and docs/gpu.md), checked against its host reference and against double-precision attention.
+// It runs the kernel's own index math, fragment layouts and barriers on a machine without a GPU;
+// ctest runs it on every CI run (kernels.flash_attention_emulated). Written by the loom authors.
+//
+// Usage: flash_attention_emulated [ci | all | custom B HQ HKV SQ SKV D CAUSAL BF16 LAYOUT MISALIGN]
+//   ci:     the configurations ctest runs (the default);
+//   all:    those and larger ones (about 90 s);
+//   custom: one configuration; LAYOUT 0 contiguous, 1 [B, S, H, D], 2 padded strides.
+//
+// Per configuration: the forward, then the backward on the kernel's own o and lse, through the
+// public entry points (flash_attention_forward / _backward) with every emulated launch. Passes
+// when o, lse, dq, dk and dv are finite and within tolerance of the host reference (same
+// algorithm, fp32) and of naive attention in double precision (full softmax), the padding
+// between strided rows is untouched, and the emulation reported no error. Inputs are bf16/fp16
+// values; both references get the same rounded values. Every buffer sits between PROT_NONE guard
+// pages; outputs and padding start as NaN, the backward's workspace as NaN bytes.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attention/flash_attention.h"
+#include "attention/flash_attention_host.h"
+#include "emulated_cuda_runtime.h"
+
+namespace {
+
+using loom::kernels::AttentionDtype;
+using loom::kernels::AttentionStrides;
+using loom::kernels::FlashAttentionHostParams;
+using loom::kernels::FlashAttentionParams;
+using loom::kernels::Status;
+
+// ---- Guarded buffers and strided tensors --------------------------------------------------------
+
+// `bytes` of memory whose end (rounded up to 16 bytes) touches a PROT_NONE page, with another
+// PROT_NONE page before its start: an access past either end faults.
+class GuardedBuffer {
+ public:
+  static constexpr size_t kPage = 4096;
+
+  GuardedBuffer() = default;
+  explicit GuardedBuffer(size_t bytes) {
+    const size_t padded = std::max<size_t>((bytes + 15) / 16 * 16, 16);
+    region_ = (padded + kPage - 1) / kPage * kPage;
+    void* map = mmap(nullptr, region_ + 2 * kPage, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+      std::perror("mmap");
+      std::exit(2);
+    }
+    map_ = static_cast<unsigned char*>(map);
+    mprotect(map_, kPage, PROT_NONE);
+    mprotect(map_ + kPage + region_, kPage, PROT_NONE);
+    data_ = map_ + kPage + region_ - padded;
+  }
+  GuardedBuffer(GuardedBuffer&& other) noexcept { *this = std::move(other); }
+  GuardedBuffer& operator=(GuardedBuffer&& other) noexcept {
+    std::swap(map_, other.map_);
+    std::swap(region_, other.region_);
+    std::swap(data_, other.data_);
+    return *this;
+  }
+  ~GuardedBuffer() {
+    if (map_ != nullptr) munmap(map_, region_ + 2 * kPage);
+  }
+
+  void* data() const { return data_; }
+
+ private:
+  unsigned char* map_ = nullptr;
+  size_t region_ = 0;
+  unsigned char* data_ = nullptr;
+};
+
+enum class Layout {
+  kContiguous,  // [B, H, S, D]
+  kSeqMajor,    // [B, S, H, D] viewed as [B, H, S, D], as after a transpose
+  kPadded,      // [B, H, S, D] with gaps (multiples of 8 elements) after rows, heads, batches
+};
+
+constexpr uint16_t kNaN16 = 0x7FFF;  // a NaN in both bf16 and fp16
+
+template <typename E>
+uint16_t to_bits(float x) {
+  E e;
+  if constexpr (std::is_same_v<E, __nv_bfloat16>)
+    e = __float2bfloat16_rn(x);
+  else
+    e = __float2half_rn(x);
+  uint16_t bits;
+  std::memcpy(&bits, &e, 2);
+  return bits;
+}
+
+template <typename E>
+float from_bits(uint16_t bits) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return __bfloat162float(__nv_bfloat16(raw));
+  } else {
+    __half_raw raw;
+    raw.x = bits;
+    return __half2float(__half(raw));
+  }
+}
+
+// A [batch, heads, seq, head_dim] tensor of 16-bit elements in a guarded buffer, with the
+// strides of `layout`. Misaligned: the data starts one element past a 16-byte boundary and the
+// strides are odd, so the kernel must take its element-wise (not 16-byte) path. Every element
+// of the buffer, and all padding, starts as NaN.
+class Tensor {
+ public:
+  Tensor(int batch, int heads, int seq, int head_dim, Layout layout, bool misaligned, int salt)
+      : batch_(batch), heads_(heads), seq_(seq), head_dim_(head_dim) {
+    const int m = misaligned ? 1 : 0;
+    const int64_t row = head_dim + m;
+    switch (layout) {
+      case Layout::kContiguous:
+        strides_ = {int64_t(heads) * seq * row + 5 * m, int64_t(seq) * row + 3 * m, row};
+        break;
+      case Layout::kSeqMajor:
+        strides_ = {int64_t(seq) * heads * row + 5 * m, row, int64_t(heads) * row + 3 * m};
+        break;
+      case Layout::kPadded: {  // gaps that differ between tensors (salt)
+        const int64_t seq_stride = head_dim + 8 * (1 + salt % 3) + m;
+        const int64_t head_stride = seq * seq_stride + 8 * (1 + salt % 5);
+        strides_ = {heads * head_stride + 8 * (2 + salt % 7), head_stride, seq_stride};
+        break;
+      }
+    }
+    offset_ = m;
+    if (batch > 0 && heads > 0 && seq > 0)
+      elements_ = offset_ + (batch - 1) * strides_.batch + (heads - 1) * strides_.head +
+                  (seq - 1) * strides_.seq + head_dim;
+    buffer_ = GuardedBuffer(size_t(elements_) * 2);
+    std::fill(raw(), raw() + elements_, kNaN16);
+  }
+
+  uint16_t* data() const { return raw() + offset_; }
+  const AttentionStrides& strides() const { return strides_; }
+  size_t size() const { return size_t(batch_) * heads_ * seq_ * head_dim_; }
+
+  // Fills the elements with normal(0, amplitude) values; returns them, rounded, contiguous.
+  template <typename E>
+  std::vector<float> fill_random(std::mt19937& rng, float amplitude) {
+    std::normal_distribution<float> normal(0.f, amplitude);
+    std::vector<float> values(size());
+    for_each_element([&](int64_t at, size_t i) {
+      data()[at] = to_bits<E>(normal(rng));
+      values[i] = from_bits<E>(data()[at]);
+    });
+    return values;
+  }
+
+  // The elements, contiguous; sets *padding_untouched to whether every other 16-bit word of the
+  // buffer still holds its NaN.
+  template <typename E>
+  std::vector<float> read(bool* padding_untouched) const {
+    std::vector<float> values(size());
+    std::vector<char> is_element(size_t(elements_), 0);
+    for_each_element([&](int64_t at, size_t i) {
+      values[i] = from_bits<E>(data()[at]);
+      is_element[size_t(offset_ + at)] = 1;
+    });
+    *padding_untouched = true;
+    for (int64_t i = 0; i < elements_; ++i)
+      if (!is_element[size_t(i)] && raw()[i] != kNaN16) *padding_untouched = false;
+    return values;
+  }
+
+ private:
+  uint16_t* raw() const { return static_cast<uint16_t*>(buffer_.data()); }
+
+  template <typename F>
+  void for_each_element(F&& f) const {
+    size_t i = 0;
+    for (int b = 0; b < batch_; ++b)
+      for (int h = 0; h < heads_; ++h)
+        for (int s = 0; s < seq_; ++s)
+          for (int d = 0; d < head_dim_; ++d, ++i)
+            f(b * strides_.batch + h * strides_.head + s * strides_.seq + d, i);
+  }
+
+  int batch_, heads_, seq_, head_dim_;
+  AttentionStrides strides_;
+  int64_t offset_ = 0;    // elements from the buffer's start to element [0, 0, 0, 0]
+  int64_t elements_ = 0;  // the buffer's length, in elements
+  GuardedBuffer buffer_;
+};
+
+// ---- References and comparisons -----------------------------------------------------------------
+
+struct Config {
+  int batch, q_heads, kv_heads, q_len, kv_len, head_dim;
+  bool causal, bf16;
+  Layout layout;
+  bool misaligned;
+  float amplitude;  // of q and k: larger scores exercise the online softmax's rescaling
+};
+
+struct Gradients {
+  std::vector<float> dq, dk, dv;
+};
+
+// Attention in double precision with a full softmax, on contiguous inputs: o and lse, and the
+// gradients given d_o and (as the kernel's backward does) the kernel's o.
+struct NaiveAttention {
+  std::vector<float> o, lse;
+  Gradients grad;
+};
+
+NaiveAttention naive_attention(const Config& c, const std::vector<float>& q,
+                               const std::vector<float>& k, const std::vector<float>& v,
+                               const std::vector<float>& d_o, const std::vector<float>& kernel_o) {
+  const int D = c.head_dim, group = c.q_heads / c.kv_heads;
+  const double scale = 1.0 / std::sqrt(double(D));
+  NaiveAttention r{
+      std::vector<float>(q.size()),
+      std::vector<float>(size_t(c.batch) * c.q_heads * c.q_len),
+      {std::vector<float>(q.size()), std::vector<float>(k.size()), std::vector<float>(v.size())}};
+  std::vector<double> p(size_t(c.kv_len));
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.q_heads; ++h)
+      for (int i = 0; i < c.q_len; ++i) {
+        const size_t row = (size_t(b) * c.q_heads + h) * c.q_len + i;
+        const size_t kv0 = (size_t(b) * c.kv_heads + h / group) * c.kv_len;
+        const float* qi = &q[row * D];
+        const int keys = c.causal ? std::min(i + 1, c.kv_len) : c.kv_len;
+        double max = -INFINITY, sum = 0;
+        for (int j = 0; j < keys; ++j) {
+          double s = 0;
+          for (int x = 0; x < D; ++x) s += double(qi[x]) * k[(kv0 + j) * D + x];
+          p[j] = s * scale;
+          max = std::max(max, p[j]);
+        }
+        for (int j = 0; j < keys; ++j) {
+          p[j] = std::exp(p[j] - max);
+          sum += p[j];
+        }
+        r.lse[row] = keys > 0 ? float(max + std::log(sum)) : -INFINITY;
+        for (int j = 0; j < keys; ++j) p[j] /= sum;
+        for (int x = 0; x < D; ++x) {
+          double o = 0;
+          for (int j = 0; j < keys; ++j) o += p[j] * v[(kv0 + j) * D + x];
+          r.o[row * D + x] = float(o);
+        }
+        const float* doi = &d_o[row * D];
+        double delta = 0;  // rowsum(d_o * o)
+        for (int x = 0; x < D; ++x) delta += double(doi[x]) * kernel_o[row * D + x];
+        std::vector<double> dq(size_t(D), 0.0);
+        for (int j = 0; j < keys; ++j) {
+          const size_t kj = (kv0 + j) * D;
+          double dp = 0;
+          for (int x = 0; x < D; ++x) dp += double(doi[x]) * v[kj + x];
+          const double ds = p[j] * (dp - delta) * scale;
+          for (int x = 0; x < D; ++x) {
+            r.grad.dv[kj + x] += float(p[j] * doi[x]);
+            r.grad.dk[kj + x] += float(ds * qi[x]);
+            dq[x] += ds * k[kj + x];
+          }
+        }
+        for (int x = 0; x < D; ++x) r.grad.dq[row * D + x] = float(dq[x]);
+      }
+  return r;
+}
+
+// max |got - want| / max |want|; *non_finite counts the elements of `got` that are not finite.
+double relative_error(const std::vector<float>& got, const std::vector<float>& want,
+                      int* non_finite) {
+  double max_error = 0, max_want = 1e-6;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      ++*non_finite;
+      continue;
+    }
+    max_error = std::max(max_error, double(std::fabs(got[i] - want[i])));
+    max_want = std::max(max_want, double(std::fabs(want[i])));
+  }
+  return max_error / max_want;
+}
+
+// max |got - want| over rows; -inf matches -inf (rows with no key), anything else not finite
+// counts in *non_finite.
+double lse_error(const std::vector<float>& got, const std::vector<float>& want, int* non_finite) {
+  double max_error = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(want[i]) && got[i] == want[i]) continue;
+    if (!std::isfinite(got[i])) {
+      ++*non_finite;
+      continue;
+    }
+    max_error = std::max(max_error, double(std::fabs(got[i] - want[i])));
+  }
+  return max_error;
+}
+
+std::string describe(const Config& c) {
+  static const char* const kLayouts[] = {"contiguous", "BSHD", "padded"};
+  char text[160];
+  std::snprintf(text, sizeof text, "B%d Hq%d Hkv%d Sq%d Skv%d D%d %s %s %s%s amp%.0f", c.batch,
+                c.q_heads, c.kv_heads, c.q_len, c.kv_len, c.head_dim, c.causal ? "causal" : "full",
+                c.bf16 ? "bf16" : "fp16", kLayouts[int(c.layout)],
+                c.misaligned ? " misaligned" : "", double(c.amplitude));
+  return text;
+}
+
+// ---- One configuration --------------------------------------------------------------------------
+
+template <typename E>
+bool run(const Config& c) {
+  constexpr bool kBf16 = std::is_same_v<E, __nv_bfloat16>;
+  // Relative to max |reference|; measured worst: 5.8e-3 (bf16), 6.4e-4 (fp16). The kernel rounds
+  // P and dS to the element type for its tensor-core products; the references stay in fp32/fp64.
+  const double tolerance = kBf16 ? 1.5e-2 : 2e-3;
+  const double lse_tolerance = 1e-3;  // absolute (natural log); measured worst 1.5e-5
+  std::printf("RUN  %s\n", describe(c).c_str());
+  const auto start = std::chrono::steady_clock::now();
+  const int errors_before = emulation::error_count;
+  std::mt19937 rng(1234);
+
+  auto q_shaped = [&](int salt) {
+    return Tensor(c.batch, c.q_heads, c.q_len, c.head_dim, c.layout, c.misaligned, salt);
+  };
+  auto kv_shaped = [&](int salt) {
+    return Tensor(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.layout, c.misaligned, salt);
+  };
+  Tensor q = q_shaped(0), k = kv_shaped(1), v = kv_shaped(2), o = q_shaped(3), d_o = q_shaped(4),
+         dq = q_shaped(5), dk = kv_shaped(6), dv = kv_shaped(7);
+  const std::vector<float> q_values = q.fill_random<E>(rng, c.amplitude);
+  const std::vector<float> k_values = k.fill_random<E>(rng, c.amplitude);
+  const std::vector<float> v_values = v.fill_random<E>(rng, 1.f);
+  const std::vector<float> d_o_values = d_o.fill_random<E>(rng, 1.f);
+  const size_t rows = size_t(c.batch) * c.q_heads * c.q_len;
+  GuardedBuffer lse_buffer(std::max<size_t>(rows, 1) * sizeof(float));
+  float* lse = static_cast<float*>(lse_buffer.data());
+  std::fill(lse, lse + rows, NAN);
+
+  FlashAttentionParams p;
+  p.batch = c.batch;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  p.q_len = c.q_len;
+  p.kv_len = c.kv_len;
+  p.head_dim = c.head_dim;
+  p.scale = 1.f / std::sqrt(float(c.head_dim));
+  p.causal = c.causal;
+  p.dtype = kBf16 ? AttentionDtype::kBFloat16 : AttentionDtype::kFloat16;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.o = o.data();
+  p.lse = lse;
+  p.d_o = d_o.data();
+  p.dq = dq.data();
+  p.dk = dk.data();
+  p.dv = dv.data();
+  p.q_strides = q.strides();
+  p.k_strides = k.strides();
+  p.v_strides = v.strides();
+  p.o_strides = o.strides();
+  p.d_o_strides = d_o.strides();
+  p.dq_strides = dq.strides();
+  p.dk_strides = dk.strides();
+  p.dv_strides = dv.strides();
+
+  Status s = loom::kernels::flash_attention_forward(p, nullptr);
+  if (!s.ok()) {
+    std::printf("FAIL %s | forward: %s\n", describe(c).c_str(), s.message.c_str());
+    return false;
+  }
+  const size_t workspace_bytes = loom::kernels::flash_attention_backward_workspace_bytes(p);
+  GuardedBuffer workspace(workspace_bytes);
+  std::memset(workspace.data(), 0xFF, workspace_bytes);  // NaN floats: needs no initialization
+  s = loom::kernels::flash_attention_backward(p, workspace_bytes > 0 ? workspace.data() : nullptr,
+                                              workspace_bytes, nullptr);
+  if (!s.ok()) {
+    std::printf("FAIL %s | backward: %s\n", describe(c).c_str(), s.message.c_str());
+    return false;
+  }
+  bool padding_untouched[4];
+  std::vector<float> kernel_o = o.read<E>(&padding_untouched[0]);
+  std::vector<float> kernel_lse(lse, lse + rows);
+  const Gradients kernel_grad{dq.read<E>(&padding_untouched[1]), dk.read<E>(&padding_untouched[2]),
+                              dv.read<E>(&padding_untouched[3])};
+
+  // Host reference: forward on the same rounded inputs; backward on the kernel's o and lse.
+  FlashAttentionHostParams hp;
+  static_cast<loom::kernels::AttentionProblem&>(hp) = p;
+  hp.q_strides = hp.o_strides = hp.d_o_strides = hp.dq_strides =
+      loom::kernels::contiguous_attention_strides(c.q_heads, c.q_len, c.head_dim);
+  hp.k_strides = hp.v_strides = hp.dk_strides = hp.dv_strides =
+      loom::kernels::contiguous_attention_strides(c.kv_heads, c.kv_len, c.head_dim);
+  std::vector<float> host_o(q_values.size()), host_lse(rows);
+  Gradients host_grad{std::vector<float>(q_values.size()), std::vector<float>(k_values.size()),
+                      std::vector<float>(v_values.size())};
+  hp.q = q_values.data();
+  hp.k = k_values.data();
+  hp.v = v_values.data();
+  hp.o = host_o.data();
+  hp.lse = host_lse.data();
+  s = loom::kernels::flash_attention_forward_host(hp);
+  hp.o = kernel_o.data();
+  hp.lse = kernel_lse.data();
+  hp.d_o = d_o_values.data();
+  hp.dq = host_grad.dq.data();
+  hp.dk = host_grad.dk.data();
+  hp.dv = host_grad.dv.data();
+  if (s.ok()) s = loom::kernels::flash_attention_backward_host(hp);
+  if (!s.ok()) {
+    std::printf("FAIL %s | host reference: %s\n", describe(c).c_str(), s.message.c_str());
+    return false;
+  }
+  const NaiveAttention naive =
+      naive_attention(c, q_values, k_values, v_values, d_o_values, kernel_o);
+
+  int non_finite = 0;
+  const double host_errors[] = {relative_error(kernel_o, host_o, &non_finite),
+                                relative_error(kernel_grad.dq, host_grad.dq, &non_finite),
+                                relative_error(kernel_grad.dk, host_grad.dk, &non_finite),
+                                relative_error(kernel_grad.dv, host_grad.dv, &non_finite)};
+  const double naive_errors[] = {relative_error(kernel_o, naive.o, &non_finite),
+                                 relative_error(kernel_grad.dq, naive.grad.dq, &non_finite),
+                                 relative_error(kernel_grad.dk, naive.grad.dk, &non_finite),
+                                 relative_error(kernel_grad.dv, naive.grad.dv, &non_finite)};
+  const double host_lse_error = lse_error(kernel_lse, host_lse, &non_finite);
+  const double naive_lse_error = lse_error(kernel_lse, naive.lse, &non_finite);
+
+  bool ok = non_finite == 0 && host_lse_error <= lse_tolerance &&
+            naive_lse_error <= lse_tolerance && emulation::error_count == errors_before;
+  for (int i = 0; i < 4; ++i)
+    ok = ok && host_errors[i] <= tolerance && naive_errors[i] <= tolerance && padding_untouched[i];
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "%s %s | vs host: o %.1e lse %.1e dq %.1e dk %.1e dv %.1e | vs fp64: o %.1e lse %.1e dq "
+      "%.1e dk %.1e dv %.1e | %.1f s\n",
+      ok ? "PASS" : "FAIL", describe(c).c_str(), host_errors[0], host_lse_error, host_errors[1],
+      host_errors[2], host_errors[3], naive_errors[0], naive_lse_error, naive_errors[1],
+      naive_errors[2], naive_errors[3], seconds);
+  if (non_finite > 0) std::printf("  %d outputs not finite\n", non_finite);
+  static const char* const kOutputs[] = {"o", "dq", "dk", "dv"};
+  for (int i = 0; i < 4; ++i)
+    if (!padding_untouched[i]) std::printf("  %s: written outside its elements\n", kOutputs[i]);
+  return ok;
+}
+
+// ---- Configuration sets -------------------------------------------------------------------------
+
+// What ctest runs (about 15 s on one core): both head dims and dtypes, causal and not, GQA
+// (2:1 to 8:1), several batches, ragged tails (lengths that are no multiple of a tile) and exact
+// multiples, q_len != kv_len both ways, every layout, misaligned data and strides (the kernels'
+// element-wise path), large scores, and the edge shapes (no keys, no queries, one of each).
+std::vector<Config> ci_configs() {
+  const Layout kC = Layout::kContiguous, kT = Layout::kSeqMajor, kP = Layout::kPadded;
+  return {
+      // B Hq Hkv Sq  Skv   D  causal  bf16  layout misaligned amplitude
+      {1, 2, 1, 150, 83, 64, false, true, kP, false, 1.f},
+      {1, 4, 2, 131, 131, 64, true, false, kT, false, 2.f},
+      {1, 3, 1, 97, 97, 64, true, true, kP, true, 3.f},
+      {1, 1, 1, 37, 70, 64, false, false, kC, true, 1.f},
+      {2, 2, 2, 200, 200, 64, true, true, kT, false, 1.f},
+      {1, 8, 1, 64, 64, 64, true, false, kP, false, 1.f},
+      {1, 2, 2, 256, 256, 64, true, true, kC, false, 4.f},
+      {1, 1, 1, 300, 5, 64, false, false, kP, false, 1.f},
+      {1, 4, 2, 257, 190, 64, false, false, kT, false, 1.f},
+      {2, 2, 2, 129, 129, 128, true, true, kT, false, 1.f},
+      {1, 2, 1, 150, 83, 128, false, false, kP, false, 1.f},
+      {1, 3, 1, 65, 65, 128, true, false, kP, true, 2.f},
+      {1, 4, 2, 131, 131, 128, true, true, kP, false, 2.f},
+      {3, 1, 1, 33, 33, 128, true, false, kC, false, 1.f},
+      {1, 1, 1, 5, 300, 128, false, true, kP, false, 1.f},
+      {1, 2, 1, 70, 0, 64, false, true, kC, false, 1.f},   // no keys: o = 0, lse = -inf
+      {1, 2, 1, 0, 70, 128, false, true, kC, false, 1.f},  // no queries: dk = dv = 0
+      {1, 1, 1, 1, 1, 128, true, false, kC, false, 1.f},
+  };
+}
+
+// ci_configs() and larger ones (about 90 s).
+std::vector<Config> all_configs() {
+  const Layout kT = Layout::kSeqMajor, kP = Layout::kPadded;
+  std::vector<Config> configs = ci_configs();
+  for (int d : {64, 128})
+    for (bool bf16 : {true, false}) {
+      configs.push_back({2, 2, 2, 200, 200, d, true, bf16, kT, false, 1.f});
+      configs.push_back({1, 3, 1, 129, 129, d, true, bf16, kP, true, 1.f});
+      configs.push_back({2, 6, 3, 257, 190, d, false, bf16, kT, false, 1.f});
+    }
+  configs.push_back({2, 6, 2, 300, 300, 64, true, true, kP, false, 1.f});
+  return configs;
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: flash_attention_emulated [ci | all | custom B HQ HKV SQ SKV D CAUSAL "
+               "BF16 LAYOUT MISALIGN]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  const std::string set = argc > 1 ? argv[1] : "ci";
+  std::vector<Config> configs;
+  if (set == "ci" && argc <= 2) {
+    configs = ci_configs();
+  } else if (set == "all" && argc == 2) {
+    configs = all_configs();
+  } else if (set == "custom" && argc == 12) {
+    int n[10];
+    for (int i = 0; i < 10; ++i) n[i] = std::atoi(argv[2 + i]);
+    if (n[8] < 0 || n[8] > 2) return usage();
+    configs.push_back(
+        {n[0], n[1], n[2], n[3], n[4], n[5], n[6] != 0, n[7] != 0, Layout(n[8]), n[9] != 0, 1.f});
+  } else {
+    return usage();
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  int failed = 0;
+  for (const Config& c : configs) failed += !(c.bf16 ? run<__nv_bfloat16>(c) : run<__half>(c));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "%zu configurations, %d failed, %d emulation errors; %ld blocks, %ld warp-wide "
+      "instructions, %ld cp.async copies emulated in %.1f s\n",
+      configs.size(), failed, emulation::error_count, emulation::blocks_run,
+      emulation::warp_instructions, emulation::async_copies, seconds);
+  return failed > 0 || emulation::error_count > 0 ? 1 : 0;
+}

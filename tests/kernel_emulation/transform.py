@@ -1,0 +1,153 @@
+"""Rewrites a CUDA kernel source so that the host compiler can build it and run it on the CPU.
+
+Part of the kernel-emulation test (tests/kernel_emulation, docs/gpu.md): CMake runs this on
+kernels/attention/flash_attention.cu at build time and compiles the output, together with the
+emulation headers next to this script, into flash_attention_emulated. Everything that is not a
+rewrite listed here stays as written, so the test runs the kernel's real index math, fragment
+layouts and barriers.
+
+Rewrites:
+  - `#include <cuda_runtime.h>` -> the emulated runtime (emulated_cuda_runtime.h): threads as
+    fibers, __syncthreads, shuffles, the launch, the runtime API calls the host code makes;
+  - the PTX wrapper functions (inline asm: cp.async, ldmatrix, mma.sync, the float2 atomic add)
+    -> the emulated instructions (emulated_ptx_*.h), included where the first wrapper was;
+  - `extern __shared__ ... name[];` -> a pointer to the emulated block's shared memory;
+  - `kernel<<<grid, block, smem, stream>>>(args)` -> emulated_launch(kernel, grid, block, smem,
+    stream, args).
+Removed code is replaced by blank lines and the output starts with a #line directive, so compiler
+messages and debuggers point at the real kernel source.
+
+Every rewrite checks its anchor: if the kernel changes so that an anchor is missing, or so that
+something the emulation cannot run appears (inline asm outside the wrappers, static __shared__
+arrays, __CUDA_ARCH__ branches, a launch syntax not matched), this exits non-zero with a message
+naming it. A kernel edit that breaks the emulation stops the build instead of being skipped.
+
+Usage: transform.py INPUT.cu OUTPUT [--mutate OLD NEW]...
+--mutate replaces the first occurrence of OLD by NEW in the input first (OLD must occur): a
+deliberately broken kernel, to check that the test catches it (docs/gpu.md).
+"""
+import argparse
+import os
+import re
+import sys
+
+# PTX wrappers of the kernel, by function name, and the header that emulates each one.
+EMULATED_WRAPPERS = {
+    "smem_u32": "emulated_ptx_memory.h",  # shared-window address; only the wrappers use it
+    "cp_async_16": "emulated_ptx_memory.h",
+    "cp_async_commit": "emulated_ptx_memory.h",
+    "cp_async_wait": "emulated_ptx_memory.h",
+    "ldmatrix_x4": "emulated_ptx_memory.h",
+    "ldmatrix_x4_trans": "emulated_ptx_memory.h",
+    "mma_16816": "emulated_ptx_mma.h",
+    "atomic_add2": "emulated_atomics.h",
+}
+RUNTIME_INCLUDE = "#include <cuda_runtime.h>"
+EMULATED_RUNTIME_INCLUDE = '#include "emulated_cuda_runtime.h"'
+EXTERN_SHARED = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
+
+
+class TransformError(Exception):
+    pass
+
+
+def remove_function(lines, name):
+    """Blanks out the definition of function `name` (with its template line, if any): from its
+    first line, `__device__ ... name(`, to the first line that is exactly `}`. Returns the index
+    of the first blanked line."""
+    head = re.compile(r"^__device__ __forceinline__ .*\b" + re.escape(name) + r"\(")
+    starts = [i for i, line in enumerate(lines) if head.match(line)]
+    if len(starts) != 1:
+        raise TransformError(
+            f"anchor '__device__ __forceinline__ ... {name}(' found {len(starts)} times "
+            "(expected once): the PTX wrapper it emulates was renamed, moved or duplicated")
+    first = starts[0]
+    if first > 0 and lines[first - 1].startswith("template <"):
+        first -= 1
+    try:
+        last = lines.index("}", starts[0])
+    except ValueError:
+        raise TransformError(f"anchor: no closing '}}' line after function {name}") from None
+    for i in range(first, last + 1):
+        lines[i] = ""
+    return first
+
+
+def transform(source):
+    lines = source.split("\n")
+
+    runtime = [i for i, line in enumerate(lines) if line == RUNTIME_INCLUDE]
+    if len(runtime) != 1:
+        raise TransformError(
+            f"anchor '{RUNTIME_INCLUDE}' found {len(runtime)} times (expected once)")
+    lines[runtime[0]] = EMULATED_RUNTIME_INCLUDE
+
+    starts = {name: remove_function(lines, name) for name in EMULATED_WRAPPERS}
+    # One #include per line, on the blank lines where the first wrapper was.
+    headers = list(dict.fromkeys(EMULATED_WRAPPERS.values()))  # unique, in order
+    first = min(starts.values())
+    if any(lines[first + i] for i in range(len(headers))):
+        raise TransformError(f"no {len(headers)} blank lines for the emulation headers at line "
+                             f"{first + 1} (the first PTX wrapper is shorter than that)")
+    for i, h in enumerate(headers):
+        lines[first + i] = f'#include "{h}"'
+
+    text = "\n".join(lines)
+    text, n_shared = EXTERN_SHARED.subn(r"unsigned char* \1 = emulated_dynamic_shared_memory();",
+                                        text)
+    if n_shared == 0:
+        raise TransformError(
+            "anchor 'extern __shared__ __align__(16) unsigned char NAME[];' not found")
+    text, n_launch = LAUNCH.subn(r"emulated_launch(\1, \2, ", text)
+    if n_launch == 0:
+        raise TransformError("anchor 'kernel<<<grid, block, smem, stream>>>(args)' not found")
+
+    # What the emulation cannot run must not be left behind.
+    leftovers = {
+        r"\basm\b": "inline asm outside the emulated PTX wrappers",
+        r"__shared__": "a __shared__ variable other than one extern dynamic array",
+        r"<<<": "a kernel launch the launch pattern did not match",
+        r"__CUDA_ARCH__": "a __CUDA_ARCH__ branch (the emulation would take the host branch)",
+    }
+    for number, line in enumerate(text.split("\n"), start=1):
+        code = line.split("//")[0]
+        for pattern, what in leftovers.items():
+            if re.search(pattern, code):
+                raise TransformError(f"line {number}: {what}: {line.strip()}")
+    return text, n_launch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("input", help="the kernel source (.cu)")
+    parser.add_argument("output", help="the rewritten source to write")
+    parser.add_argument("--mutate", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                        help="replace the first OLD by NEW in the input first")
+    args = parser.parse_args()
+
+    with open(args.input, encoding="utf-8") as f:
+        source = f.read()
+    for old, new in args.mutate:
+        if old not in source:
+            sys.exit(f"transform.py: --mutate: '{old}' does not occur in {args.input}")
+        source = source.replace(old, new, 1)
+    try:
+        text, n_launch = transform(source)
+    except TransformError as e:
+        sys.exit(f"transform.py: {args.input}: {e}\n(the kernel changed in a way the emulation "
+                 "does not know: update tests/kernel_emulation to match)")
+
+    path = os.path.abspath(args.input)
+    header = (f"// Generated by tests/kernel_emulation/transform.py from {path}; do not edit.\n"
+              f'#line 1 "{path}"\n')
+    tmp = args.output + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(header + text)
+    os.replace(tmp, args.output)
+    print(f"transform.py: {args.output}: {len(EMULATED_WRAPPERS)} PTX wrappers emulated, "
+          f"{n_launch} launches")
+
+
+if __name__ == "__main__":
+    main()
