@@ -44,13 +44,17 @@ std::string to_string(AttentionBackend backend) {
   return "?";
 }
 
+constexpr AttentionBackend kAllBackends[] = {AttentionBackend::kAuto, AttentionBackend::kFused,
+                                             AttentionBackend::kSdpa, AttentionBackend::kMath};
+
 std::vector<std::string> attention_backend_names() {
-  return {"auto", "fused", "sdpa", "math"};
+  std::vector<std::string> names;
+  for (auto b : kAllBackends) names.push_back(to_string(b));
+  return names;
 }
 
 AttentionBackend parse_attention_backend(const std::string& name) {
-  for (auto b : {AttentionBackend::kAuto, AttentionBackend::kFused, AttentionBackend::kSdpa,
-                 AttentionBackend::kMath})
+  for (auto b : kAllBackends)
     if (to_string(b) == name) return b;
   fail("attention backend '{}' is not known; valid: {}", name,
        fmt::join(attention_backend_names(), ", "));
