@@ -672,8 +672,19 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
 }
 
+// ZeRO-3 gathers the parameters as the model holds them, the vocabulary still padded (to
+// --pad-vocab-multiple, even at tp 1, the only tp stage 3 runs at): cut back to the
+// single-process shapes every checkpoint and export holds.
+namespace {
+std::map<std::string, at::Tensor> unpadded(const models::CausalLM& model,
+                                           std::map<std::string, at::Tensor> params) {
+  for (auto& [name, t] : params) t = models::gather_shard(model, name, t);
+  return params;
+}
+}  // namespace
+
 std::map<std::string, at::Tensor> Trainer::gather_parameters() {
-  if (config_.zero == 3) return zero_.front()->gather_parameters();
+  if (config_.zero == 3) return unpadded(*model_, zero_.front()->gather_parameters());
   if (!pipeline_) return models::gather_parameters(*model_);
   std::map<std::string, at::Tensor> out;
   // The tied embedding's two copies are equal: the first one received is kept.
@@ -1073,7 +1084,7 @@ fs::path Trainer::save_checkpoint() {
     }
     rng_states.clear();
   } else if (config_.zero == 3) {
-    params = zero_.front()->gather_parameters(/*only_rank=*/0);
+    params = unpadded(*model_, zero_.front()->gather_parameters(/*only_rank=*/0));
     opt_state.emplace_back("step", at::tensor(zero_.front()->steps_taken(), at::kLong));
   } else if (!zero_.empty()) {
     // Stages 1-2 hold whole parameters (tp shards): collected like plain data parallelism's;
@@ -1264,7 +1275,8 @@ StepResult Trainer::fit() {
     // single-process model.
     std::map<std::string, at::Tensor> params;
     if (config_.zero == 3)
-      params = zero_.front()->gather_parameters(/*only_rank=*/0);  // collective over dp
+      params = unpadded(*model_,
+                        zero_.front()->gather_parameters(/*only_rank=*/0));  // collective over dp
     else
       params = collect_for_rank0(false, {}).first;
     std::exception_ptr failure;
