@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -99,6 +100,49 @@ TEST(Mfu, FlopsPerTokenAndPeaksFollowTheStatedFormula) {
   EXPECT_FALSE(train::peak_flops_for_device("Some Other GPU").has_value());
   EXPECT_DOUBLE_EQ(*train::mfu(1000, 1e9, 1e13), 0.1);
   EXPECT_FALSE(train::mfu(1000, 1e9, 0).has_value());
+}
+
+// Every kernel variant (dtype x head dim x causal) on small shapes against the host reference
+// alone: fast, and it touches only loom's kernels and tensor fills, so scripts/gpu-check runs it
+// under compute-sanitizer (memcheck, racecheck, synccheck). Bounds relative to max(1, max |ref|):
+// 1.5e-2 in bf16, 2e-3 in fp16, the bounds the emulated kernel test (tests/kernel_emulation)
+// holds the same source to; lse within 1e-3.
+TEST(FusedAttentionGpu, EveryVariantOnSmallShapesMatchesTheHostReference) {
+  SKIP_WITHOUT_GPU();
+  const at::Device cuda(at::kCUDA, 0);
+  std::vector<GpuCase> cases;
+  for (auto dtype : {at::kBFloat16, at::kHalf})
+    for (int d : {64, 128})
+      for (bool causal : {false, true}) {
+        cases.push_back({1, 4, 2, 130, 130, d, causal, dtype});             // GQA 2:1, ragged tiles
+        cases.push_back({2, 2, 2, 17, 17, d, causal, dtype});               // less than one tile
+        if (!causal) cases.push_back({1, 2, 1, 70, 200, d, false, dtype});  // S != T
+      }
+  for (const auto& c : cases) {
+    SCOPED_TRACE(describe(c));
+    auto opts = at::TensorOptions(c.dtype).device(cuda);
+    auto q = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
+    auto k = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
+    auto v = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
+    auto d_o = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    const auto ref = host_reference(q, k, v, d_o, c.causal, scale);
+    auto qf = q.clone().requires_grad_(), kf = k.clone().requires_grad_(),
+         vf = v.clone().requires_grad_();
+    auto o = ops::flash_attention(qf, kf, vf, c.causal, scale);
+    o.backward(d_o);
+    auto [o2, lse] = ops::flash_attention_forward(q, k, v, c.causal, scale);
+    torch::cuda::synchronize();
+    const double tolerance = c.dtype == at::kBFloat16 ? 1.5e-2 : 2e-3;
+    auto bound = [&](const at::Tensor& want) {
+      return tolerance * std::max(1.0, want.abs().max().item<double>());
+    };
+    EXPECT_LE(max_abs(lse, ref.lse), 1e-3) << "lse";
+    EXPECT_LE(max_abs(o, ref.o), bound(ref.o)) << "o";
+    EXPECT_LE(max_abs(qf.grad(), ref.dq), bound(ref.dq)) << "dq";
+    EXPECT_LE(max_abs(kf.grad(), ref.dk), bound(ref.dk)) << "dk";
+    EXPECT_LE(max_abs(vf.grad(), ref.dv), bound(ref.dv)) << "dv";
+  }
 }
 
 // The kernel against the host reference of the same algorithm (fp32 on the same rounded inputs)
