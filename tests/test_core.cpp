@@ -85,6 +85,29 @@ TEST(Core, SafetensorsReportsTruncationAndGarbage) {
       std::string::npos);
 }
 
+// The reader reads one tensor's bytes when asked, from a file whose other tensors it never
+// loads; an unknown name, and a file cut short after the reader opened it, are errors naming it.
+TEST(Core, SafetensorsReaderReadsOneTensorAtATime) {
+  TempDir dir;
+  const auto a = at::randn({3, 4}), b = at::arange(6, at::kLong), c = at::randn({2, 2}, at::kHalf);
+  core::save_safetensors(dir / "x.safetensors", {{"a", a}, {"b", b}, {"c", c}}, {{"k", "v"}});
+  const core::SafetensorsReader reader(dir / "x.safetensors");
+  EXPECT_EQ(reader.names(), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_TRUE(reader.contains("b"));
+  EXPECT_FALSE(reader.contains("d"));
+  EXPECT_EQ(reader.metadata().at("k"), "v");
+  EXPECT_TRUE(at::equal(reader.read("c"), c));
+  EXPECT_TRUE(at::equal(reader.read("a"), a));
+  EXPECT_TRUE(at::equal(reader.read("b"), b));
+  auto msg = error_of([&] { reader.read("d"); });
+  EXPECT_NE(msg.find("holds no tensor 'd'"), std::string::npos) << msg;
+  std::filesystem::resize_file(dir / "x.safetensors",
+                               std::filesystem::file_size(dir / "x.safetensors") - 4);
+  EXPECT_TRUE(at::equal(reader.read("a"), a));  // before the cut
+  msg = error_of([&] { reader.read("c"); });
+  EXPECT_NE(msg.find("short read of tensor 'c'"), std::string::npos) << msg;
+}
+
 TEST(Core, AtomicWriteReplacesWholeFile) {
   TempDir dir;
   core::write_file_atomic(dir / "f.txt", "first version");

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)");
   return loom::apps::run_app(app, argc, argv, [&] {
     if (threads > 0) at::set_num_threads(threads);
-    const auto ckpt = loom::train::load_checkpoint(checkpoint);
+    const auto ckpt =
+        loom::train::load_checkpoint(checkpoint, loom::train::model_parameters_only());
     auto model = loom::train::load_model_from_checkpoint(ckpt);
     auto tokenizer = loom::data::load_tokenizer(ckpt.dir);
     if (options.context == 0) {

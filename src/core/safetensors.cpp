@@ -73,7 +73,7 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   });
 }
 
-SafetensorsContents load_safetensors(const std::filesystem::path& path) {
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
   std::ifstream in(path, std::ios::binary);
   LOOM_CHECK(in.good() && std::filesystem::is_regular_file(path),
              "cannot open safetensors file '{}'", path.string());
@@ -90,41 +90,72 @@ SafetensorsContents load_safetensors(const std::filesystem::path& path) {
              path.string(), header_len, file_size);
   std::string text(header_len, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_len));
+  LOOM_CHECK(static_cast<uint64_t>(in.gcount()) == header_len, "'{}': short read", path.string());
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     fail("'{}': safetensors header is not valid JSON: {}", path.string(), e.what());
   }
-  const uint64_t data_size = file_size - 8 - header_len;
-  std::vector<char> data(data_size);
-  in.read(data.data(), static_cast<std::streamsize>(data_size));
-  LOOM_CHECK(static_cast<uint64_t>(in.gcount()) == data_size, "'{}': short read", path.string());
-
-  SafetensorsContents out;
+  const uint64_t data_start = 8 + header_len;
+  const uint64_t data_size = file_size - data_start;
   for (const auto& [name, entry] : header.items()) {
     try {
       if (name == "__metadata__") {
-        for (const auto& [k, v] : entry.items()) out.metadata[k] = v.get<std::string>();
+        for (const auto& [k, v] : entry.items()) metadata_[k] = v.get<std::string>();
         continue;
       }
-      const auto dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path);
-      const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+      Entry e;
+      e.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path);
+      e.shape = entry.at("shape").get<std::vector<int64_t>>();
       const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
       LOOM_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_size,
                  "'{}': tensor '{}' has data offsets outside the file (truncated?)", path.string(),
                  name);
-      auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
-      const uint64_t bytes = t.numel() * t.element_size();
+      uint64_t numel = 1;
+      for (const auto d : e.shape) {
+        LOOM_CHECK(d >= 0, "'{}': tensor '{}' has a negative dimension {}", path.string(), name, d);
+        numel *= static_cast<uint64_t>(d);
+      }
+      const uint64_t bytes = numel * c10::elementSize(e.dtype);
       LOOM_CHECK(bytes == offsets[1] - offsets[0],
                  "'{}': tensor '{}' has {} bytes of data but its shape needs {}", path.string(),
                  name, offsets[1] - offsets[0], bytes);
-      std::memcpy(t.data_ptr(), data.data() + offsets[0], bytes);
-      out.tensors.emplace(name, std::move(t));
+      e.begin = data_start + offsets[0];
+      e.bytes = bytes;
+      entries_.emplace(name, std::move(e));
     } catch (const nlohmann::json::exception& e) {
       fail("'{}': malformed entry for tensor '{}': {}", path.string(), name, e.what());
     }
   }
+}
+
+std::vector<std::string> SafetensorsReader::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, entry] : entries_) out.push_back(name);
+  return out;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) const {
+  auto it = entries_.find(name);
+  LOOM_CHECK(it != entries_.end(), "'{}' holds no tensor '{}'", path_.string(), name);
+  const auto& e = it->second;
+  auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  std::ifstream in(path_, std::ios::binary);
+  LOOM_CHECK(in.good(), "cannot open safetensors file '{}'", path_.string());
+  in.seekg(static_cast<std::streamoff>(e.begin));
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.bytes));
+  LOOM_CHECK(in.good() && static_cast<uint64_t>(in.gcount()) == e.bytes,
+             "'{}': short read of tensor '{}' (the file changed since it was opened?)",
+             path_.string(), name);
+  return t;
+}
+
+SafetensorsContents load_safetensors(const std::filesystem::path& path) {
+  const SafetensorsReader reader(path);
+  SafetensorsContents out;
+  out.metadata = reader.metadata();
+  for (const auto& name : reader.names()) out.tensors.emplace(name, reader.read(name));
   return out;
 }
 

@@ -282,19 +282,33 @@ void init_parameters(CausalLM& model, uint64_t seed) {
 
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source) {
-  torch::NoGradGuard no_grad;
   const int64_t tp = model.tp().size(), rank = model.tp().rank();
   // Every name and shape first: a source that does not fit leaves the model untouched.
+  std::map<std::string, at::Tensor> shards;
   for (const auto& item : model.named_parameters()) {
     auto it = tensors.find(item.key());
     LOOM_CHECK(it != tensors.end(), "'{}' has no tensor '{}'", source, item.key());
-    const auto full_shape = model.shard_spec(item.key()).full_shape(item.value().sizes());
+    const auto& spec = model.shard_spec(item.key());
+    const auto full_shape = spec.full_shape(item.value().sizes());
     LOOM_CHECK(it->second.sizes() == at::IntArrayRef(full_shape),
                "'{}': tensor '{}' has shape {} but the model needs {}", source, item.key(),
                it->second.sizes(), at::IntArrayRef(full_shape));
+    shards.emplace(item.key(), spec.shard(it->second, rank, tp));
   }
-  for (auto& item : model.named_parameters())
-    item.value().copy_(model.shard_spec(item.key()).shard(tensors.at(item.key()), rank, tp));
+  load_parameter_shards(model, shards, source);
+}
+
+void load_parameter_shards(CausalLM& model, const std::map<std::string, at::Tensor>& shards,
+                           const std::string& source) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model.named_parameters()) {
+    auto it = shards.find(item.key());
+    LOOM_CHECK(it != shards.end(), "'{}' has no tensor '{}'", source, item.key());
+    LOOM_CHECK(it->second.sizes() == item.value().sizes(),
+               "'{}': the shard of tensor '{}' has shape {} but this rank's parameter is {}",
+               source, item.key(), it->second.sizes(), item.value().sizes());
+  }
+  for (auto& item : model.named_parameters()) item.value().copy_(shards.at(item.key()));
 }
 
 at::Tensor gather_shard(const CausalLM& model, const std::string& name, const at::Tensor& shard) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 
 #include "loom/core/error.h"
@@ -46,55 +47,89 @@ parallel::tensor::ShardSpec parse_spec(const std::string& text, const std::strin
 
 }  // namespace
 
-void assemble_shards(const fs::path& ckpt, CheckpointContents& out,
-                     std::map<std::string, parallel::tensor::ShardSpec>* specs) {
-  // Every writer's pieces, by tensor, indexed by the writer's tp rank; then each tensor whole.
-  struct Pieces {
-    std::vector<at::Tensor> by_rank;
-    std::optional<parallel::tensor::ShardSpec> spec;
-    std::string file;
+namespace {
+
+// Puts `whole` (key "model/<name>" or "optimizer/<name>") into `out` as `select` keeps it.
+void keep_tensor(CheckpointContents& out, const CheckpointSelection& select, const std::string& key,
+                 at::Tensor whole) {
+  auto kept = select.keep ? select.keep(key, std::move(whole)) : std::move(whole);
+  if (key.starts_with("model/"))
+    out.model.insert_or_assign(key.substr(6), std::move(kept));
+  else if (key.starts_with("optimizer/"))
+    out.optimizer.insert_or_assign(key.substr(10), std::move(kept));
+}
+
+bool wanted(const CheckpointSelection& select, const std::string& key) {
+  return !select.wanted || select.wanted(key);
+}
+
+// The shard files state.json lists under "model_shards": every writer's pieces of each wanted
+// tensor, joined into the single-process tensor one tensor at a time (sharded ones from every tp
+// rank's piece, replicated ones from any copy) and handed to `select.keep` before the next is
+// read. The shard specs of all the model's tensors go into `out.specs`.
+void assemble_shards(CheckpointContents& out, const CheckpointSelection& select) {
+  struct Source {
+    const core::SafetensorsReader* file;
+    int64_t rank, size;
   };
+  struct Pieces {
+    std::vector<Source> sources;
+    std::optional<parallel::tensor::ShardSpec> spec;
+  };
+  std::vector<core::SafetensorsReader> files;
+  for (const auto& name : out.state.at("model_shards"))
+    files.emplace_back(out.dir / name.get<std::string>());
   std::map<std::string, Pieces> tensors;
-  for (const auto& name : out.state.at("model_shards")) {
-    const auto file = ckpt / name.get<std::string>();
-    auto contents = core::load_safetensors(file);
-    const auto& meta = contents.metadata;
+  for (const auto& file : files) {
+    const auto& meta = file.metadata();
     LOOM_CHECK(meta.count("loom.tp_rank") && meta.count("loom.tp_size"),
-               "checkpoint shard '{}' lacks its tensor-parallel coordinates", file.string());
+               "checkpoint shard '{}' lacks its tensor-parallel coordinates", file.path().string());
     const auto rank = std::stoll(meta.at("loom.tp_rank"));
     const auto size = std::stoll(meta.at("loom.tp_size"));
-    for (auto& [key, t] : contents.tensors) {
+    const auto first_size = std::stoll(files.front().metadata().at("loom.tp_size"));
+    LOOM_CHECK(size == first_size && rank >= 0 && rank < size,
+               "checkpoint shard '{}' says it is tp rank {} of {}, but '{}' was written at tp {}",
+               file.path().string(), rank, size, files.front().path().string(), first_size);
+    for (const auto& key : file.names()) {
       auto& p = tensors[key];
-      p.by_rank.resize(static_cast<size_t>(size));
-      p.file = file.string();
-      if (meta.count(key)) {
-        p.spec = parse_spec(meta.at(key), file.string());
-        if (specs && key.starts_with("model/")) (*specs)[key.substr(6)] = *p.spec;
+      p.sources.push_back({&file, rank, size});
+      if (meta.count(key) && !p.spec) {
+        p.spec = parse_spec(meta.at(key), file.path().string());
+        if (key.starts_with("model/")) out.specs[key.substr(6)] = *p.spec;
       }
-      // Stages share the tied embedding, tp ranks the replicated tensors: equal copies.
-      if (!p.by_rank[static_cast<size_t>(rank)].defined())
-        p.by_rank[static_cast<size_t>(rank)] = std::move(t);
     }
   }
-  for (auto& [key, p] : tensors) {
+  for (const auto& [key, p] : tensors) {
+    if (!wanted(select, key)) continue;
     at::Tensor whole;
     if (p.spec) {
-      for (size_t r = 0; r < p.by_rank.size(); ++r)
-        LOOM_CHECK(p.by_rank[r].defined(),
+      // Stages share the tied embedding: equal copies of a piece, the first one read is used.
+      std::vector<at::Tensor> by_rank(static_cast<size_t>(p.sources.front().size));
+      for (const auto& source : p.sources)
+        if (!by_rank[static_cast<size_t>(source.rank)].defined())
+          by_rank[static_cast<size_t>(source.rank)] = source.file->read(key);
+      for (size_t r = 0; r < by_rank.size(); ++r)
+        LOOM_CHECK(by_rank[r].defined(),
                    "checkpoint '{}': tensor '{}' lacks the shard of tp rank {} (its other shards "
                    "are in '{}')",
-                   ckpt.string(), key, r, p.file);
-      whole = p.spec->unshard(p.by_rank);
+                   out.dir.string(), key, r, p.sources.front().file->path().string());
+      whole = p.spec->unshard(by_rank);
     } else {
-      for (auto& t : p.by_rank)
-        if (t.defined()) whole = t;
+      whole = p.sources.front().file->read(key);  // replicated: tp ranks hold equal copies
     }
-    if (key.starts_with("model/"))
-      out.model.emplace(key.substr(6), whole);
-    else if (key.starts_with("optimizer/"))
-      out.optimizer.emplace(key.substr(10), whole);
+    keep_tensor(out, select, key, std::move(whole));
   }
 }
+
+// The tensors of one of the checkpoint's own files, each under `prefix`.
+void load_file(CheckpointContents& out, const CheckpointSelection& select, const char* file,
+               const std::string& prefix) {
+  const core::SafetensorsReader reader(out.dir / file);
+  for (const auto& name : reader.names())
+    if (wanted(select, prefix + name)) keep_tensor(out, select, prefix + name, reader.read(name));
+}
+
+}  // namespace
 
 fs::path checkpoint_dir(const fs::path& dir, int64_t step) {
   return dir / fmt::format("step-{:08d}", step);
@@ -188,7 +223,7 @@ fs::path resolve_checkpoint(const fs::path& path) {
   return *latest;
 }
 
-CheckpointContents load_checkpoint(const fs::path& path) {
+CheckpointContents open_checkpoint(const fs::path& path) {
   const fs::path ckpt = resolve_checkpoint(path);
   CheckpointContents out;
   out.dir = ckpt;
@@ -214,13 +249,29 @@ CheckpointContents load_checkpoint(const fs::path& path) {
                (ckpt / file).string(), actual, expected);
   }
   out.step = out.state.value("step", int64_t{0});
-  out.model = core::load_safetensors(ckpt / kModelFile).tensors;
-  out.optimizer = core::load_safetensors(ckpt / kOptimizerFile).tensors;
-  if (out.state.contains("model_shards")) assemble_shards(ckpt, out, &out.specs);
   return out;
 }
 
-void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
+void load_checkpoint_tensors(CheckpointContents& ckpt, const CheckpointSelection& select) {
+  load_file(ckpt, select, kModelFile, "model/");
+  load_file(ckpt, select, kOptimizerFile, "optimizer/");
+  if (ckpt.state.contains("model_shards")) assemble_shards(ckpt, select);
+}
+
+CheckpointSelection model_parameters_only() {
+  CheckpointSelection select;
+  select.wanted = [](const std::string& key) { return key.starts_with("model/"); };
+  return select;
+}
+
+CheckpointContents load_checkpoint(const fs::path& path, const CheckpointSelection& select) {
+  auto out = open_checkpoint(path);
+  load_checkpoint_tensors(out, select);
+  return out;
+}
+
+void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& select) {
+  const auto& ckpt = out.dir;
   LOOM_CHECK(out.state.contains("zero_shards"),
              "checkpoint '{}' lists no ZeRO shards it could reshard (written before loom could: "
              "resume it in the layout that wrote it)",
@@ -229,12 +280,14 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
   // Per optimizer entry ("<param>.exp_avg", ...): the tensor each tp rank's engines held,
   // rebuilt from the dp ranks' flat shards; then whole across tp.
   std::map<std::string, std::vector<at::Tensor>> by_tp;
-  // Files of one engine (pipeline group and tp rank), indexed by dp rank.
-  std::map<std::pair<std::string, int64_t>, std::vector<core::SafetensorsContents>> engines;
+  // Files of one engine (pipeline group and tp rank), indexed by dp rank; their tensors are read
+  // one at a time, each dropped once its wanted segments are copied out.
+  std::map<std::pair<std::string, int64_t>, std::vector<std::unique_ptr<core::SafetensorsReader>>>
+      engines;
   for (const auto& name : out.state.at("zero_shards")) {
     const auto file = ckpt / name.get<std::string>();
-    auto contents = core::load_safetensors(file);
-    const auto& meta = contents.metadata;
+    auto reader = std::make_unique<core::SafetensorsReader>(file);
+    const auto& meta = reader->metadata();
     for (const char* key :
          {"loom.group", "loom.tp_rank", "loom.tp_size", "dp_rank", "dp_size", "bucket_params"})
       LOOM_CHECK(meta.count(key), "ZeRO shard '{}' lacks '{}' in its metadata", file.string(), key);
@@ -246,16 +299,16 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
     }
     auto& files = engines[{meta.at("loom.group"), std::stoll(meta.at("loom.tp_rank"))}];
     files.resize(static_cast<size_t>(std::stoll(meta.at("dp_size"))));
-    files[static_cast<size_t>(std::stoll(meta.at("dp_rank")))] = std::move(contents);
+    files[static_cast<size_t>(std::stoll(meta.at("dp_rank")))] = std::move(reader);
   }
   for (auto& [engine, files] : engines) {
     const auto tp_rank = engine.second;
     for (size_t r = 0; r < files.size(); ++r)
-      LOOM_CHECK(!files[r].metadata.empty(),
+      LOOM_CHECK(files[r] != nullptr,
                  "checkpoint '{}': the ZeRO shard of dp rank {} ({}, tp rank {}) is missing",
                  ckpt.string(), r, engine.first, tp_rank);
-    const auto tp_size = std::stoll(files.front().metadata.at("loom.tp_size"));
-    const auto buckets = nlohmann::json::parse(files.front().metadata.at("bucket_params"));
+    const auto tp_size = std::stoll(files.front()->metadata().at("loom.tp_size"));
+    const auto buckets = nlohmann::json::parse(files.front()->metadata().at("bucket_params"));
     std::map<std::string, at::Tensor> flat;  // "<param>.<kind>" -> its elements
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       std::vector<std::string> names;
@@ -272,25 +325,31 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
       for (const char* kind : {"exp_avg", "exp_avg_sq", "master"}) {
         const auto key = fmt::format("zero.bucket{}.{}", bi, kind);
         for (size_t r = 0; r < files.size(); ++r) {
-          auto it = files[r].tensors.find(key);
-          if (it == files[r].tensors.end()) {
+          if (!files[r]->contains(key)) {
             // Masters exist only in some runs; the moments always.
             LOOM_CHECK(std::string(kind) == "master",
                        "checkpoint '{}': the ZeRO shard of dp rank {} ({}, tp rank {}) has no '{}'",
                        ckpt.string(), r, engine.first, tp_rank, key);
             continue;
           }
-          LOOM_CHECK(it->second.numel() == layout.shard_numel(),
+          const auto segments = layout.segments(static_cast<int64_t>(r));
+          if (std::none_of(segments.begin(), segments.end(), [&](const auto& seg) {
+                return wanted(select, fmt::format("optimizer/{}.{}", names[seg.param], kind));
+              }))
+            continue;  // none of this rank's parameters: not even read
+          const auto shard = files[r]->read(key).reshape({-1});
+          LOOM_CHECK(shard.numel() == layout.shard_numel(),
                      "checkpoint '{}': '{}' of dp rank {} ({}, tp rank {}) holds {} elements; its "
                      "bucket's layout needs {}",
-                     ckpt.string(), key, r, engine.first, tp_rank, it->second.numel(),
+                     ckpt.string(), key, r, engine.first, tp_rank, shard.numel(),
                      layout.shard_numel());
-          for (const auto& seg : layout.segments(static_cast<int64_t>(r))) {
+          for (const auto& seg : segments) {
             const auto entry = fmt::format("{}.{}", names[seg.param], kind);
+            if (!wanted(select, "optimizer/" + entry)) continue;
             auto& whole = flat[entry];
-            if (!whole.defined()) whole = at::zeros({numels[seg.param]}, it->second.options());
+            if (!whole.defined()) whole = at::zeros({numels[seg.param]}, shard.options());
             whole.narrow(0, seg.param_offset, seg.numel)
-                .copy_(it->second.reshape({-1}).narrow(0, seg.shard_offset, seg.numel));
+                .copy_(shard.narrow(0, seg.shard_offset, seg.numel));
           }
         }
       }
@@ -303,7 +362,6 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
           pieces[static_cast<size_t>(tp_rank)] = it->second.view(shapes[k]);
         }
     }
-    files.clear();  // this engine's raw shards are no longer needed
   }
   for (auto& [entry, pieces] : by_tp) {
     const auto param = entry.substr(0, entry.rfind('.'));
@@ -318,7 +376,8 @@ void assemble_zero_shards(const fs::path& ckpt, CheckpointContents& out) {
       for (auto& t : pieces)
         if (t.defined()) whole = t;
     }
-    out.optimizer.emplace(entry, whole);  // the tied embedding's second copy: equal, skipped
+    pieces.clear();
+    keep_tensor(out, select, "optimizer/" + entry, std::move(whole));
   }
 }
 

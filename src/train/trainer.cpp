@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <tuple>
@@ -111,7 +112,7 @@ std::map<std::string, at::Tensor> tensor_map(const models::CausalLM& model) {
 }  // namespace
 
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const fs::path& path) {
-  return load_model_from_checkpoint(load_checkpoint(path));
+  return load_model_from_checkpoint(load_checkpoint(path, model_parameters_only()));
 }
 
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt) {
@@ -297,7 +298,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   models::ModelConfig model_config;
   std::optional<CheckpointContents> resume;
   if (!config_.resume.empty()) {
-    resume = load_checkpoint(config_.resume);
+    resume = open_checkpoint(config_.resume);  // its tensors load once the model is built
     model_config = models::ModelConfig::from_json(resume->state.value("model_config", json()));
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
     config_.check_resumable_from(saved);
@@ -373,17 +374,28 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   } else {
     build_pipeline_parts(model_config, tp_group);
   }
-  std::map<std::string, at::Tensor> hf_tensors;
-  if (!config_.init_from_hf.empty() && !resume)
-    hf_tensors = tensor_map(*models::load_hf(config_.init_from_hf));
+  if (resume) {
+    // This rank's part of the checkpoint, tensor by tensor: its chunks' parameters and their
+    // optimizer state as its tp shards, the step counts and RNG states. Ranks read different
+    // tensors, so one may fail alone: all learn of it here (before ZeRO takes the parameters
+    // over, and before any collective).
+    std::string error;
+    try {
+      load_checkpoint_tensors(*resume, rank_selection(resume->dir));
+      for (auto& chunk : chunks_)
+        models::load_parameter_shards(*chunk, resume->model, resume->dir.string());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    resume->model.clear();  // copied into the parameters
+    share_outcome(error, fmt::format("load their part of checkpoint '{}'", resume->dir.string()));
+  } else if (!config_.init_from_hf.empty()) {
+    const auto hf_tensors = tensor_map(*models::load_hf(config_.init_from_hf));
+    for (auto& chunk : chunks_) models::load_parameters(*chunk, hf_tensors, config_.init_from_hf);
+  } else {
+    for (auto& chunk : chunks_) models::init_parameters(*chunk, config_.seed);
+  }
   for (auto& chunk : chunks_) {
-    if (!hf_tensors.empty())
-      models::load_parameters(*chunk, hf_tensors, config_.init_from_hf);
-    else
-      models::init_parameters(*chunk, config_.seed);
-    // Checkpoints hold single-process tensors: each rank takes its shards (before ZeRO takes
-    // the parameters over).
-    if (resume) models::load_parameters(*chunk, resume->model, resume->dir.string());
     chunk->to(device_);
     chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));
     chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
@@ -392,7 +404,6 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     if (config_.offload_activations)
       chunk->set_activation_offload(std::make_shared<parallel::memory::ActivationOffloader>());
   }
-  hf_tensors.clear();
   flops_per_token_ = model_flops_per_token(model_config, config_.seq_len);
   peak_flops_ = config_.peak_tflops * 1e12;
   if (peak_flops_ == 0 && device_.is_cuda()) {
@@ -484,7 +495,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
     // The optimizer state: ZeRO shards of the same layout load rank by rank, exactly; anything
     // else (another layout, ZeRO to replicated or back) goes through the whole per-parameter
-    // state load_checkpoint assembled, each rank taking its tp shard (and ZeRO its segments).
+    // state the rank's selection kept (its tp shards; ZeRO then takes its segments).
     const auto saved_bounds =
         resume->state.value("pipeline_bounds", std::vector<int64_t>{0, model_config.n_layers});
     const auto bounds =
@@ -519,23 +530,10 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
           zero_[c]->load_state(shard.tensors, shard.metadata, shard_file.string());
         }
       } else {
-        // ZeRO shards of another layout: cut back into whole per-parameter state first.
-        if (saved.zero > 0) assemble_zero_shards(resume->dir, *resume);
-        auto opt_state = resume->optimizer;
-        for (auto& [key, tensor] : opt_state) {
-          std::string param;
-          const models::CausalLM* holder = nullptr;
-          for (const auto& chunk : chunks_) {
-            param = param_of_state_key(key, *chunk);
-            if (!param.empty()) {
-              holder = chunk.get();
-              break;
-            }
-          }
-          if (!holder) continue;  // another stage's, or the step count and RNG states
-          const auto& spec = holder->shard_spec(param);
-          if (spec.sharded()) tensor = spec.shard(tensor, holder->tp().rank(), holder->tp().size());
-        }
+        // ZeRO shards of another layout: cut back into per-parameter state first (this rank's
+        // parameters' only, as its tp shards).
+        if (saved.zero > 0) assemble_zero_shards(*resume, rank_selection(resume->dir));
+        const auto& opt_state = resume->optimizer;
         const auto source =
             fmt::format("checkpoint '{}'{}", resume->dir.string(),
                         saved.zero > 0 && !resume->state.contains("zero_shards")
@@ -559,12 +557,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     } catch (const std::exception& e) {
       error = e.what();
     }
-    auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
-    if (mesh_->world_size() > 1) mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
-    LOOM_CHECK(error.empty(), "{}", error);
-    LOOM_CHECK(failed.item<int>() == 0,
-               "{} rank(s) could not load their optimizer state from '{}' (their errors say why)",
-               failed.item<int>(), resume->dir.string());
+    share_outcome(error, fmt::format("load their optimizer state from '{}'", resume->dir.string()));
     step_ = resume->step;
     auto& gen = model_->tp().generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -709,6 +702,47 @@ core::NamedTensors Trainer::local_full_state(bool optimizer) const {
     out.emplace_back("optimizer/" + key, tensor);
   }
   return out;
+}
+
+CheckpointSelection Trainer::rank_selection(const fs::path& dir) const {
+  // This rank's parameters: the chunk holding each and its local shape.
+  struct Held {
+    const models::CausalLM* chunk;
+    std::vector<int64_t> local_shape;
+  };
+  auto held = std::make_shared<std::map<std::string, Held>>();
+  for (const auto& chunk : chunks_)
+    for (const auto& item : chunk->named_parameters())
+      held->emplace(item.key(), Held{chunk.get(), item.value().sizes().vec()});
+  // The parameter a checkpoint key belongs to ("" for entries of none: step counts, RNG states).
+  auto param_of = [](const std::string& key) -> std::string {
+    if (key.starts_with("model/")) return key.substr(6);
+    if (!key.starts_with("optimizer/")) return {};
+    for (const char* suffix : {".exp_avg_sq", ".exp_avg", ".master"})
+      if (key.ends_with(suffix)) return key.substr(10, key.size() - 10 - std::strlen(suffix));
+    return {};
+  };
+  CheckpointSelection select;
+  select.wanted = [held, param_of](const std::string& key) {
+    const auto param = param_of(key);
+    return param.empty() || held->count(param) > 0;  // not another stage's parameter's
+  };
+  select.keep = [held, param_of, dir](const std::string& key, at::Tensor whole) {
+    const auto param = param_of(key);
+    auto it = held->find(param);
+    if (it == held->end()) return whole;
+    const auto& [chunk, local_shape] = it->second;
+    const auto& spec = chunk->shard_spec(param);
+    const auto full_shape = spec.full_shape(local_shape);
+    LOOM_CHECK(whole.sizes() == at::IntArrayRef(full_shape),
+               "'{}': tensor '{}' has shape {} but the model needs {}", dir.string(),
+               key.substr(key.find('/') + 1), whole.sizes(), at::IntArrayRef(full_shape));
+    if (!spec.sharded()) return whole;
+    // A tensor of its own (a piece of a view would keep the whole one alive until the end).
+    auto piece = spec.shard(whole, chunk->tp().rank(), chunk->tp().size());
+    return piece.is_alias_of(whole) && piece.numel() < whole.numel() ? piece.clone() : piece;
+  };
+  return select;
 }
 
 std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> Trainer::collect_for_rank0(
@@ -1114,7 +1148,6 @@ fs::path Trainer::save_checkpoint() {
       }
     }
     share_rank0_outcome(failure, fmt::format("prepare '{}'", staging.string()));
-    int failed = 0;
     std::string error;
     try {
       for (size_t c = 0; c < zero_.size(); ++c) {
@@ -1139,15 +1172,10 @@ fs::path Trainer::save_checkpoint() {
         core::save_safetensors(staging / model_shard_name(pp_rank(), mesh_->coord(dist::Dim::tp)),
                                my_shard, my_specs);
     } catch (const std::exception& e) {
-      failed = 1;
       error = e.what();
     }
-    auto any = at::full({1}, failed, at::kInt);
-    mesh_->world().all_reduce(any, dist::ReduceOp::Sum);
-    LOOM_CHECK(failed == 0, "{}", error);
-    LOOM_CHECK(any.item<int>() == 0,
-               "{} rank(s) failed to write their checkpoint shards for step {} into '{}'",
-               any.item<int>(), step_, staging.string());
+    share_outcome(error, fmt::format("write their checkpoint shards for step {} into '{}'", step_,
+                                     staging.string()));
     for (int64_t p = 0; p < pp_size(); ++p)
       for (int64_t c = 0; c < static_cast<int64_t>(zero_.size()); ++c)
         for (int64_t t = 0; t < tp_size(); ++t)
@@ -1192,6 +1220,14 @@ fs::path Trainer::save_checkpoint() {
   share_rank0_outcome(failure,
                       fmt::format("write checkpoint step {} into '{}'", step_, config_.save_dir));
   return dir;
+}
+
+void Trainer::share_outcome(const std::string& error, const std::string& what) {
+  auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+  if (mesh_->world_size() > 1) mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
+  LOOM_CHECK(error.empty(), "{}", error);
+  LOOM_CHECK(failed.item<int>() == 0, "{} rank(s) could not {} (their errors say why)",
+             failed.item<int>(), what);
 }
 
 void Trainer::share_rank0_outcome(const std::exception_ptr& failure, const std::string& what) {

@@ -12,6 +12,7 @@
 #include "../test_util.h"
 #include "dist_util.h"
 #include "loom/core/files.h"
+#include "loom/core/memory.h"
 #include "loom/core/safetensors.h"
 #include "loom/dist/gather_tensors.h"
 #include "loom/models/layer_costs.h"
@@ -479,6 +480,51 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   }
 }
 
+// A resume reads the checkpoint tensor by tensor and each rank keeps only its own shards: at
+// tp 2 x pp 2, building the resumed Trainer holds well under the whole model's state at its peak
+// (what a loader that assembles every tensor first must hold at least once), yet resumes
+// exactly: the step after the resume gives the saver's parameters bit for bit (its AdamW
+// moments and step count came back too).
+TEST(TrainerPipeline, AResumeHoldsOnlyTheRanksOwnShards) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = Layout{"gpt2", 1, 2, 2, "1f1b"}.applied_to(pipeline_config(dir.path(), "gpt2"));
+  config.steps = 3;
+  config.save_every = 2;
+  config.save_dir = (dir / "saved").string();
+  auto mesh = [] { return loom::testing::runtime().mesh({.dp = 1, .tp = 2, .pp = 2}); };
+  std::map<std::string, at::Tensor> saved;
+  double whole_state = 0;  // the single-process model's parameters and AdamW moments, fp32
+  {
+    train::Trainer t(config, mesh());
+    t.fit();
+    for (auto& [name, p] : t.gather_parameters()) saved[name] = p.clone();
+    whole_state = 3.0 * 4.0 * static_cast<double>(t.model_config().num_parameters());
+  }
+  loom::core::install_memory_tracking();
+  world().barrier();
+  const auto before = loom::core::memory_counters().current_bytes;
+  loom::core::reset_peak_memory();
+  auto resumed = config;
+  resumed.resume = (fs::path(config.save_dir) / "step-00000002").string();
+  resumed.save_dir = (dir / "resumed").string();
+  train::Trainer t(resumed, mesh());
+  const double peak = static_cast<double>(loom::core::memory_counters().peak_bytes - before);
+  const auto own = t.memory_report();
+  const double own_state = static_cast<double>(own.parameters + own.optimizer);
+  std::printf("rank %d: resume peak %.2f MiB, own state %.2f MiB, whole model state %.2f MiB\n",
+              static_cast<int>(world().rank()), peak / (1 << 20), own_state / (1 << 20),
+              whole_state / (1 << 20));
+  EXPECT_GT(own_state, 0.2 * whole_state);  // the model is big enough to tell the two apart
+  EXPECT_LT(own_state, 0.5 * whole_state);
+  EXPECT_LT(peak, 0.6 * whole_state);  // measured 0.25-0.28 (an assembling loader: >= 1)
+  EXPECT_EQ(t.step(), 2);
+  t.train_step();
+  for (const auto& [name, p] : t.gather_parameters())
+    EXPECT_TRUE(at::equal(p, saved.at(name))) << name << " differs one step after the resume";
+}
+
 // A missing or corrupted shard file is found before any weights are touched.
 TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
@@ -492,8 +538,36 @@ TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
     train::Trainer t(config, loom::testing::runtime().mesh({.pp = 2}));
     t.fit();
   }
+  // A tensor missing from the second stage's shard (the file otherwise sound, its checksum
+  // updated): only rank 1 needs it and fails naming it; rank 0, whose part loads, fails too
+  // instead of waiting for rank 1 in the first collective.
+  const auto ckpt = fs::path(config.save_dir) / "step-00000001";
+  const auto lacking = dir / "lacking";
   if (world().rank() == 0) {
-    const auto ckpt = fs::path(config.save_dir) / "step-00000001";
+    fs::copy(ckpt, lacking, fs::copy_options::recursive);
+    const auto shard = lacking / "model-pp001-tp000.safetensors";
+    auto contents = loom::core::load_safetensors(shard);
+    EXPECT_EQ(contents.tensors.erase("model/transformer.h.7.mlp.c_fc.weight"), 1u);
+    loom::core::save_safetensors(shard, {contents.tensors.begin(), contents.tensors.end()},
+                                 contents.metadata);
+    auto state = nlohmann::json::parse(loom::core::read_file(lacking / "state.json"));
+    state["checksums"]["model-pp001-tp000.safetensors"] = loom::core::file_crc32(shard);
+    loom::core::write_file_atomic(lacking / "state.json", state.dump(2));
+  }
+  world().barrier();
+  {
+    auto resumed = config;
+    resumed.resume = lacking.string();
+    resumed.save_dir = (dir / "resumed").string();
+    const auto e =
+        error_of([&] { train::Trainer t(resumed, loom::testing::runtime().mesh({.pp = 2})); });
+    if (world().rank() == 1)
+      EXPECT_TRUE(contains(e, "has no tensor 'transformer.h.7.mlp.c_fc.weight'")) << e;
+    else
+      EXPECT_TRUE(contains(e, "1 rank(s) could not load their part of checkpoint")) << e;
+  }
+  world().barrier();
+  if (world().rank() == 0) {
     // A model of another shape: refused, naming the tensor, before any weight is written.
     {
       auto other_config = models::ModelConfig::preset("gpt2-tiny");

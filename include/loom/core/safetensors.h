@@ -25,6 +25,35 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
                       const std::map<std::string, std::string>& metadata = {});
 
 // Throws loom::Error naming the path and the problem for a missing, truncated or malformed file.
+// Peak memory: the tensors themselves (each is read straight into its own storage).
 SafetensorsContents load_safetensors(const std::filesystem::path& path);
+
+// One safetensors file read tensor by tensor: the header is parsed and checked when the reader
+// is made, and a tensor's bytes are read only when it is asked for. What a loader that needs a
+// few tensors of a large file (a rank's own parameters in a checkpoint) uses.
+class SafetensorsReader {
+ public:
+  // Throws loom::Error naming the path and the problem for a missing, truncated or malformed
+  // file, as load_safetensors does.
+  explicit SafetensorsReader(const std::filesystem::path& path);
+
+  const std::filesystem::path& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  std::vector<std::string> names() const;  // sorted
+  bool contains(const std::string& name) const { return entries_.count(name) > 0; }
+  // A new CPU tensor holding `name`'s data. Throws loom::Error naming the file for an unknown
+  // name or a short read.
+  at::Tensor read(const std::string& name) const;
+
+ private:
+  struct Entry {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    uint64_t begin = 0, bytes = 0;  // from the start of the file
+  };
+  std::filesystem::path path_;
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
 
 }  // namespace loom::core

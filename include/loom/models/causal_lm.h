@@ -208,6 +208,12 @@ void init_parameters(CausalLM& model, uint64_t seed);
 void load_parameters(CausalLM& model, const std::map<std::string, at::Tensor>& tensors,
                      const std::string& source);
 
+// Copies shards[name], already this rank's shard of each parameter (its local shape, as
+// ShardSpec::shard cuts it), into every parameter. A missing name or a shape that differs is a
+// loom::Error naming `source`, raised before any parameter is written.
+void load_parameter_shards(CausalLM& model, const std::map<std::string, at::Tensor>& shards,
+                           const std::string& source);
+
 // Every parameter in its single-process shape (vocabulary padding dropped), assembled from the
 // shards. Sharded parameters come back as new tensors; replicated ones as detached aliases of
 // the live parameters (clone them to keep a snapshot). Collective over the model's tp group:

@@ -13,9 +13,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
 
 #include "loom/core/safetensors.h"
 #include "loom/parallel/tensor/shard_spec.h"
@@ -46,26 +48,49 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& dir, int64_t 
                                       int keep_last = 2,
                                       const std::vector<std::filesystem::path>& moved_files = {});
 
-// `path` is either a save directory (its `latest` is used) or one checkpoint directory.
-// Verifies every checksum; throws loom::Error naming the file that is missing or corrupt. A
-// checkpoint of a model split over tp or pp (state.json's "model_shards": one file per writer
-// rank, each tensor with its shard spec) comes back assembled into single-process tensors.
-CheckpointContents load_checkpoint(const std::filesystem::path& path);
+// Which tensors of a checkpoint a caller loads, and in what form it keeps them. Keys are
+// "model/<parameter>" and "optimizer/<entry>" (the AdamW state "<parameter>.exp_avg",
+// ".exp_avg_sq", ".master", the step count "step", the RNG states). Tensors are read and
+// assembled one at a time, each handed to `keep` before the next is read: a rank that keeps only
+// its own shards never holds the whole model or its optimizer state (the Trainer's resume).
+struct CheckpointSelection {
+  std::function<bool(const std::string& key)> wanted;  // null: every tensor
+  // Called with each wanted tensor in its single-process shape as soon as it is whole; what it
+  // returns is what the contents keep (a rank's shard, as a tensor of its own). Null: the whole
+  // tensor.
+  std::function<at::Tensor(const std::string& key, at::Tensor whole)> keep;
+};
 
-// Reassembles `out.model` and `out.optimizer` from the shard files state.json lists under
-// "model_shards" (checksums already verified): each sharded tensor from every tp rank's piece,
-// a replicated one from any copy. Throws loom::Error naming a missing piece.
-// The shard specs of the model's tensors are put into `specs` (by parameter name).
-void assemble_shards(const std::filesystem::path& ckpt, CheckpointContents& out,
-                     std::map<std::string, parallel::tensor::ShardSpec>* specs = nullptr);
+// `path` is either a save directory (its `latest` is used) or one checkpoint directory. Reads
+// state.json and verifies every checksum; loads no tensor. Throws loom::Error naming the file
+// that is missing or corrupt.
+CheckpointContents open_checkpoint(const std::filesystem::path& path);
 
-// Adds to `out.optimizer` the whole AdamW state ("<param>.exp_avg", ".exp_avg_sq", ".master")
-// rebuilt from the ZeRO shards state.json lists under "zero_shards" (not done by
-// load_checkpoint: only a resume in another layout needs it): each engine's flat dp shards cut
-// back into parameters (their metadata names them and their shard specs), then joined across
-// tp. So a ZeRO run resumes in any layout, ZeRO or not. A missing dp or tp shard, or a shard
-// without its moments or of the wrong length, is a loom::Error naming it.
-void assemble_zero_shards(const std::filesystem::path& ckpt, CheckpointContents& out);
+// Loads the selected tensors into `ckpt.model` and `ckpt.optimizer`. A checkpoint of a model
+// split over tp or pp (state.json's "model_shards": one file per writer rank, each tensor with
+// its shard spec) gives single-process tensors, each assembled from every tp rank's piece (a
+// replicated one from any copy); the shard specs of all its tensors go into `ckpt.specs`.
+// Throws loom::Error naming a missing piece.
+void load_checkpoint_tensors(CheckpointContents& ckpt, const CheckpointSelection& select = {});
+
+// Selects the parameters alone ("model/..."): what loading a model for evaluation or generation
+// needs.
+CheckpointSelection model_parameters_only();
+
+// open_checkpoint, then load_checkpoint_tensors.
+CheckpointContents load_checkpoint(const std::filesystem::path& path,
+                                   const CheckpointSelection& select = {});
+
+// Adds to `out.optimizer` the AdamW state ("<param>.exp_avg", ".exp_avg_sq", ".master") that
+// `select` wants, rebuilt from the ZeRO shards state.json lists under "zero_shards" (not done by
+// load_checkpoint_tensors: only a resume in another layout needs it): each engine's flat dp
+// shards cut back into parameters (their metadata names them and their shard specs), then joined
+// across tp and handed to `select.keep`. So a ZeRO run resumes in any layout, ZeRO or not. Holds
+// the wanted entries of every tp rank at once. Call it after load_checkpoint_tensors: checkpoints
+// written before ZeRO shards carried their parameters' shard specs take them from `out.specs`.
+// A missing dp or tp shard, or a shard without its moments or of the wrong length, is a
+// loom::Error naming it.
+void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& select = {});
 
 // A checkpoint directory as given, or the one a save directory's `latest` names. Throws
 // loom::Error when `path` is neither.

@@ -104,6 +104,10 @@ class Trainer {
   // with `optimizer` their AdamW state as the checkpoint stores it, keys prefixed
   // "optimizer/".
   core::NamedTensors local_full_state(bool optimizer) const;
+  // What this rank loads of a checkpoint in `dir` to resume: its chunks' parameters (checked
+  // against their single-process shapes) and AdamW state, each cut to its tp shard, and the
+  // entries of no parameter (step counts, RNG states); no other stage's tensors.
+  CheckpointSelection rank_selection(const std::filesystem::path& dir) const;
   // What rank 0 writes without ZeRO: every parameter (and the optimizer state, with
   // `extra_optimizer` entries added), collected over tp and the pipeline; empty elsewhere.
   // Collective over replica 0.
@@ -117,6 +121,10 @@ class Trainer {
   // After rank 0 wrote something (checkpoint, export) while the others waited: every rank
   // learns whether it worked; rank 0 rethrows its error, the others throw naming `what`.
   void share_rank0_outcome(const std::exception_ptr& failure, const std::string& what);
+  // After every rank tried something of its own (`error` empty when it worked): a rank that
+  // failed throws its error, the others throw naming how many failed and `what` they could not
+  // do, so none waits in a collective for a rank that gave up. Collective over the world.
+  void share_outcome(const std::string& error, const std::string& what);
 
   int64_t dp_size() const { return mesh_->size(dist::Dim::dp); }
   int64_t dp_rank() const { return mesh_->coord(dist::Dim::dp); }
