@@ -60,6 +60,36 @@ std::string describe(const GpuCase& c) {
                      c.dtype == at::kBFloat16 ? "bf16" : "fp16");
 }
 
+// Case `c` run on the GPU: random N(0, 1) inputs, the host reference's results on them, and the
+// fused kernel's (through autograd for o and the gradients; the forward-only op for o and lse).
+struct FusedCaseRun {
+  at::Tensor q, k, v, d_o;
+  double scale = 0;
+  loom::testing::FlashAttentionHostRun ref;
+  at::Tensor o, o_forward, lse, dq, dk, dv;
+};
+
+FusedCaseRun run_fused_case(const GpuCase& c) {
+  FusedCaseRun r;
+  auto opts = at::TensorOptions(c.dtype).device(at::Device(at::kCUDA, 0));
+  r.q = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
+  r.k = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
+  r.v = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
+  r.d_o = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
+  r.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  r.ref = host_reference(r.q, r.k, r.v, r.d_o, c.causal, r.scale);
+  auto q = r.q.clone().requires_grad_(), k = r.k.clone().requires_grad_(),
+       v = r.v.clone().requires_grad_();
+  r.o = ops::flash_attention(q, k, v, c.causal, r.scale);
+  r.o.backward(r.d_o);
+  r.dq = q.grad();
+  r.dk = k.grad();
+  r.dv = v.grad();
+  std::tie(r.o_forward, r.lse) = ops::flash_attention_forward(r.q, r.k, r.v, c.causal, r.scale);
+  torch::cuda::synchronize();
+  return r;
+}
+
 }  // namespace
 
 // Runs everywhere: the fused op names why it cannot take inputs.
@@ -109,7 +139,6 @@ TEST(Mfu, FlopsPerTokenAndPeaksFollowTheStatedFormula) {
 // holds the same source to; lse within 1e-3.
 TEST(FusedAttentionGpu, EveryVariantOnSmallShapesMatchesTheHostReference) {
   SKIP_WITHOUT_GPU();
-  const at::Device cuda(at::kCUDA, 0);
   std::vector<GpuCase> cases;
   for (auto dtype : {at::kBFloat16, at::kHalf})
     for (int d : {64, 128})
@@ -120,28 +149,18 @@ TEST(FusedAttentionGpu, EveryVariantOnSmallShapesMatchesTheHostReference) {
       }
   for (const auto& c : cases) {
     SCOPED_TRACE(describe(c));
-    auto opts = at::TensorOptions(c.dtype).device(cuda);
-    auto q = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
-    auto k = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
-    auto v = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
-    auto d_o = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    const auto ref = host_reference(q, k, v, d_o, c.causal, scale);
-    auto qf = q.clone().requires_grad_(), kf = k.clone().requires_grad_(),
-         vf = v.clone().requires_grad_();
-    auto o = ops::flash_attention(qf, kf, vf, c.causal, scale);
-    o.backward(d_o);
-    auto [o2, lse] = ops::flash_attention_forward(q, k, v, c.causal, scale);
-    torch::cuda::synchronize();
+    const auto r = run_fused_case(c);
+    const auto& ref = r.ref;
     const double tolerance = c.dtype == at::kBFloat16 ? 1.5e-2 : 2e-3;
     auto bound = [&](const at::Tensor& want) {
       return tolerance * std::max(1.0, want.abs().max().item<double>());
     };
-    EXPECT_LE(max_abs(lse, ref.lse), 1e-3) << "lse";
-    EXPECT_LE(max_abs(o, ref.o), bound(ref.o)) << "o";
-    EXPECT_LE(max_abs(qf.grad(), ref.dq), bound(ref.dq)) << "dq";
-    EXPECT_LE(max_abs(kf.grad(), ref.dk), bound(ref.dk)) << "dk";
-    EXPECT_LE(max_abs(vf.grad(), ref.dv), bound(ref.dv)) << "dv";
+    EXPECT_EQ(max_abs(r.o, r.o_forward), 0.0) << "the op's forward and the autograd forward differ";
+    EXPECT_LE(max_abs(r.lse, ref.lse), 1e-3) << "lse";
+    EXPECT_LE(max_abs(r.o, ref.o), bound(ref.o)) << "o";
+    EXPECT_LE(max_abs(r.dq, ref.dq), bound(ref.dq)) << "dq";
+    EXPECT_LE(max_abs(r.dk, ref.dk), bound(ref.dk)) << "dk";
+    EXPECT_LE(max_abs(r.dv, ref.dv), bound(ref.dv)) << "dv";
   }
 }
 
@@ -151,7 +170,6 @@ TEST(FusedAttentionGpu, EveryVariantOnSmallShapesMatchesTheHostReference) {
 // fused kernel is as exact as PyTorch's. Inputs ~ N(0, 1); outputs and gradients are O(1).
 TEST(FusedAttentionGpu, MatchesTheHostReferenceAndSdpa) {
   SKIP_WITHOUT_GPU();
-  const at::Device cuda(at::kCUDA, 0);
   std::vector<GpuCase> cases;
   for (auto dtype : {at::kBFloat16, at::kHalf})
     for (int d : {64, 128})
@@ -163,20 +181,11 @@ TEST(FusedAttentionGpu, MatchesTheHostReferenceAndSdpa) {
       }
   for (const auto& c : cases) {
     SCOPED_TRACE(describe(c));
-    auto opts = at::TensorOptions(c.dtype).device(cuda);
-    auto q = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
-    auto k = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
-    auto v = at::randn({c.batch, c.kv_heads, c.kv_len, c.head_dim}, opts);
-    auto d_o = at::randn({c.batch, c.q_heads, c.q_len, c.head_dim}, opts);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    const auto ref = host_reference(q, k, v, d_o, c.causal, scale);
-
-    auto qf = q.clone().requires_grad_(), kf = k.clone().requires_grad_(),
-         vf = v.clone().requires_grad_();
-    auto o = ops::flash_attention(qf, kf, vf, c.causal, scale);
-    o.backward(d_o);
-    auto [o2, lse] = ops::flash_attention_forward(q, k, v, c.causal, scale);
-
+    const auto r = run_fused_case(c);
+    const auto& ref = r.ref;
+    const auto &q = r.q, &k = r.k, &v = r.v, &d_o = r.d_o;
+    const auto &o = r.o, &o2 = r.o_forward, &lse = r.lse;
+    const double scale = r.scale;
     auto qs = q.clone().requires_grad_(), ks = k.clone().requires_grad_(),
          vs = v.clone().requires_grad_();
     auto os = at::scaled_dot_product_attention(qs, ks, vs, std::nullopt, 0.0, c.causal, scale,
@@ -193,9 +202,9 @@ TEST(FusedAttentionGpu, MatchesTheHostReferenceAndSdpa) {
     EXPECT_EQ(max_abs(o, o2), 0.0) << "the op's forward and the autograd forward differ";
     EXPECT_LE(max_abs(lse, ref.lse), 1e-3) << "lse";
     EXPECT_LE(max_abs(o, ref.o), bound(max_abs(os, ref.o))) << "o";
-    EXPECT_LE(max_abs(qf.grad(), ref.dq), bound(max_abs(qs.grad(), ref.dq))) << "dq";
-    EXPECT_LE(max_abs(kf.grad(), ref.dk), bound(max_abs(ks.grad(), ref.dk))) << "dk";
-    EXPECT_LE(max_abs(vf.grad(), ref.dv), bound(max_abs(vs.grad(), ref.dv))) << "dv";
+    EXPECT_LE(max_abs(r.dq, ref.dq), bound(max_abs(qs.grad(), ref.dq))) << "dq";
+    EXPECT_LE(max_abs(r.dk, ref.dk), bound(max_abs(ks.grad(), ref.dk))) << "dk";
+    EXPECT_LE(max_abs(r.dv, ref.dv), bound(max_abs(vs.grad(), ref.dv))) << "dv";
     if (::testing::Test::HasFailure()) {
       ADD_FAILURE() << "first failing case: " << describe(c) << " (o err " << max_abs(o, ref.o)
                     << " vs sdpa " << max_abs(os, ref.o) << ")";
