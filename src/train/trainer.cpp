@@ -414,10 +414,6 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
   const AdamWOptions adamw{config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
   if (config_.zero > 0) {
-    LOOM_CHECK(tp_size() == 1 || config_.zero <= 2,
-               "--zero 3 with --tp {}: ZeRO-3 over a tensor-parallel model is not supported yet; "
-               "use --zero 1 or 2 with --tp, or --tp 1",
-               tp_size());
     LOOM_CHECK(config_.comm_hook == "avg",
                "--comm-hook {} compresses plain data parallelism's all-reduce; ZeRO "
                "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
@@ -665,9 +661,9 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   }
 }
 
-// ZeRO-3 gathers the parameters as the model holds them, the vocabulary still padded (to
-// --pad-vocab-multiple, even at tp 1, the only tp stage 3 runs at): cut back to the
-// single-process shapes every checkpoint and export holds.
+// ZeRO-3 gathers the parameters as this rank's model holds them: tp shards, the vocabulary
+// padded (to --pad-vocab-multiple, even at tp 1): joined over tp (collective over tp) and cut
+// back to the single-process shapes every checkpoint and export holds.
 namespace {
 std::map<std::string, at::Tensor> unpadded(const models::CausalLM& model,
                                            std::map<std::string, at::Tensor> params) {
@@ -1085,10 +1081,14 @@ fs::path Trainer::save_checkpoint() {
   // A model split over tp or pp is written as one file per (pp, tp) rank of replica 0, each
   // holding that rank's shards (parameters, AdamW moments, RNG states) with their shard specs:
   // no rank ever holds the whole model to save it, and a loader reassembles any layout.
-  const bool sharded_files = tp_size() * pp_size() > 1 && config_.zero != 3;
+  const bool sharded_files = tp_size() * pp_size() > 1;
   core::NamedTensors my_shard;
   std::map<std::string, std::string> my_specs;
   if (sharded_files) {
+    // Stage 3 (one chunk: no pipeline) holds 1/dp of each parameter: its tp shards are gathered
+    // over dp first (collective over dp; dp rank 0 receives them).
+    const auto gathered = config_.zero == 3 ? zero_.front()->gather_parameters(/*only_rank=*/0)
+                                            : std::map<std::string, at::Tensor>{};
     const int64_t steps = zero_.empty() ? 0 : zero_.front()->steps_taken();
     opt_state.emplace_back(
         "step", zero_.empty() ? optimizer_->state().front().second : at::tensor(steps, at::kLong));
@@ -1105,7 +1105,8 @@ fs::path Trainer::save_checkpoint() {
       };
       for (const auto& chunk : chunks_)
         for (const auto& item : chunk->named_parameters())
-          add("model/" + item.key(), *chunk, item.key(), item.value());
+          add("model/" + item.key(), *chunk, item.key(),
+              gathered.empty() ? item.value() : gathered.at(item.key()));
       if (zero_.empty())
         for (const auto& [key, t] : optimizer_->state())
           for (const auto& chunk : chunks_) {

@@ -337,6 +337,7 @@ void expect_layout_trains_like_one_process(
       config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
   EXPECT_EQ(t.pipeline() != nullptr, layout.pp > 1);
   EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
+  EXPECT_EQ(t.zero() ? t.zero()->stage() : 0, layout.zero);
   auto distributed = loom::testing::run(t);
   loom::testing::expect_same_run(distributed, single[key], 1e-5);
 }
@@ -367,7 +368,11 @@ TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
                                    // ZeRO with sequence parallelism: the norms' (and GPT-2's
                                    // biases' and positions') gradient shards summed over tp.
                                    {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 2},
-                                   {"llama", 2, 2, 1, "1f1b", 1, true, 4, 1}});
+                                   {"llama", 2, 2, 1, "1f1b", 1, true, 4, 1},
+                                   // ZeRO-3 over tp: each rank holds 1/dp of its tp shards and
+                                   // gathers them over dp block by block.
+                                   {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 3},
+                                   {"llama", 2, 2, 1, "1f1b", 1, false, 4, 3}});
   if (n == 2) layouts.push_back({"gpt2", 1, 1, 2, "gpipe", 1, false, 4, 2});
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : layouts)
@@ -388,7 +393,8 @@ TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
 }
 
 // ZeRO over tp 4 with llama-tiny's 2 key/value heads, each held by 2 tp ranks: their gradient
-// shards are summed across the ranks that share them.
+// shards are summed across the ranks that share them (stage 2, and stage 3 with sequence
+// parallelism).
 TEST(Pipeline3D, ZeroWithKeyValueHeadsReplicatedAcrossTp) {
   if (world().size() != 8) GTEST_SKIP() << "needs 8 ranks (ctest dist.np8_3d)";
   loom::testing::SharedTempDir dir;
@@ -396,11 +402,14 @@ TEST(Pipeline3D, ZeroWithKeyValueHeadsReplicatedAcrossTp) {
   std::map<std::string, loom::testing::RunResult> single;
   expect_layout_trains_like_one_process({"llama", 2, 4, 1, "1f1b", 1, false, 4, 2}, dir.path(),
                                         single);
+  expect_layout_trains_like_one_process({"llama", 2, 4, 1, "1f1b", 1, true, 4, 3}, dir.path(),
+                                        single);
 }
 
-// A checkpoint saved under one layout resumes under any other: four layouts (one with ZeRO-2)
-// save at step 2, three others (one with ZeRO-1) load each checkpoint (their assembled model
-// gives the checkpoint's logits) and continue to step 4 on the one-process loss curve.
+// A checkpoint saved under one layout resumes under any other: five layouts (one with ZeRO-2,
+// one with ZeRO-3 over tp) save at step 2, four others (ZeRO-1 and ZeRO-3 among them) load each
+// checkpoint (their assembled model gives the checkpoint's logits) and continue to step 4 on the
+// one-process loss curve.
 TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   const int64_t n = world().size();
   if (n != 4) GTEST_SKIP() << "runs at 4 ranks";
@@ -416,10 +425,12 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
   const std::vector<Layout> savers = {{"gpt2", 1, 1, 4, "1f1b"},
                                       {"gpt2", 2, 1, 2, "gpipe"},
                                       {"gpt2", 1, 2, 2, "interleaved", 2, true},
-                                      {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 2}};  // ZeRO-2
+                                      {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 2},   // ZeRO-2
+                                      {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 3}};   // ZeRO-3
   const std::vector<Layout> loaders = {{"gpt2", 1, 1, 1, "1f1b"},                  // one process
                                        {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 1},  // ZeRO-1
-                                       {"gpt2", 2, 1, 2, "interleaved", 2}};
+                                       {"gpt2", 2, 1, 2, "interleaved", 2},
+                                       {"gpt2", 2, 2, 1, "1f1b", 1, false, 4, 3}};  // ZeRO-3
   auto tokens = at::randint(0, 256, {2, 16}, at::kLong);
   world().broadcast(tokens, 0);
   for (size_t i = 0; i < savers.size(); ++i) {
