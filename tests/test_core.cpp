@@ -108,6 +108,41 @@ TEST(Core, SafetensorsReaderReadsOneTensorAtATime) {
   EXPECT_NE(msg.find("short read of tensor 'c'"), std::string::npos) << msg;
 }
 
+// The writer takes tensors in any order and makes the file appear only when finished; what it
+// was not declared, or declared otherwise, is refused naming it; unfinished, it leaves nothing.
+TEST(Core, SafetensorsWriterWritesTensorsInAnyOrder) {
+  TempDir dir;
+  const auto a = at::randn({3, 4}), b = at::arange(6, at::kLong);
+  {
+    core::SafetensorsWriter writer(
+        dir / "w.safetensors", {{"a", at::kFloat, {3, 4}}, {"b", at::kLong, {6}}}, {{"k", "v"}});
+    writer.write("b", b);
+    EXPECT_FALSE(std::filesystem::exists(dir / "w.safetensors"));
+    auto msg = error_of([&] { writer.write("c", b); });
+    EXPECT_NE(msg.find("no tensor 'c' was declared"), std::string::npos) << msg;
+    msg = error_of([&] { writer.write("b", b); });
+    EXPECT_NE(msg.find("'b' is written twice"), std::string::npos) << msg;
+    msg = error_of([&] { writer.write("a", at::randn({4, 3})); });
+    EXPECT_NE(msg.find("tensor 'a' is Float [4, 3] but was declared Float [3, 4]"),
+              std::string::npos)
+        << msg;
+    msg = error_of([&] { writer.finish(); });
+    EXPECT_NE(msg.find("tensor 'a' was never written"), std::string::npos) << msg;
+    writer.write("a", a.t().contiguous().t());  // any layout
+    writer.finish();
+  }
+  const auto back = core::load_safetensors(dir / "w.safetensors");
+  EXPECT_TRUE(at::equal(back.tensors.at("a"), a));
+  EXPECT_TRUE(at::equal(back.tensors.at("b"), b));
+  EXPECT_EQ(back.metadata.at("k"), "v");
+  {
+    core::SafetensorsWriter unfinished(dir / "u.safetensors", {{"a", at::kFloat, {3, 4}}});
+    unfinished.write("a", a);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "u.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "u.safetensors.tmp"));
+}
+
 TEST(Core, AtomicWriteReplacesWholeFile) {
   TempDir dir;
   core::write_file_atomic(dir / "f.txt", "first version");

@@ -2,13 +2,14 @@
 
 #include <ATen/ATen.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/core/format.h"
 
 namespace loom::core {
 
@@ -40,37 +41,85 @@ at::ScalarType dtype_from_name(const std::string& name, const std::filesystem::p
 
 }  // namespace
 
-void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path,
+                                     const std::vector<Entry>& entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(path), tmp_(path.string() + ".tmp") {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> contiguous;
-  std::set<std::string> seen;
-  size_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    LOOM_CHECK(seen.insert(name).second, "safetensors '{}': tensor name '{}' appears twice",
-               path.string(), name);
-    auto t = tensor.detach().to(at::kCPU).contiguous();
-    const size_t bytes = t.numel() * t.element_size();
-    header[name] = {{"dtype", dtype_name(t.scalar_type())},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+  uint64_t offset = 0;
+  for (const auto& e : entries) {
+    LOOM_CHECK(!slots_.count(e.name), "safetensors '{}': tensor name '{}' appears twice",
+               path.string(), e.name);
+    uint64_t numel = 1;
+    for (const auto d : e.shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t bytes = numel * c10::elementSize(e.dtype);
+    header[e.name] = {{"dtype", dtype_name(e.dtype)},
+                      {"shape", e.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    slots_.emplace(e.name, Slot{e.dtype, e.shape, offset, bytes});
     offset += bytes;
-    contiguous.push_back(std::move(t));
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const uint64_t header_len = text.size();
+  for (auto& [name, slot] : slots_) slot.begin += 8 + header_len;
+  out_ = std::make_unique<std::ofstream>(tmp_, std::ios::binary | std::ios::trunc);
+  LOOM_CHECK(out_->good(), "cannot write '{}': {}", tmp_.string(), std::strerror(errno));
+  char len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((header_len >> (8 * i)) & 0xFF);
+  out_->write(len_bytes, 8);
+  out_->write(text.data(), static_cast<std::streamsize>(text.size()));
+}
 
-  write_file_atomic(path, [&](std::ostream& out) {
-    char len_bytes[8];
-    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((header_len >> (8 * i)) & 0xFF);
-    out.write(len_bytes, 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& t : contiguous)
-      out.write(static_cast<const char*>(t.data_ptr()),
-                static_cast<std::streamsize>(t.numel() * t.element_size()));
-  });
+SafetensorsWriter::~SafetensorsWriter() {
+  if (finished_) return;
+  out_.reset();
+  std::error_code ec;
+  std::filesystem::remove(tmp_, ec);
+}
+
+void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor) {
+  auto it = slots_.find(name);
+  LOOM_CHECK(it != slots_.end(), "safetensors '{}': no tensor '{}' was declared", path_.string(),
+             name);
+  auto& slot = it->second;
+  LOOM_CHECK(!slot.written, "safetensors '{}': tensor '{}' is written twice", path_.string(), name);
+  LOOM_CHECK(tensor.scalar_type() == slot.dtype && tensor.sizes() == at::IntArrayRef(slot.shape),
+             "safetensors '{}': tensor '{}' is {} {} but was declared {} {}", path_.string(), name,
+             c10::toString(tensor.scalar_type()), tensor.sizes(), c10::toString(slot.dtype),
+             at::IntArrayRef(slot.shape));
+  const auto t = tensor.detach().to(at::kCPU).contiguous();
+  out_->seekp(static_cast<std::streamoff>(slot.begin));
+  out_->write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(slot.bytes));
+  LOOM_CHECK(out_->good(), "writing '{}' failed: {}", tmp_.string(), std::strerror(errno));
+  slot.written = true;
+}
+
+void SafetensorsWriter::finish() {
+  LOOM_CHECK(!finished_, "safetensors '{}' is finished already", path_.string());
+  for (const auto& [name, slot] : slots_)
+    LOOM_CHECK(slot.written, "safetensors '{}': tensor '{}' was never written", path_.string(),
+               name);
+  out_->flush();
+  LOOM_CHECK(out_->good(), "writing '{}' failed: {}", tmp_.string(), std::strerror(errno));
+  out_.reset();
+  fsync_path(tmp_);
+  std::error_code ec;
+  std::filesystem::rename(tmp_, path_, ec);
+  LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_.string(), path_.string(), ec.message());
+  fsync_path(path_.parent_path().empty() ? std::filesystem::path(".") : path_.parent_path());
+  finished_ = true;
+}
+
+void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::Entry> entries;
+  for (const auto& [name, tensor] : tensors)
+    entries.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+  SafetensorsWriter writer(path, entries, metadata);
+  for (const auto& [name, tensor] : tensors) writer.write(name, tensor);
+  writer.finish();
 }
 
 SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {

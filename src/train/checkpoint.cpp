@@ -148,10 +148,14 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
   fs::create_directories(tmp_dir, ec);
   LOOM_CHECK(!ec, "cannot create '{}': {}", tmp_dir.string(), ec.message());
 
-  core::save_safetensors(tmp_dir / kModelFile, model);
+  // A model file written elsewhere (ZeRO-3 writes it unit by unit) comes with the moved files.
+  const bool model_moved =
+      std::any_of(moved_files.begin(), moved_files.end(),
+                  [](const fs::path& f) { return f.filename() == kModelFile; });
+  if (!model_moved) core::save_safetensors(tmp_dir / kModelFile, model);
   core::save_safetensors(tmp_dir / kOptimizerFile, optimizer);
   json checksums = json::object();
-  checksums[kModelFile] = core::file_crc32(tmp_dir / kModelFile);
+  if (!model_moved) checksums[kModelFile] = core::file_crc32(tmp_dir / kModelFile);
   checksums[kOptimizerFile] = core::file_crc32(tmp_dir / kOptimizerFile);
   for (const auto& file : extra_files) {
     if (!fs::exists(file)) continue;

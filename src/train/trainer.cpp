@@ -700,6 +700,51 @@ core::NamedTensors Trainer::local_full_state(bool optimizer) const {
   return out;
 }
 
+std::string Trainer::write_stage3_parameters(const fs::path& file, const std::string& prefix,
+                                             const core::NamedTensors& extra,
+                                             const std::map<std::string, std::string>& metadata) {
+  // Single-process shapes (no prefix) exist only at tp 1, where cutting the padded vocabulary
+  // back needs no collective.
+  const bool whole = prefix.empty();
+  LOOM_CHECK(!whole || tp_size() == 1, "stage 3 writes single-process tensors at tp 1 only");
+  const bool writes = dp_rank() == 0;
+  std::unique_ptr<core::SafetensorsWriter> writer;
+  std::string error;
+  if (writes) {
+    try {
+      std::vector<core::SafetensorsWriter::Entry> entries;
+      for (const auto& item : model_->named_parameters()) {
+        auto shape = item.value().sizes().vec();
+        if (whole) shape = model_->shard_spec(item.key()).full_shape(shape);
+        entries.push_back({prefix + item.key(), item.value().scalar_type(), shape});
+      }
+      for (const auto& [key, t] : extra) entries.push_back({key, t.scalar_type(), t.sizes().vec()});
+      writer = std::make_unique<core::SafetensorsWriter>(file, entries, metadata);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  // A failed write stops the writing, not the gathers the other ranks wait in.
+  zero_.front()->for_each_gathered_parameter(
+      /*only_rank=*/0, [&](const std::string& name, const at::Tensor& value) {
+        if (!error.empty()) return;
+        try {
+          writer->write(prefix + name, whole ? models::gather_shard(*model_, name, value) : value);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      });
+  if (writes && error.empty()) {
+    try {
+      for (const auto& [key, t] : extra) writer->write(key, t);
+      writer->finish();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  return error;
+}
+
 CheckpointSelection Trainer::rank_selection(const fs::path& dir) const {
   // This rank's parameters: the chunk holding each and its local shape.
   struct Held {
@@ -1085,28 +1130,32 @@ fs::path Trainer::save_checkpoint() {
   core::NamedTensors my_shard;
   std::map<std::string, std::string> my_specs;
   if (sharded_files) {
-    // Stage 3 (one chunk: no pipeline) holds 1/dp of each parameter: its tp shards are gathered
-    // over dp first (collective over dp; dp rank 0 receives them).
-    const auto gathered = config_.zero == 3 ? zero_.front()->gather_parameters(/*only_rank=*/0)
-                                            : std::map<std::string, at::Tensor>{};
     const int64_t steps = zero_.empty() ? 0 : zero_.front()->steps_taken();
     opt_state.emplace_back(
         "step", zero_.empty() ? optimizer_->state().front().second : at::tensor(steps, at::kLong));
     if (dp_rank() == 0) {
       my_specs["loom.tp_rank"] = std::to_string(mesh_->coord(dist::Dim::tp));
       my_specs["loom.tp_size"] = std::to_string(tp_size());
-      auto add = [&](const std::string& key, const models::CausalLM& part, const std::string& param,
-                     const at::Tensor& t) {
-        my_shard.emplace_back(key, t.detach());
+      auto add_spec = [&](const std::string& key, const models::CausalLM& part,
+                          const std::string& param) {
         const auto& spec = part.shard_spec(param);
         if (spec.sharded())
           my_specs[key] = fmt::format("{},{},{},{},{}", spec.dim, spec.full, spec.padded,
                                       spec.parts, spec.units);
       };
+      auto add = [&](const std::string& key, const models::CausalLM& part, const std::string& param,
+                     const at::Tensor& t) {
+        my_shard.emplace_back(key, t.detach());
+        add_spec(key, part, param);
+      };
+      // Stage 3 holds 1/dp of each parameter: write_stage3_parameters gathers them below.
       for (const auto& chunk : chunks_)
-        for (const auto& item : chunk->named_parameters())
-          add("model/" + item.key(), *chunk, item.key(),
-              gathered.empty() ? item.value() : gathered.at(item.key()));
+        for (const auto& item : chunk->named_parameters()) {
+          if (config_.zero == 3)
+            add_spec("model/" + item.key(), *chunk, item.key());
+          else
+            add("model/" + item.key(), *chunk, item.key(), item.value());
+        }
       if (zero_.empty())
         for (const auto& [key, t] : optimizer_->state())
           for (const auto& chunk : chunks_) {
@@ -1119,7 +1168,7 @@ fs::path Trainer::save_checkpoint() {
     }
     rng_states.clear();
   } else if (config_.zero == 3) {
-    params = unpadded(*model_, zero_.front()->gather_parameters(/*only_rank=*/0));
+    // model.safetensors is written unit by unit below (write_stage3_parameters).
     opt_state.emplace_back("step", at::tensor(zero_.front()->steps_taken(), at::kLong));
   } else if (!zero_.empty()) {
     // Stages 1-2 hold whole parameters (tp shards): collected like plain data parallelism's;
@@ -1169,11 +1218,21 @@ fs::path Trainer::save_checkpoint() {
             staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))),
             zero_[c]->state(), meta);
       }
-      if (sharded_files && dp_rank() == 0)
+      if (sharded_files && dp_rank() == 0 && config_.zero != 3)
         core::save_safetensors(staging / model_shard_name(pp_rank(), mesh_->coord(dist::Dim::tp)),
                                my_shard, my_specs);
     } catch (const std::exception& e) {
       error = e.what();
+    }
+    // Every rank takes part in stage 3's gathers, whatever happened above.
+    if (config_.zero == 3) {
+      const auto stage3_error =
+          sharded_files ? write_stage3_parameters(
+                              staging / model_shard_name(pp_rank(), mesh_->coord(dist::Dim::tp)),
+                              "model/", my_shard, my_specs)
+                        : write_stage3_parameters(staging / "model.safetensors", "", {}, {});
+      if (error.empty()) error = stage3_error;
+      if (!sharded_files) shard_files.push_back(staging / "model.safetensors");
     }
     share_outcome(error, fmt::format("write their checkpoint shards for step {} into '{}'", step_,
                                      staging.string()));

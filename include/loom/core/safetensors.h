@@ -5,7 +5,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +29,45 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
 // Throws loom::Error naming the path and the problem for a missing, truncated or malformed file.
 // Peak memory: the tensors themselves (each is read straight into its own storage).
 SafetensorsContents load_safetensors(const std::filesystem::path& path);
+
+// One safetensors file written tensor by tensor: the names, dtypes and shapes are declared up
+// front (the header holds every offset), each tensor's bytes are written when it is ready, in any
+// order, and finish() makes the file appear atomically (temporary name, fsync, rename). What a
+// writer that never holds all of a file's tensors at once (ZeRO-3 gathering one unit at a time)
+// uses. A writer destroyed unfinished removes its temporary file.
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  // Throws loom::Error naming the path for a name given twice, an unsupported dtype, or a file
+  // that cannot be created.
+  SafetensorsWriter(const std::filesystem::path& path, const std::vector<Entry>& entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  ~SafetensorsWriter();
+
+  // Writes `tensor` (any device and layout) as entry `name`. Throws loom::Error naming the file
+  // for an undeclared name, one written before, or another dtype or shape than declared.
+  void write(const std::string& name, const at::Tensor& tensor);
+  // Throws loom::Error naming the first entry never written, or the I/O failure.
+  void finish();
+
+ private:
+  struct Slot {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    uint64_t begin = 0, bytes = 0;  // from the start of the file
+    bool written = false;
+  };
+  std::filesystem::path path_, tmp_;
+  std::map<std::string, Slot> slots_;
+  std::unique_ptr<std::ofstream> out_;
+  bool finished_ = false;
+};
 
 // One safetensors file read tensor by tensor: the header is parsed and checked when the reader
 // is made, and a tensor's bytes are read only when it is asked for. What a loader that needs a

@@ -39,7 +39,8 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& dir, int64_t s
 
 // Writes DIR/step-<step> and points DIR/latest at it. `extra_files` are copied into the
 // checkpoint (a tokenizer's meta.json, say); `moved_files` are moved into it (files other ranks
-// wrote, such as ZeRO optimizer shards), checksummed like the rest. Keeps the newest
+// wrote, such as ZeRO optimizer shards), checksummed like the rest; one named model.safetensors
+// takes the place of `model` (ZeRO-3 writes it unit by unit). Keeps the newest
 // `keep_last` checkpoints (0 = all). Returns the checkpoint's directory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& dir, int64_t step,
                                       const core::NamedTensors& model,

@@ -108,6 +108,14 @@ class Trainer {
   // against their single-process shapes) and AdamW state, each cut to its tp shard, and the
   // entries of no parameter (step counts, RNG states); no other stage's tensors.
   CheckpointSelection rank_selection(const std::filesystem::path& dir) const;
+  // Stage 3: this rank's parameters gathered over dp one unit at a time and written into `file`
+  // by dp rank 0 (the others take part in the gathers only), so no rank holds the whole model to
+  // save it: as single-process tensors (`prefix` "", tp 1 only) or as this rank's tp shards
+  // under `prefix` (with `metadata` holding their specs), then the `extra` tensors. Collective
+  // over dp. Returns the error dp rank 0 met (after every gather ran); empty when it worked.
+  std::string write_stage3_parameters(const std::filesystem::path& file, const std::string& prefix,
+                                      const core::NamedTensors& extra,
+                                      const std::map<std::string, std::string>& metadata);
   // What rank 0 writes without ZeRO: every parameter (and the optimizer state, with
   // `extra_optimizer` entries added), collected over tp and the pipeline; empty elsewhere.
   // Collective over replica 0.

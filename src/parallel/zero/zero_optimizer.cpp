@@ -560,21 +560,29 @@ void ZeroOptimizer::zero_grad() {
 
 std::map<std::string, at::Tensor> ZeroOptimizer::gather_parameters(
     std::optional<int64_t> only_rank) {
-  torch::NoGradGuard no_grad;
-  const bool keep = !only_rank || *only_rank == rank_;
   std::map<std::string, at::Tensor> out;
+  for_each_gathered_parameter(only_rank, [&](const std::string& name, const at::Tensor& value) {
+    out.emplace(name, value);
+  });
+  return out;
+}
+
+void ZeroOptimizer::for_each_gathered_parameter(
+    std::optional<int64_t> only_rank,
+    const std::function<void(const std::string& name, const at::Tensor& value)>& visit) {
+  torch::NoGradGuard no_grad;
+  const bool visits = !only_rank || *only_rank == rank_;
   for (auto& b : buckets_) {
     at::Tensor flat = b.full;
     if (options_.stage == 3) {
-      // Unit by unit; a rank that does not keep the result drops each unit right away.
+      // Unit by unit; a rank that does not visit drops each unit right away.
       flat = at::empty({b.layout.padded_total()}, b.param_shard.options());
       gather_comm_->all_gather(flat, b.param_shard);
     }
-    if (!keep) continue;
+    if (!visits) continue;
     for (size_t s = 0; s < b.params.size(); ++s)
-      out.emplace(params_[b.params[s]].first, param_view(b, s, flat));
+      visit(params_[b.params[s]].first, param_view(b, s, flat));
   }
-  return out;
 }
 
 core::NamedTensors ZeroOptimizer::state() const {

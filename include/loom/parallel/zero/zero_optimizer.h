@@ -156,6 +156,14 @@ class ZeroOptimizer {
   // other ranks take part in the collectives but return an empty map and hold one unit at most.
   std::map<std::string, at::Tensor> gather_parameters(
       std::optional<int64_t> only_rank = std::nullopt);
+  // The same, one bucket (at stage 3, one unit) at a time: `visit` is called with each
+  // parameter, whole, and at stage 3 the unit's gathered buffer is freed once its parameters were
+  // visited (unless `visit` keeps one): no rank holds more than one gathered unit. Collective at
+  // stage 3; with `only_rank`, the other ranks take part in the collectives but visit nothing. A
+  // `visit` that throws leaves the other ranks waiting in the next gather: catch inside it.
+  void for_each_gathered_parameter(
+      std::optional<int64_t> only_rank,
+      const std::function<void(const std::string& name, const at::Tensor& value)>& visit);
 
   // This rank's shard of the optimizer state (moments, masters, step), for a checkpoint, and
   // what identifies the layout it belongs to.
