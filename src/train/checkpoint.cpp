@@ -79,6 +79,8 @@ void assemble_shards(CheckpointContents& out, const CheckpointSelection& select)
   std::vector<core::SafetensorsReader> files;
   for (const auto& name : out.state.at("model_shards"))
     files.emplace_back(out.dir / name.get<std::string>());
+  LOOM_CHECK(!files.empty(), "checkpoint '{}': state.json lists no model shard files",
+             out.dir.string());
   std::map<std::string, Pieces> tensors;
   for (const auto& file : files) {
     const auto& meta = file.metadata();

@@ -579,6 +579,16 @@ TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
   }
   world().barrier();
   if (world().rank() == 0) {
+    // A state.json that lists no shard files (edited by hand, say): an error, not a crash.
+    const auto listless = dir / "listless";
+    fs::copy(ckpt, listless, fs::copy_options::recursive);
+    auto state = nlohmann::json::parse(loom::core::read_file(listless / "state.json"));
+    state["model_shards"] = nlohmann::json::array();
+    loom::core::write_file_atomic(listless / "state.json", state.dump(2));
+    const auto e = error_of([&] { train::load_checkpoint(listless); });
+    EXPECT_TRUE(contains(e, "state.json lists no model shard files")) << e;
+  }
+  if (world().rank() == 0) {
     // A model of another shape: refused, naming the tensor, before any weight is written.
     {
       auto other_config = models::ModelConfig::preset("gpt2-tiny");
