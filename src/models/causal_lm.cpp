@@ -9,6 +9,7 @@
 #include "loom/models/gpt2.h"
 #include "loom/models/llama.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/precision.h"
 #include "loom/parallel/memory/activation_checkpoint.h"
 #include "loom/parallel/tensor/cross_entropy.h"
 #include "loom/parallel/tensor/layers.h"
@@ -236,7 +237,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                           {.causal = true,
                            .dropout = p,
                            .dropout_mask = pt::sharded_dropout_mask(
-                               {b, h, t, t}, query.options().dtype(at::kFloat), p, *tp, 1),
+                               {b, h, t, t}, query.options().dtype(ops::accumulation_dtype(query.scalar_type())), p,
+                               *tp, 1),
                            .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
@@ -339,7 +341,7 @@ at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) 
                  logits.size(1) == targets.size(1),
              "loss: logits {} and targets {} do not match ([B, T, V] and [B, T])", logits.sizes(),
              targets.sizes());
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(2)}).to(at::kFloat),
+  return at::cross_entropy_loss(ops::to_accumulation_dtype(logits.reshape({-1, logits.size(2)})),
                                 targets.reshape({-1}));
 }
 

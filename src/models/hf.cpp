@@ -152,6 +152,10 @@ std::shared_ptr<CausalLM> load_hf(const fs::path& dir) {
 }
 
 void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
+  LOOM_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+             "Hugging Face export in {}: use float32, bfloat16 or float16 (an fp64 model is "
+             "exported rounded to float32)",
+             c10::toString(dtype));
   core::ensure_writable_dir(dir);
   const auto& c = model.config();
   const char* dtype_name = dtype == at::kBFloat16 ? "bfloat16"

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/ops/precision.h"
 #include "loom/parallel/tensor/mappings.h"
 
 namespace loom::models {
@@ -29,7 +30,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 // Norms and rotations run in at least fp32 (bf16 inputs are upcast; fp64 stays fp64).
 at::ScalarType compute_type(const at::Tensor& x) {
-  return at::promote_types(x.scalar_type(), at::kFloat);
+  return ops::accumulation_dtype(x.scalar_type());
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -129,8 +130,8 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
       at::pow(config.rope_theta, -at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd));
   auto angles = at::outer(at::arange(config.max_seq_len, at::kDouble), inv_freq);
   angles = at::cat({angles, angles}, -1);
-  rope_cos_ = angles.cos().to(at::kFloat);
-  rope_sin_ = angles.sin().to(at::kFloat);
+  rope_cos_ = angles.cos();
+  rope_sin_ = angles.sin();
 }
 
 at::Tensor Llama::embed(const at::Tensor& tokens) {
@@ -139,13 +140,15 @@ at::Tensor Llama::embed(const at::Tensor& tokens) {
 
 at::Tensor Llama::run_layers(const at::Tensor& input) {
   const int64_t t = full_seq_len(input);
-  if (rope_cos_.device() != input.device()) {
-    // Moved once: a copy from pageable host memory every forward would wait for the GPU.
-    rope_cos_ = rope_cos_.to(input.device());
-    rope_sin_ = rope_sin_.to(input.device());
+  const auto dtype = compute_type(input);
+  if (!rope_cos_used_.defined() || rope_cos_used_.device() != input.device() ||
+      rope_cos_used_.scalar_type() != dtype) {
+    // Made once: a copy from pageable host memory every forward would wait for the GPU.
+    rope_cos_used_ = rope_cos_.to(input.device(), dtype);
+    rope_sin_used_ = rope_sin_.to(input.device(), dtype);
   }
-  auto cos = rope_cos_.narrow(0, 0, t);
-  auto sin = rope_sin_.narrow(0, 0, t);
+  auto cos = rope_cos_used_.narrow(0, 0, t);
+  auto sin = rope_sin_used_.narrow(0, 0, t);
   auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
   for (size_t i = 0; i < layers_.size(); ++i) {

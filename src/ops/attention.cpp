@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/precision.h"
 #include "loom/ops/flash_attention.h"
 
 namespace loom::ops {
@@ -97,7 +98,9 @@ at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const a
   auto kk = group > 1 ? k.repeat_interleave(group, 1) : k;
   auto vv = group > 1 ? v.repeat_interleave(group, 1) : v;
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  auto scores = at::matmul(q.to(at::kFloat), kk.to(at::kFloat).transpose(-2, -1)) * scale;
+  // Scores, softmax and the weighted sum in fp32 (fp64 inputs stay fp64).
+  const auto dtype = accumulation_dtype(q.scalar_type());
+  auto scores = at::matmul(q.to(dtype), kk.to(dtype).transpose(-2, -1)) * scale;
   if (options.causal) {
     const int64_t t = q.size(2);
     auto mask = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);  // key j > query i
@@ -112,7 +115,7 @@ at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const a
   } else if (options.dropout > 0) {
     probs = at::dropout(probs, options.dropout, /*train=*/true);
   }
-  return at::matmul(probs, vv.to(at::kFloat)).to(q.scalar_type());
+  return at::matmul(probs, vv.to(dtype)).to(q.scalar_type());
 }
 
 }  // namespace loom::ops

@@ -6,6 +6,7 @@
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/attention.h"
+#include "loom/parallel/data/comm_hook.h"
 
 namespace loom::train {
 
@@ -20,8 +21,10 @@ void TrainConfig::validate() const {
   LOOM_CHECK(batch_size % grad_accum == 0,
              "--batch-size {} is not divisible by --grad-accum {} (micro-batches must be equal)",
              batch_size, grad_accum);
-  LOOM_CHECK(precision == "fp32" || precision == "bf16",
-             "--precision '{}' is not valid: use fp32 or bf16", precision);
+  LOOM_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp64",
+             "--precision '{}' is not valid: use fp32, bf16 or fp64 (fp64: a correctness "
+             "instrument, see docs/testing.md)",
+             precision);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
@@ -34,8 +37,9 @@ void TrainConfig::validate() const {
              "divided by the other mesh dimensions",
              dp);
   LOOM_CHECK(bucket_mb > 0, "--bucket-mb {} must be positive", bucket_mb);
-  LOOM_CHECK(comm_hook == "avg" || comm_hook == "bf16",
-             "--comm-hook '{}' is not valid: use avg or bf16", comm_hook);
+  const auto hooks = parallel::data::comm_hook_names();
+  LOOM_CHECK(std::find(hooks.begin(), hooks.end(), comm_hook) != hooks.end(),
+             "--comm-hook '{}' is not valid: use one of {}", comm_hook, fmt::join(hooks, ", "));
   LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
   LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
              pad_vocab_multiple);

@@ -8,18 +8,13 @@
 #include "loom/core/error.h"
 #include "loom/dist/communicator.h"
 #include "loom/models/causal_lm.h"
+#include "loom/ops/precision.h"
 
 namespace loom::train {
 
 namespace {
 
-// Sum of squares of one gradient: fp32 elements summed by at::sum (cascaded, accurate to ~1e-7
-// relative even for tens of millions of elements, unlike at::norm's fp32 reduction, which was
-// measured 1e-5 off on a 4M-element embedding gradient), returned as a float64 scalar so the
-// sum over tensors loses nothing either.
-at::Tensor squared_norm(const at::Tensor& grad) {
-  return grad.to(at::kFloat).pow(2).sum().to(at::kDouble);
-}
+using ops::squared_norm;
 
 double total_of(const std::vector<at::Tensor>& squares) {
   return squares.empty() ? 0.0 : at::stack(squares).sum().item<double>();

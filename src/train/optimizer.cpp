@@ -7,6 +7,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/precision.h"
 
 namespace loom::train {
 
@@ -25,9 +26,10 @@ AdamW::AdamW(const core::NamedTensors& named_params, AdamWOptions options,
     Slot s;
     s.name = name;
     s.param = param;
-    if (param.scalar_type() != at::kFloat) s.master = param.detach().to(at::kFloat).clone();
-    s.exp_avg = at::zeros(param.sizes(), param.options().dtype(at::kFloat));
-    s.exp_avg_sq = at::zeros(param.sizes(), param.options().dtype(at::kFloat));
+    const auto state_dtype = ops::accumulation_dtype(param.scalar_type());
+    if (param.scalar_type() != state_dtype) s.master = param.detach().to(state_dtype).clone();
+    s.exp_avg = at::zeros(param.sizes(), param.options().dtype(state_dtype));
+    s.exp_avg_sq = at::zeros(param.sizes(), param.options().dtype(state_dtype));
     s.decay = decays(name, param);
     slots_.push_back(std::move(s));
   }
@@ -46,7 +48,7 @@ void AdamW::step(double lr) {
   for (auto& s : slots_) {
     const auto& grad_any = s.param.grad();
     if (!grad_any.defined()) continue;
-    const auto grad = grad_any.to(at::kFloat);
+    const auto grad = grad_any.to(s.exp_avg.scalar_type());
     auto& w = s.master.defined() ? s.master : s.param;
     if (s.decay) ops::adamw_decay_(w, lr, options_);
     ops::adamw_update_(w, grad, s.exp_avg, s.exp_avg_sq, lr, steps_, options_);

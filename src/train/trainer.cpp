@@ -374,6 +374,11 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   } else {
     build_pipeline_parts(model_config, tp_group);
   }
+  // fp64 runs hold parameters (and so activations, gradients and optimizer state) in fp64, from
+  // the same initial values as an fp32 run; converted before anything is loaded into them, so a
+  // resumed fp64 checkpoint is not rounded to fp32 on the way.
+  if (config_.precision == "fp64")
+    for (auto& chunk : chunks_) chunk->to(at::kDouble);
   if (resume) {
     // This rank's part of the checkpoint, tensor by tensor: its chunks' parameters and their
     // optimizer state as its tp shards, the step counts and RNG states. Ranks read different
@@ -1381,7 +1386,11 @@ StepResult Trainer::fit() {
         auto whole = models::make_model(model_->config());
         models::load_parameters(*whole, params, "the trained model");
         models::save_hf(*whole, config_.export_hf);
-        spdlog::info("exported Hugging Face model to {}", config_.export_hf);
+        spdlog::info("exported Hugging Face model to {}{}", config_.export_hf,
+                     config_.precision == "fp64"
+                         ? " (the fp64 parameters rounded to float32: Hugging Face models are "
+                           "float32 or narrower)"
+                         : "");
       } catch (...) {
         failure = std::current_exception();
       }

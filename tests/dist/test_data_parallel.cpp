@@ -27,7 +27,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A small MLP whose parameters are the same on every rank (seeded), with an unused parameter.
+// A small MLP whose parameters are the same on every rank (seeded), with an unused parameter; in
+// fp64, so the averages are checked to 1e-12 (sums of at most 4 ranks' terms in another order).
 struct Mlp : torch::nn::Module {
   torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
   torch::Tensor unused;
@@ -37,6 +38,7 @@ struct Mlp : torch::nn::Module {
     b = register_module("b", torch::nn::Linear(64, 64));
     c = register_module("c", torch::nn::Linear(64, 4));
     unused = register_parameter("unused", torch::randn({3}));
+    to(at::kDouble);
   }
   torch::Tensor forward(const torch::Tensor& x) { return c(torch::tanh(b(torch::tanh(a(x))))); }
 };
@@ -49,7 +51,7 @@ pd::DataParallel::NamedParams named(torch::nn::Module& m) {
 
 at::Tensor input_of(int rank, int micro) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + 10 * rank + micro);
-  return at::randn({8, 16}, g);
+  return at::randn({8, 16}, g, at::kDouble);
 }
 
 // The dp-average gradient every rank should end up with, computed locally from every rank's
@@ -69,7 +71,7 @@ void expect_grads_close(Mlp& m, const std::map<std::string, at::Tensor>& want, d
     auto it = want.find(item.key());
     if (it == want.end()) continue;
     ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_TRUE(at::allclose(item.value().grad(), it->second, rtol, 1e-7))
+    EXPECT_TRUE(at::allclose(item.value().grad(), it->second, rtol, 1e-15))
         << item.key() << " max diff " << (item.value().grad() - it->second).abs().max();
   }
 }
@@ -97,13 +99,13 @@ TEST(DataParallel, GradientsAreTheAverageAndBucketsLaunchDuringBackward) {
   ASSERT_GE(dp.buckets().size(), 3u);  // 10 KiB buckets: several
   m.forward(input_of(w.rank(), 0)).pow(2).mean().backward();
   dp.finish_gradient_sync();
-  expect_grads_close(m, expected_grads(w.size(), 1), 1e-5);
+  expect_grads_close(m, expected_grads(w.size(), 1), 1e-12);
   // Every bucket holding only used parameters started before backward returned.
   EXPECT_GE(dp.last_sync().buckets_launched_in_backward, 1);
   EXPECT_GT(dp.last_sync().bytes_sent, 0);
   // The unused parameter has a zero gradient, the same on every rank.
   ASSERT_TRUE(m.unused.grad().defined());
-  EXPECT_EQ(m.unused.grad().abs().sum().item<float>(), 0.0f);
+  EXPECT_EQ(m.unused.grad().abs().sum().item<double>(), 0.0);
 }
 
 TEST(DataParallel, AccumulationSyncsOnlyOnTheLastMicroBatch) {
@@ -121,7 +123,7 @@ TEST(DataParallel, AccumulationSyncsOnlyOnTheLastMicroBatch) {
     }
   }
   dp.finish_gradient_sync();
-  expect_grads_close(m, expected_grads(w.size(), micros), 1e-5);
+  expect_grads_close(m, expected_grads(w.size(), micros), 1e-12);
 }
 
 TEST(DataParallel, Bf16HookAveragesWithinBf16Precision) {
@@ -132,12 +134,20 @@ TEST(DataParallel, Bf16HookAveragesWithinBf16Precision) {
   m.forward(input_of(w.rank(), 0)).pow(2).mean().backward();
   dp.finish_gradient_sync();
   EXPECT_EQ(dp.hook().name(), "bf16");
+  int64_t elements = 0;
   for (const auto& [name, want] : expected_grads(w.size(), 1)) {
     auto got = m.named_parameters()[name].grad();
+    elements += got.numel();
     // bf16 keeps 8 significant bits: 2^-8 relative per rounding, a few roundings.
     const double tol = 4.0 * std::pow(2.0, -8) * want.abs().max().item<double>() + 1e-6;
     EXPECT_LE((got - want).abs().max().item<double>(), tol) << name;
+    // What came back from the wire is a bf16 sum: every element a bf16 number. An fp64 (or
+    // fp32) reduction would leave the low bits set and fail here, at any rank count.
+    EXPECT_TRUE(at::equal(got, got.to(at::kBFloat16).to(got.scalar_type())))
+        << name << " holds values that are not bf16: the reduction did not run in bf16";
   }
+  // 2 bytes per element handed to the communicator (the fp64 buckets would be 8).
+  EXPECT_EQ(dp.last_sync().bytes_sent, 2.0 * static_cast<double>(elements + m.unused.numel()));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("fp8"); }), "valid: avg, bf16"));
 }
 
@@ -180,7 +190,7 @@ TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
   EXPECT_EQ(t.mesh().size(dist::Dim::dp), world().size());
   EXPECT_EQ(t.data_parallel() != nullptr, world().size() > 1);
   const auto distributed = run(t);
-  expect_same_run(distributed, single, 1e-5);
+  expect_same_run(distributed, single);
   // The replicas are bit-identical: every rank applied the same averaged gradients.
   for (const auto& [name, p] : distributed.params) {
     auto highest = p.clone(), lowest = -p;
@@ -191,6 +201,54 @@ TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GradAccum, TrainerDp, ::testing::Values(1, 2));
+
+namespace {
+
+// A deliberately broken hook: averages every bucket but the first, which keeps each rank's own
+// gradient (the bug of a missing all-reduce of one gradient bucket).
+class UnreducedFirstBucketHook : public pd::AllReduceAvgHook {
+ public:
+  std::string name() const override { return "test-unreduced-first-bucket"; }
+  loom::dist::WorkPtr start(pd::GradBucket& bucket, loom::dist::Communicator& comm) override {
+    if (bucket.index != 0) return pd::AllReduceAvgHook::start(bucket, comm);
+    bucket.scratch = at::zeros({1}, bucket.buffer.options());  // a collective every rank issues
+    return comm.all_reduce_async(bucket.scratch, dist::ReduceOp::Sum);
+  }
+};
+LOOM_REGISTER_COMM_HOOK(UnreducedFirstBucketHook, "test-unreduced-first-bucket");
+
+}  // namespace
+
+// The fp64 bound tells the broken hook from the real one by far more than 1000x; and the fp32
+// smoke run of the same layout stays within its bound derived from the fp64 run.
+TEST(TrainerDp, AMissingBucketAllReduceIsCaughtAndFp32TracksWithinItsError) {
+  if (world().size() < 2) GTEST_SKIP() << "needs data-parallel ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 60000, 4000);
+  auto config = dp_config(dir.path(), 1);
+  RunResult single64, single32, broken, dp32;
+  {
+    train::Trainer t(config);
+    single64 = run(t);
+  }
+  auto broken_config = config;
+  broken_config.comm_hook = "test-unreduced-first-bucket";
+  {
+    train::Trainer t(broken_config, loom::testing::runtime().mesh({}));
+    broken = run(t);
+  }
+  loom::testing::expect_caught(broken, single64, "dp: the first gradient bucket not all-reduced");
+  auto fp32 = loom::testing::small_run_config(dir.path(), 1, "fp32");
+  {
+    train::Trainer t(fp32);
+    single32 = run(t);
+  }
+  {
+    train::Trainer t(fp32, loom::testing::runtime().mesh({}));
+    dp32 = run(t);
+  }
+  loom::testing::expect_fp32_run_close(dp32, single32, single64);
+}
 
 TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact) {
   loom::testing::SharedTempDir dir;

@@ -59,7 +59,9 @@ class Llama : public CausalLM {
   std::vector<std::shared_ptr<LlamaBlock>> layers_;                  // this part's blocks
   std::shared_ptr<RmsNorm> norm_;                                    // last part
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> lm_head_;  // null when tied
-  at::Tensor rope_cos_, rope_sin_;  // [max_seq_len, head_dim], fp32, not parameters
+  // Rotary tables [max_seq_len, head_dim], not parameters: computed in fp64 on the host, and
+  // their copy in the compute dtype on the input's device (made at the first forward there).
+  at::Tensor rope_cos_, rope_sin_, rope_cos_used_, rope_sin_used_;
 };
 
 }  // namespace loom::models

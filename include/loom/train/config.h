@@ -35,7 +35,10 @@ struct TrainConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double grad_clip = 1.0;          // 0 disables clipping
-  std::string precision = "fp32";  // fp32 | bf16
+  // fp32 | bf16 | fp64. fp64 is a correctness instrument, not a training mode: parameters,
+  // activations, gradients, collectives and optimizer state all in fp64, so that layouts can be
+  // compared with bounds far below what any bug produces (docs/testing.md).
+  std::string precision = "fp32";
 
   // Data parallelism. batch_size stays the global batch whatever dp is: each of the dp ranks
   // trains on batch_size / dp sequences per step, in grad_accum micro-batches.

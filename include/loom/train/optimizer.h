@@ -2,9 +2,10 @@
 // AdamW with parameter groups and fp32 master weights.
 //
 // Groups: parameters with weight decay (matrices of linear layers) and without (norm weights,
-// biases, embeddings) by default. When a parameter is not fp32 (bf16 training), the optimizer
-// keeps an fp32 master copy, reads the low-precision gradient, updates the master and writes the
-// rounded value back, so small updates are not lost to bf16 rounding.
+// biases, embeddings) by default. When a parameter is narrower than fp32 (bf16 training), the
+// optimizer keeps an fp32 master copy, reads the low-precision gradient, updates the master and
+// writes the rounded value back, so small updates are not lost to bf16 rounding. fp64 parameters
+// keep fp64 moments and no master (ops::accumulation_dtype).
 #include <ATen/core/Tensor.h>
 
 #include <functional>
@@ -44,7 +45,7 @@ class AdamW {
   struct Slot {
     std::string name;
     at::Tensor param;
-    at::Tensor master;  // fp32 copy when param is not fp32; otherwise undefined
+    at::Tensor master;  // fp32 copy when param is narrower (bf16); otherwise undefined
     at::Tensor exp_avg, exp_avg_sq;
     bool decay = true;
   };

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <fmt/format.h>
+
 #include "loom/core/error.h"
+#include "loom/core/registry.h"
 
 namespace loom::parallel::data {
 
@@ -25,10 +28,38 @@ void Bf16CompressHook::finish(GradBucket& bucket, dist::Communicator&) {
   bucket.scratch = at::Tensor();
 }
 
+namespace {
+
+using Registry = core::NamedRegistry<CommHookFactory>;
+
+Registry& registry() {
+  static Registry r("communication hook");
+  static const bool built_in = [] {
+    r.add("avg", [] { return std::make_shared<AllReduceAvgHook>(); });
+    r.add("bf16", [] { return std::make_shared<Bf16CompressHook>(); });
+    return true;
+  }();
+  (void)built_in;
+  return r;
+}
+
+}  // namespace
+
+void register_comm_hook(const std::string& name, CommHookFactory factory) {
+  registry().add(name, std::move(factory));
+}
+
+std::vector<std::string> comm_hook_names() {
+  return registry().names();
+}
+
 std::shared_ptr<CommHook> make_comm_hook(const std::string& name) {
-  if (name == "avg") return std::make_shared<AllReduceAvgHook>();
-  if (name == "bf16") return std::make_shared<Bf16CompressHook>();
-  fail("unknown communication hook '{}'; valid: avg, bf16", name);
+  const auto factory = registry().find(name);
+  LOOM_CHECK(factory, "--comm-hook '{}' is not a known communication hook; valid: {}", name,
+             fmt::join(comm_hook_names(), ", "));
+  auto hook = factory();
+  LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", name);
+  return hook;
 }
 
 }  // namespace loom::parallel::data

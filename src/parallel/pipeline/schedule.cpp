@@ -3,11 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <numeric>
 
 #include "loom/core/error.h"
+#include "loom/core/registry.h"
 
 namespace loom::parallel::pipeline {
 
@@ -118,47 +117,32 @@ std::vector<Action> forward_only_actions(const PipelineShape& shape) {
 
 namespace {
 
-struct Registry {
-  std::mutex mutex;
-  std::map<std::string, ScheduleFactory> factories;
-  Registry() {
-    factories["gpipe"] = [] { return std::make_shared<const GPipeSchedule>(); };
-    factories["1f1b"] = [] { return std::make_shared<const OneFOneBSchedule>(); };
-    factories["interleaved"] = [] { return std::make_shared<const InterleavedSchedule>(); };
-  }
-};
+using Registry = core::NamedRegistry<ScheduleFactory>;
 
 Registry& registry() {
-  static Registry r;
+  static Registry r("pipeline schedule");
+  static const bool built_in = [] {
+    r.add("gpipe", [] { return std::make_shared<const GPipeSchedule>(); });
+    r.add("1f1b", [] { return std::make_shared<const OneFOneBSchedule>(); });
+    r.add("interleaved", [] { return std::make_shared<const InterleavedSchedule>(); });
+    return true;
+  }();
+  (void)built_in;
   return r;
 }
 
 }  // namespace
 
 void register_schedule(const std::string& name, ScheduleFactory factory) {
-  LOOM_CHECK(!name.empty() && factory, "register_schedule: empty name or factory");
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  LOOM_CHECK(r.factories.emplace(name, std::move(factory)).second,
-             "a pipeline schedule named '{}' is already registered", name);
+  registry().add(name, std::move(factory));
 }
 
 std::vector<std::string> schedule_names() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  std::vector<std::string> out;
-  for (const auto& kv : r.factories) out.push_back(kv.first);
-  return out;
+  return registry().names();
 }
 
 SchedulePtr make_schedule(const std::string& name) {
-  ScheduleFactory factory;
-  {
-    auto& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.factories.find(name);
-    if (it != r.factories.end()) factory = it->second;
-  }
+  const auto factory = registry().find(name);
   LOOM_CHECK(factory, "--schedule '{}' is not a known pipeline schedule; valid: {}", name,
              fmt::join(schedule_names(), ", "));
   auto schedule = factory();

@@ -7,6 +7,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/precision.h"
 
 namespace loom::parallel::tensor {
 
@@ -30,7 +31,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     const int64_t n = logits2d.size(0), v_local = logits2d.size(1);
     const int64_t start = tp.rank() * v_local;
     const int64_t valid = std::clamp<int64_t>(vocab - start, 0, v_local);  // unpadded columns
-    auto x = logits2d.narrow(1, 0, valid).to(at::kFloat);
+    auto x = ops::to_accumulation_dtype(logits2d.narrow(1, 0, valid));
 
     // Row maximum across the group (a rank holding only padding contributes -inf).
     auto row_max = valid > 0 ? std::get<0>(x.max(1)).contiguous()

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "loom/core/error.h"
+#include "loom/ops/precision.h"
 #include "loom/parallel/data/grad_bucket.h"
 
 namespace loom::parallel::zero {
@@ -49,11 +50,7 @@ int64_t storage_nbytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
-// Sum of squares as a float64 scalar on the gradient's device (see train/grad_clip.cpp for why
-// not at::norm).
-at::Tensor squared_norm(const at::Tensor& g) {
-  return g.to(at::kFloat).pow(2).sum().to(at::kDouble);
-}
+using ops::squared_norm;
 
 }  // namespace
 
@@ -198,14 +195,17 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     } else {
       b.grad_shard = at::zeros({b.layout.shard_numel()}, options);
     }
-    auto fp32 = at::TensorOptions(at::kFloat).device(state_device);
-    if (options_.offload_optimizer && on_gpu) fp32 = fp32.pinned_memory(true);
-    if (first.scalar_type() != at::kFloat || options_.offload_optimizer) {
-      b.master = at::empty({b.layout.shard_numel()}, fp32);
+    // Optimizer state in fp32 (fp64 for fp64 parameters); a master copy where the parameters
+    // are narrower, or live on another device.
+    const auto state_dtype = ops::accumulation_dtype(first.scalar_type());
+    auto state_options = at::TensorOptions(state_dtype).device(state_device);
+    if (options_.offload_optimizer && on_gpu) state_options = state_options.pinned_memory(true);
+    if (first.scalar_type() != state_dtype || options_.offload_optimizer) {
+      b.master = at::empty({b.layout.shard_numel()}, state_options);
       b.master.copy_(b.param_shard);
     }
-    b.exp_avg = at::zeros({b.layout.shard_numel()}, fp32);
-    b.exp_avg_sq = at::zeros({b.layout.shard_numel()}, fp32);
+    b.exp_avg = at::zeros({b.layout.shard_numel()}, state_options);
+    b.exp_avg_sq = at::zeros({b.layout.shard_numel()}, state_options);
     b.segments = b.layout.segments(rank_);
     for (const auto& seg : b.segments) {
       const auto& [name, p] = params_[b.params[seg.param]];
@@ -524,7 +524,8 @@ void ZeroOptimizer::step(double lr) {
   torch::NoGradGuard no_grad;
   ++steps_;
   for (auto& b : buckets_) {
-    const auto grad = b.grad_shard.to(b.exp_avg.device(), at::kFloat, /*non_blocking=*/false);
+    const auto grad =
+        b.grad_shard.to(b.exp_avg.device(), b.exp_avg.scalar_type(), /*non_blocking=*/false);
     auto& weight = b.master.defined() ? b.master : b.param_shard;
     for (size_t k = 0; k < b.segments.size(); ++k)
       if (b.segment_decays[k])
@@ -699,9 +700,10 @@ void ZeroOptimizer::load_state(const std::map<std::string, at::Tensor>& state,
     get(key + ".exp_avg", b.exp_avg);
     get(key + ".exp_avg_sq", b.exp_avg_sq);
     if (!b.master.defined()) continue;
-    // A master the shard does not have (fp32 parameters saved without --offload-optimizer) is
-    // the parameter shard itself.
-    if (state.count(key + ".master") == 0 && b.param_shard.scalar_type() == at::kFloat)
+    // A master the shard does not have (parameters in the state's dtype, saved without
+    // --offload-optimizer) is the parameter shard itself.
+    if (state.count(key + ".master") == 0 &&
+        b.param_shard.scalar_type() == b.master.scalar_type())
       b.master.copy_(b.param_shard);
     else
       get(key + ".master", b.master);

@@ -2,8 +2,10 @@
 // How a gradient bucket is reduced across data-parallel ranks. The default averages it with an
 // all-reduce; a hook can compress it first (the bf16 hook halves the bytes sent), which is
 // where communication compression plugs in.
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/dist/communicator.h"
 #include "loom/parallel/data/grad_bucket.h"
@@ -42,7 +44,29 @@ class Bf16CompressHook : public CommHook {
   double bytes_per_element(const GradBucket&) const override { return 2.0; }
 };
 
-// "avg" | "bf16"; throws loom::Error naming the valid names otherwise.
+// The registry of hooks by name: "avg" and "bf16" are built in; a user's own hook registers
+// with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is then chosen by --comm-hook name.
+// Registering a name twice is a loom::Error.
+using CommHookFactory = std::function<std::shared_ptr<CommHook>()>;
+void register_comm_hook(const std::string& name, CommHookFactory factory);
+std::vector<std::string> comm_hook_names();
+// Throws loom::Error naming the registered hooks when `name` is not one of them.
 std::shared_ptr<CommHook> make_comm_hook(const std::string& name);
 
+namespace detail {
+struct CommHookRegistration {
+  CommHookRegistration(const std::string& name, CommHookFactory factory) {
+    register_comm_hook(name, std::move(factory));
+  }
+};
+}  // namespace detail
+
 }  // namespace loom::parallel::data
+
+// Registers Type (a CommHook with a default constructor) under `name` at static-initialization
+// time, so --comm-hook name finds it.
+#define LOOM_REGISTER_COMM_HOOK(Type, name)                                                   \
+  static const ::loom::parallel::data::detail::CommHookRegistration                           \
+      loom_comm_hook_registration_##Type(name, [] {                                           \
+        return std::static_pointer_cast<::loom::parallel::data::CommHook>(std::make_shared<Type>()); \
+      })

@@ -197,7 +197,9 @@ class ZeroOptimizer {
     at::Tensor param_shard;  // stage 3: this rank's parameters (else a view of full)
     at::Tensor full_grads;   // stage 1: flat gradient buffer the .grad views
     at::Tensor grad_shard;   // this rank's averaged gradient (stage 1: view of full_grads)
-    at::Tensor master, exp_avg, exp_avg_sq;  // fp32; master when not fp32 or offloaded
+    // In ops::accumulation_dtype of the parameters (fp32; fp64 for fp64 parameters); master
+    // when the parameters are narrower, or when offloaded.
+    at::Tensor master, exp_avg, exp_avg_sq;
     std::vector<FlatSegment> segments;
     std::vector<bool> segment_decays;
     std::vector<double> segment_norm_weights;  // empty: all 1
