@@ -502,6 +502,7 @@ train::TrainConfig tp_config(const fs::path& dir, const std::string& model) {
   c.warmup_steps = 1;
   c.log_every = 1000;
   c.eval_batches = 1;
+  c.precision = "fp64";  // compared with the fp64 bounds of train_compare.h
   return c;
 }
 
