@@ -42,7 +42,25 @@ mkdir -p "$work/hf" && cat > "$work/hf/config.json" << 'JSON'
 JSON
 expect "n_heads = 5 does not divide d_model = 48" "${run[@]}" --data "$work/data/train.bin" --init-from-hf "$work/hf"
 expect "/proc/loom-nope" "${run[@]}" --data "$work/data/train.bin" --save-dir /proc/loom-nope
-expect "--precision 'fp16'" "${run[@]}" --data "$work/data/train.bin" --precision fp16
+expect "--precision 'fp16' is not valid: use fp32, bf16 or fp64" "${run[@]}" --data "$work/data/train.bin" --precision fp16
+# fp64 (the correctness instrument) trains from the command line; its Hugging Face export is
+# float32, and the log says it was rounded.
+out=$("${run[@]}" --data "$work/data/train.bin" --precision fp64 --export-hf "$work/hf64" \
+  --save-dir "$work/ckpt64" --log-level info 2>&1)
+status=$?
+# ... and its checkpoint (fp64 tensors) evaluates with loom-eval.
+if [ $status -eq 0 ]; then
+  "$TOOLS/loom-eval" --checkpoint "$work/ckpt64" --data "$work/data/train.bin" > /dev/null 2>&1 ||
+    { echo "FAIL: loom-eval of an fp64 checkpoint"; fail=1; }
+fi
+if [ $status -ne 0 ] || ! grep -qF "rounded to float32" <<< "$out" ||
+  ! head -c 4096 "$work/hf64/model.safetensors" | grep -qF '"F32"' ||
+  head -c 4096 "$work/hf64/model.safetensors" | grep -qF '"F64"'; then
+  echo "FAIL: --precision fp64 with --export-hf -> status $status; got: $out"
+  fail=1
+else
+  echo "ok: --precision fp64 trains and exports float32"
+fi
 expect "--device 'tpu' is not valid: cpu, cuda or cuda:N" "${run[@]}" --data "$work/data/train.bin" --device tpu
 if ! command -v nvidia-smi > /dev/null; then  # a machine without a GPU says so
   expect "--device cuda: there is no such CUDA device (0 visible" "${run[@]}" --data "$work/data/train.bin" --device cuda

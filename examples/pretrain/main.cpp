@@ -52,9 +52,10 @@ int main(int argc, char** argv) {
   app.add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
   app.add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str();
-  app.add_option("--precision", c.precision,
-                 "fp32 | bf16 | fp64 (bf16: compute under autocast, fp32 master weights and gradients; "
-                 "fp64: everything in fp64, for checking layouts against each other)")
+  app.add_option(
+         "--precision", c.precision,
+         "fp32 | bf16 | fp64 (bf16: compute under autocast, fp32 master weights and gradients; "
+         "fp64: everything in fp64, for checking layouts against each other)")
       ->capture_default_str();
   app.add_option("--device", c.device,
                  "cpu | cuda | cuda:N: where the model trains (CUDA: one process, one GPU)")

@@ -233,13 +233,13 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto attend = [p, tp, backend](const std::vector<at::Tensor>& qkv) {
     const auto& query = qkv[0];
     const int64_t b = query.size(0), h = query.size(1), t = query.size(2);
-    return ops::attention(query, qkv[1], qkv[2],
-                          {.causal = true,
-                           .dropout = p,
-                           .dropout_mask = pt::sharded_dropout_mask(
-                               {b, h, t, t}, query.options().dtype(ops::accumulation_dtype(query.scalar_type())), p,
-                               *tp, 1),
-                           .backend = backend});
+    const auto mask_options = query.options().dtype(ops::accumulation_dtype(query.scalar_type()));
+    return ops::attention(
+        query, qkv[1], qkv[2],
+        {.causal = true,
+         .dropout = p,
+         .dropout_mask = pt::sharded_dropout_mask({b, h, t, t}, mask_options, p, *tp, 1),
+         .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
     return attend({q, k, v});

@@ -6,8 +6,8 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
-#include "loom/ops/precision.h"
 #include "loom/ops/flash_attention.h"
+#include "loom/ops/precision.h"
 
 namespace loom::ops {
 

@@ -236,9 +236,10 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
       int64_t v;
       bool broken;
     };
-    for (const auto& [schedule, v, broken] :
-         std::vector<Run>{{"gpipe", 1, false}, {"1f1b", 1, false}, {"interleaved", 2, false},
-                          {"1f1b", 1, true}}) {
+    for (const auto& [schedule, v, broken] : std::vector<Run>{{"gpipe", 1, false},
+                                                              {"1f1b", 1, false},
+                                                              {"interleaved", 2, false},
+                                                              {"1f1b", 1, true}}) {
       SCOPED_TRACE(fmt::format("{} {} pp {} v {}{}", preset, schedule, n, v,
                                broken ? " (broken: targets of the next micro-batch)" : ""));
       const pl::PipelineShape shape{n, v, m};
@@ -301,6 +302,8 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
         }
         worst = std::max(worst, rel);
       }
+      if (!broken && std::getenv("LOOM_TEST_VERBOSE") && world().rank() == 0)
+        fmt::print("executor {} {} pp {}: worst gradient {:.3g}\n", preset, schedule, n, worst);
       if (broken) {
         if (world().rank() == 0)
           fmt::print("[broken variant] {} pp {}: wrong micro-batch order: worst gradient {:.3g}\n",

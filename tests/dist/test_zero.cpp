@@ -112,7 +112,10 @@ EngineRun run_plain(int64_t micros, at::ScalarType dtype, bool use_odd = true) {
   for (int64_t step = 0; step < 3; ++step) {
     for (int64_t k = 0; k < micros; ++k) {
       if (dp) dp->set_sync(k == micros - 1);
-      (net.forward(input_of(world().rank(), step, k, dtype)).to(at::promote_types(dtype, at::kFloat)).pow(2).mean() /
+      (net.forward(input_of(world().rank(), step, k, dtype))
+           .to(at::promote_types(dtype, at::kFloat))
+           .pow(2)
+           .mean() /
        static_cast<double>(micros))
           .backward();
     }
@@ -146,7 +149,10 @@ EngineRun run_zero(int stage, int64_t micros, at::ScalarType dtype, bool offload
     for (int64_t k = 0; k < micros; ++k) {
       engine->set_sync(k == micros - 1);
       engine->prepare_forward();
-      (net.forward(input_of(world().rank(), step, k, dtype)).to(at::promote_types(dtype, at::kFloat)).pow(2).mean() /
+      (net.forward(input_of(world().rank(), step, k, dtype))
+           .to(at::promote_types(dtype, at::kFloat))
+           .pow(2)
+           .mean() /
        static_cast<double>(micros))
           .backward();
       engine->finish_gradient_sync();
@@ -170,6 +176,7 @@ void expect_close(const EngineRun& got, const EngineRun& want, double rtol) {
     const auto q = got.params.at(name).to(at::kDouble), r = p.to(at::kDouble);
     const double rel = ((q - r).norm() / r.norm()).item<double>();
     EXPECT_LE(rel, rtol) << name;
+    if (std::getenv("LOOM_TEST_VERBOSE")) fmt::print("engine: {} {:.3g}\n", name, rel);
   }
 }
 
@@ -413,18 +420,16 @@ TEST_P(TrainerZero, SameLossesAndParametersAsOneProcessAndPlainDp) {
   expect_same_run(sharded, plain);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, TrainerZero,
-                         ::testing::Values(ZeroCase{1, 1, "none"}, ZeroCase{2, 1, "none"},
-                                           ZeroCase{3, 1, "none"}, ZeroCase{1, 2, "full"},
-                                           ZeroCase{2, 2, "full"}, ZeroCase{3, 2, "full"},
-                                           ZeroCase{3, 1, "selective"},
-                                           ZeroCase{1, 2, "full", true},
-                                           ZeroCase{3, 1, "full", true}),
-                         [](const auto& info) {
-                           return fmt::format("Stage{}Accum{}{}{}", info.param.stage,
-                                              info.param.grad_accum, info.param.checkpointing,
-                                              info.param.offload ? "Offload" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TrainerZero,
+    ::testing::Values(ZeroCase{1, 1, "none"}, ZeroCase{2, 1, "none"}, ZeroCase{3, 1, "none"},
+                      ZeroCase{1, 2, "full"}, ZeroCase{2, 2, "full"}, ZeroCase{3, 2, "full"},
+                      ZeroCase{3, 1, "selective"}, ZeroCase{1, 2, "full", true},
+                      ZeroCase{3, 1, "full", true}),
+    [](const auto& info) {
+      return fmt::format("Stage{}Accum{}{}{}", info.param.stage, info.param.grad_accum,
+                         info.param.checkpointing, info.param.offload ? "Offload" : "");
+    });
 
 TEST(TrainerZero, MemoryReportFollowsTheStage) {
   loom::testing::SharedTempDir dir;

@@ -72,9 +72,10 @@ struct RunDifference {
   std::string tensor_name;
   double key_bias = 0;  // the attention key bias, absolute (see below)
   std::string describe() const {
-    return fmt::format("loss {:.3g}, grad norm {:.3g}, parameters {:.3g}, worst tensor {:.3g} ({}), "
-                       "key bias {:.3g} absolute",
-                       loss, grad_norm, parameters, tensor, tensor_name, key_bias);
+    return fmt::format(
+        "loss {:.3g}, grad norm {:.3g}, parameters {:.3g}, worst tensor {:.3g} ({}), "
+        "key bias {:.3g} absolute",
+        loss, grad_norm, parameters, tensor, tensor_name, key_bias);
   }
 };
 

@@ -3,6 +3,8 @@
 // communication hooks into loom without forking it (registered at static-initialization time by
 // the LOOM_REGISTER_* macros, looked up by the name a flag gives). Thread-safe; registering a
 // name twice is a loom::Error.
+#include <fmt/format.h>
+
 #include <map>
 #include <mutex>
 #include <string>
@@ -38,6 +40,17 @@ class NamedRegistry {
     std::vector<std::string> out;
     for (const auto& kv : factories_) out.push_back(kv.first);
     return out;
+  }
+
+  // What the factory registered as `name` makes; a loom::Error naming `flag` (the option that
+  // chose it), the name and the registered names when there is none.
+  auto make(const std::string& name, const std::string& flag) const {
+    const auto factory = find(name);
+    LOOM_CHECK(factory, "{} '{}' is not a known {}; valid: {}", flag, name, what_,
+               fmt::join(names(), ", "));
+    auto made = factory();
+    LOOM_CHECK(made != nullptr, "the factory of {} '{}' returned nothing", what_, name);
+    return made;
   }
 
  private:

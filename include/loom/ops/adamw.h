@@ -1,7 +1,7 @@
 #pragma once
-// The AdamW update as one op on fp32 tensors, shared by the replicated optimizer (train/) and the
-// ZeRO-sharded one (parallel/zero/): both must apply exactly the same arithmetic, element by
-// element, so that a sharded run trains the same model as one process. A fused CUDA kernel can
+// The AdamW update as one op on fp32 (or fp64) tensors, shared by the replicated optimizer
+// (train/) and the ZeRO-sharded one (parallel/zero/): both must apply the same arithmetic, element
+// by element, so that a sharded run trains the same model as one process. A fused CUDA kernel can
 // replace the body later without touching either caller.
 #include <ATen/core/Tensor.h>
 
@@ -19,11 +19,12 @@ struct AdamWOptions {
 // Throws loom::Error naming the first hyperparameter out of range.
 void check_adamw_options(const AdamWOptions& options);
 
-// Decoupled weight decay on `weight` (fp32, in place): weight *= 1 - lr * weight_decay.
+// Decoupled weight decay on `weight` (fp32 or fp64, in place): weight *= 1 - lr * weight_decay.
 void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& options);
 
-// The moment updates and the step for optimizer step number `step` (1-based), all fp32 and in
-// place, without weight decay (apply adamw_decay_ first, to the elements that decay):
+// The moment updates and the step for optimizer step number `step` (1-based), all of one dtype
+// (fp32, or fp64 for --precision fp64) and in place, without weight decay (apply adamw_decay_
+// first, to the elements that decay):
 //   exp_avg    = lerp(exp_avg, grad, 1 - beta1)
 //   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2
 //   weight    -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^step)) + eps)

@@ -34,7 +34,7 @@ struct TrainConfig {
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
-  double grad_clip = 1.0;          // 0 disables clipping
+  double grad_clip = 1.0;  // 0 disables clipping
   // fp32 | bf16 | fp64. fp64 is a correctness instrument, not a training mode: parameters,
   // activations, gradients, collectives and optimizer state all in fp64, so that layouts can be
   // compared with bounds far below what any bug produces (docs/testing.md).

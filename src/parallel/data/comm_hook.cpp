@@ -54,12 +54,7 @@ std::vector<std::string> comm_hook_names() {
 }
 
 std::shared_ptr<CommHook> make_comm_hook(const std::string& name) {
-  const auto factory = registry().find(name);
-  LOOM_CHECK(factory, "--comm-hook '{}' is not a known communication hook; valid: {}", name,
-             fmt::join(comm_hook_names(), ", "));
-  auto hook = factory();
-  LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", name);
-  return hook;
+  return registry().make(name, "--comm-hook");
 }
 
 }  // namespace loom::parallel::data

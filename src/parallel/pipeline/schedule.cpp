@@ -142,12 +142,7 @@ std::vector<std::string> schedule_names() {
 }
 
 SchedulePtr make_schedule(const std::string& name) {
-  const auto factory = registry().find(name);
-  LOOM_CHECK(factory, "--schedule '{}' is not a known pipeline schedule; valid: {}", name,
-             fmt::join(schedule_names(), ", "));
-  auto schedule = factory();
-  LOOM_CHECK(schedule != nullptr, "the factory of schedule '{}' returned nothing", name);
-  return schedule;
+  return registry().make(name, "--schedule");
 }
 
 std::vector<double> SimulatedRun::bubble_fractions() const {

@@ -702,8 +702,7 @@ void ZeroOptimizer::load_state(const std::map<std::string, at::Tensor>& state,
     if (!b.master.defined()) continue;
     // A master the shard does not have (parameters in the state's dtype, saved without
     // --offload-optimizer) is the parameter shard itself.
-    if (state.count(key + ".master") == 0 &&
-        b.param_shard.scalar_type() == b.master.scalar_type())
+    if (state.count(key + ".master") == 0 && b.param_shard.scalar_type() == b.master.scalar_type())
       b.master.copy_(b.param_shard);
     else
       get(key + ".master", b.master);

@@ -65,8 +65,9 @@ struct CommHookRegistration {
 
 // Registers Type (a CommHook with a default constructor) under `name` at static-initialization
 // time, so --comm-hook name finds it.
-#define LOOM_REGISTER_COMM_HOOK(Type, name)                                                   \
-  static const ::loom::parallel::data::detail::CommHookRegistration                           \
-      loom_comm_hook_registration_##Type(name, [] {                                           \
-        return std::static_pointer_cast<::loom::parallel::data::CommHook>(std::make_shared<Type>()); \
+#define LOOM_REGISTER_COMM_HOOK(Type, name)                                \
+  static const ::loom::parallel::data::detail::CommHookRegistration        \
+      loom_comm_hook_registration_##Type(name, [] {                        \
+        return std::static_pointer_cast<::loom::parallel::data::CommHook>( \
+            std::make_shared<Type>());                                     \
       })
