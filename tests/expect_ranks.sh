@@ -16,7 +16,11 @@ if [ "$rc" -ne 0 ]; then
   echo "FAIL: exit status $rc (a rank failed): $*" >&2
   exit 1
 fi
-matched=$(grep -cE "$regex" "$out")
+matched=$(grep -cE -e "$regex" "$out")
+if [ $? -gt 1 ] || ! [[ $matched =~ ^[0-9]+$ ]]; then
+  echo "FAIL: could not count the lines matching '$regex' (grep failed)" >&2
+  exit 1
+fi
 if [ "$matched" -lt "$count" ]; then
   echo "FAIL: $matched line(s) match '$regex', expected $count (one per reporting rank)" >&2
   exit 1

@@ -118,6 +118,9 @@ std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const fs::path& pat
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt) {
   auto config = models::ModelConfig::from_json(ckpt.state.value("model_config", json()));
   auto model = models::make_model(config);
+  // An fp64 run's checkpoint loads as an fp64 model (not rounded to fp32 on the way in).
+  const auto train_config = ckpt.state.value("train_config", json());
+  if (train_config.value("precision", std::string("fp32")) == "fp64") model->to(at::kDouble);
   models::load_parameters(*model, ckpt.model, ckpt.dir.string());
   return model;
 }

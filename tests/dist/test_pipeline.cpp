@@ -484,6 +484,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
     {
       torch::NoGradGuard no_grad;
       auto saved = train::load_model_from_checkpoint(ckpt);
+      EXPECT_EQ(saved->parameters().front().scalar_type(), at::kDouble);  // an fp64 checkpoint
       saved->eval();
       saved_logits = saved->forward(tokens);
     }
@@ -500,6 +501,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
       {
         // The loaded shards make up the checkpoint's model: the same logits.
         auto whole = models::make_model(t.model_config());
+        whole->to(at::kDouble);  // the fp64 run's parameters, not rounded to fp32
         models::load_parameters(*whole, t.gather_parameters(), "the resumed trainer");
         torch::NoGradGuard no_grad;
         whole->eval();

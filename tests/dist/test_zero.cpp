@@ -418,6 +418,11 @@ TEST_P(TrainerZero, SameLossesAndParametersAsOneProcessAndPlainDp) {
   const auto sharded = run(t);
   expect_same_run(sharded, single);
   expect_same_run(sharded, plain);
+  // The sharded optimizer state (moments; masters under offload) is fp64 like the parameters.
+  for (const auto& [name, tensor] : t.zero()->state())
+    if (at::isFloatingType(tensor.scalar_type())) {
+      EXPECT_EQ(tensor.scalar_type(), at::kDouble) << name;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -79,18 +79,24 @@ struct RunDifference {
   }
 };
 
+// max that keeps a NaN: a NaN difference is the worst there is, never overwritten.
+inline double worst_of(double worst, double x) {
+  if (std::isnan(worst)) return worst;
+  return std::isnan(x) || x > worst ? x : worst;
+}
+
 inline RunDifference compare_runs(const RunResult& got, const RunResult& want) {
   RunDifference d;
   const auto relative = [](double a, double b) { return std::abs(a - b) / std::abs(b); };
   EXPECT_EQ(got.losses.size(), want.losses.size());
   for (size_t s = 0; s < std::min(got.losses.size(), want.losses.size()); ++s)
-    d.loss = std::max(d.loss, relative(got.losses[s], want.losses[s]));
-  d.loss = std::max(d.loss, relative(got.val_loss, want.val_loss));
+    d.loss = worst_of(d.loss, relative(got.losses[s], want.losses[s]));
+  d.loss = worst_of(d.loss, relative(got.val_loss, want.val_loss));
   // The gradient norm counts every element of the single-process gradient once, whatever the
   // layout shards or replicates.
   if (got.grad_norms.size() == want.grad_norms.size())
     for (size_t s = 0; s < want.grad_norms.size(); ++s)
-      d.grad_norm = std::max(d.grad_norm, relative(got.grad_norms[s], want.grad_norms[s]));
+      d.grad_norm = worst_of(d.grad_norm, relative(got.grad_norms[s], want.grad_norms[s]));
   double diff2 = 0, norm2 = 0;
   for (const auto& [name, want_p] : want.params) {
     auto p = want_p;
@@ -106,7 +112,7 @@ inline RunDifference compare_runs(const RunResult& got, const RunResult& want) {
       // noise (at most lr * noise / eps each). Its values are held to an absolute bound; query
       // and value biases are compared like every other tensor.
       const auto third = p.size(0) / 3;
-      d.key_bias = std::max(
+      d.key_bias = worst_of(
           d.key_bias,
           (q.narrow(0, third, third) - p.narrow(0, third, third)).abs().max().item<double>());
       p = at::cat({p.narrow(0, 0, third), p.narrow(0, 2 * third, third)});
@@ -116,7 +122,10 @@ inline RunDifference compare_runs(const RunResult& got, const RunResult& want) {
     diff2 += diff.pow(2).sum().item<double>();
     norm2 += p.pow(2).sum().item<double>();
     const double rel = (diff.norm() / p.norm()).item<double>();
-    if (!(rel <= d.tensor)) d.tensor = rel, d.tensor_name = name;  // NaN counts as worst
+    if (!std::isnan(d.tensor) && (std::isnan(rel) || rel > d.tensor)) {
+      d.tensor = rel;  // a NaN counts as the worst, and stays
+      d.tensor_name = name;
+    }
   }
   d.parameters = std::sqrt(diff2 / norm2);
   if (std::getenv("LOOM_TEST_VERBOSE")) fmt::print("run difference: {}\n", d.describe());

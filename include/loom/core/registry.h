@@ -4,6 +4,7 @@
 // the LOOM_REGISTER_* macros, looked up by the name a flag gives). Thread-safe; registering a
 // name twice is a loom::Error.
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (moved out of format.h in fmt 11)
 
 #include <map>
 #include <mutex>

@@ -174,7 +174,8 @@ class Trainer {
   data::Batch on_device(data::Batch batch) const;
 };
 
-// Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded.
+// Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded, in the
+// run's precision (fp32 parameters; fp64 for a --precision fp64 run).
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const std::filesystem::path& path);
 std::shared_ptr<models::CausalLM> load_model_from_checkpoint(const CheckpointContents& ckpt);
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "loom/core/error.h"
+#include "loom/ops/precision.h"
 
 namespace loom::parallel::tensor {
 
@@ -16,7 +17,9 @@ at::Tensor sharded_dropout_mask(at::IntArrayRef local_shape, const at::TensorOpt
   // Drawn in fp32 on the CPU whatever x is, so the draws are the same for every dtype.
   auto keep = at::empty(shape, at::kFloat).bernoulli_(1.0 - p, tp.generator());
   if (sliced) keep = keep.narrow(dim, tp.rank() * local_shape[dim], local_shape[dim]);
-  return keep.div_(1.0 - p).to(options);
+  // Scaled in at least fp32 (fp64 for fp64 runs), then cast to what x is.
+  const auto scale_dtype = ops::accumulation_dtype(c10::typeMetaToScalarType(options.dtype()));
+  return keep.to(scale_dtype).div_(1.0 - p).to(options);
 }
 
 at::Tensor sharded_dropout(const at::Tensor& x, double p, bool training, TpGroup& tp, int64_t dim) {

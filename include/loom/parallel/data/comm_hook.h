@@ -64,7 +64,9 @@ struct CommHookRegistration {
 }  // namespace loom::parallel::data
 
 // Registers Type (a CommHook with a default constructor) under `name` at static-initialization
-// time, so --comm-hook name finds it.
+// time, so --comm-hook name finds it in the program that links it (the user's own binary; the
+// prebuilt loom-pretrain knows the built-in hooks only). Use it once, in a .cpp file: in a header
+// every file including it would register the name again, which is an error.
 #define LOOM_REGISTER_COMM_HOOK(Type, name)                                \
   static const ::loom::parallel::data::detail::CommHookRegistration        \
       loom_comm_hook_registration_##Type(name, [] {                        \
