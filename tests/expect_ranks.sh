@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a multi-rank command and passes only if it exits 0 (mpirun exits non-zero when any rank
-# does) AND its output has at least COUNT lines matching REGEX (one per rank where every rank
-# reports). A pass regex alone would let a failing rank through.
+# does) AND its output has at least COUNT distinct lines matching REGEX (one per rank where every
+# rank reports, each naming its rank). A pass regex alone would let a failing rank through.
 #   expect_ranks.sh COUNT REGEX -- command...
 set -uo pipefail
 count=$1
@@ -16,11 +16,12 @@ if [ "$rc" -ne 0 ]; then
   echo "FAIL: exit status $rc (a rank failed): $*" >&2
   exit 1
 fi
-matched=$(grep -cE -e "$regex" "$out")
-if [ $? -gt 1 ] || ! [[ $matched =~ ^[0-9]+$ ]]; then
+lines=$(grep -E -e "$regex" "$out")
+if [ $? -gt 1 ]; then
   echo "FAIL: could not count the lines matching '$regex' (grep failed)" >&2
   exit 1
 fi
+matched=$(printf '%s' "$lines" | sort -u | grep -c .)  # a rank that prints twice counts once
 if [ "$matched" -lt "$count" ]; then
   echo "FAIL: $matched line(s) match '$regex', expected $count (one per reporting rank)" >&2
   exit 1

@@ -418,11 +418,16 @@ TEST_P(TrainerZero, SameLossesAndParametersAsOneProcessAndPlainDp) {
   const auto sharded = run(t);
   expect_same_run(sharded, single);
   expect_same_run(sharded, plain);
-  // The sharded optimizer state (moments; masters under offload) is fp64 like the parameters.
-  for (const auto& [name, tensor] : t.zero()->state())
+  // The sharded optimizer state (moments; masters under offload) is fp64 like the parameters,
+  // and offload is really on: fp64 parameters have a master copy only when offloaded.
+  bool has_master = false;
+  for (const auto& [name, tensor] : t.zero()->state()) {
     if (at::isFloatingType(tensor.scalar_type())) {
       EXPECT_EQ(tensor.scalar_type(), at::kDouble) << name;
     }
+    has_master = has_master || name.ends_with(".master");
+  }
+  EXPECT_EQ(has_master, c.offload);
 }
 
 INSTANTIATE_TEST_SUITE_P(
