@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 
 namespace {

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 #include "loom/ops/flash_attention.h"
 

@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "bench_util.h"
 #include "loom/loom.h"
 

@@ -38,7 +38,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "bench_util.h"
 #include "loom/loom.h"
 

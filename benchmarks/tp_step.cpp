@@ -20,7 +20,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "bench_util.h"
 #include "loom/loom.h"
 

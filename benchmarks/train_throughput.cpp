@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "../examples/common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/core/autocast.h"
 #include "loom/loom.h"
 #include "loom/train/mfu.h"

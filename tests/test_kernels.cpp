@@ -1,5 +1,5 @@
-// The kernels' host references against the naive math (DESIGN.md: CPU tests check the reference,
-// GPU tests check the kernel against the reference). No GPU needed.
+// The kernels' host references against the naive math (docs/gpu.md, "Tests": CPU tests check the
+// reference, GPU tests check the kernel against the reference). No GPU needed.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>

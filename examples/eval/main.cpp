@@ -2,7 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include "../common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 
 int main(int argc, char** argv) {

@@ -1,7 +1,7 @@
 // loom-generate: sample text from a trained checkpoint.
 #include <ATen/Parallel.h>
 
-#include "../common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 
 int main(int argc, char** argv) {

@@ -1,7 +1,7 @@
 // loom-prepare: text files -> DIR/train.bin and DIR/val.bin (llm.c format) + DIR/meta.json.
 #include <spdlog/spdlog.h>
 
-#include "../common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 
 int main(int argc, char** argv) {

@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <optional>
 
-#include "../common/app_main.h"
+#include "loom/apps/cli.h"
 #include "loom/loom.h"
 
 namespace pt = loom::parallel::tensor;

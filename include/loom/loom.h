@@ -54,4 +54,8 @@
 #include "loom/train/lr_schedule.h"
 #include "loom/train/metrics.h"
 #include "loom/train/optimizer.h"
+#include "loom/train/run_context.h"
+#include "loom/train/runtime.h"
+#include "loom/train/step_result.h"
+#include "loom/train/strategy.h"
 #include "loom/train/trainer.h"

@@ -1,5 +1,7 @@
 #include "loom/train/config.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -96,7 +98,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
-    pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops)
+    pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
+    strategies)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -127,6 +130,9 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
+  // A registered strategy may change what is computed (local SGD, compression): the same list.
+  same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
+       fmt::format("[{}]", fmt::join(strategies, " ")));
   LOOM_CHECK(layers == 0 || layers == saved.layers || saved.layers == 0,
              "--layers {} differs from the checkpoint's {}: the model's shape comes from the "
              "checkpoint",

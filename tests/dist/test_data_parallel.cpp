@@ -188,7 +188,7 @@ TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
   auto mesh = loom::testing::runtime().mesh({});
   train::Trainer t(config, mesh);
   EXPECT_EQ(t.mesh().size(dist::Dim::dp), world().size());
-  EXPECT_EQ(t.data_parallel() != nullptr, world().size() > 1);
+  EXPECT_EQ(t.runtime().find_strategy("data-parallel") != nullptr, world().size() > 1);
   const auto distributed = run(t);
   expect_same_run(distributed, single);
   // The replicas are bit-identical: every rank applied the same averaged gradients.

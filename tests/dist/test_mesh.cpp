@@ -1,5 +1,5 @@
 // The mesh: validation before any collective, rank layout (tp innermost, then dp, then pp), and
-// the communicator of each dimension. Plus the watchdog case that dist_dist_cli_test.sh runs.
+// the communicator of each dimension. Plus the watchdog case that dist_cli_test.sh runs.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -107,7 +107,7 @@ TEST(Watchdog, MessageNamesOpGroupSequenceRankAndTensor) {
   EXPECT_TRUE(contains(msg, "aborting the job")) << msg;
 }
 
-// Run by tests/dist/failure_test.sh, not by the normal suite: rank 1 never issues the
+// Run by tests/dist/dist_cli_test.sh, not by the normal suite: rank 1 never issues the
 // all_reduce, so rank 0 hangs until the watchdog aborts the job.
 TEST(WatchdogProvoke, DISABLED_RankSkipsACollective) {
   auto& w = world();

@@ -19,6 +19,7 @@
 #include "loom/parallel/pipeline/executor.h"
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/parallel/pipeline/schedule.h"
+#include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
@@ -32,6 +33,11 @@ namespace train = loom::train;
 namespace fs = std::filesystem;
 
 namespace {
+
+// The layer split a pipelined Trainer's strategy published (null without --pp).
+const loom::parallel::pipeline::Partition* partition_of(const loom::train::Trainer& t) {
+  return t.runtime().context().find<loom::parallel::pipeline::Partition>("pipeline.partition");
+}
 
 // The bubble of GPipe and 1F1B with p stages and m micro-batches when a backward takes twice a
 // forward and messages are free: (p - 1) / (m + p - 1).
@@ -365,7 +371,7 @@ void expect_layout_trains_like_one_process(
   config = layout.applied_to(config);
   train::Trainer t(
       config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
-  EXPECT_EQ(t.pipeline() != nullptr, layout.pp > 1);
+  EXPECT_EQ(t.runtime().find_strategy("pipeline") != nullptr, layout.pp > 1);
   EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
   EXPECT_EQ(t.zero() ? t.zero()->stage() : 0, layout.zero);
   auto distributed = loom::testing::run(t);
@@ -693,31 +699,32 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
   config.layers = 6;
   {
     train::Trainer t(config, mesh);
-    ASSERT_NE(t.partition(), nullptr);
-    EXPECT_EQ(t.partition()->bounds, (std::vector<int64_t>{0, 2, 6})) << t.partition()->describe();
+    ASSERT_NE(partition_of(t), nullptr);
+    EXPECT_EQ(partition_of(t)->bounds, (std::vector<int64_t>{0, 2, 6}))
+        << partition_of(t)->describe();
     EXPECT_EQ(t.model().blocks().size(), world().rank() == 0 ? 2u : 4u);
   }
   // Measured costs: every rank computes the same split (times averaged over the world), and
   // the faster rank still gets more blocks.
   config.pp_partition = "measured";
   train::Trainer t(config, mesh);
-  ASSERT_NE(t.partition(), nullptr);
-  auto bounds = at::tensor(t.partition()->bounds, at::kLong);
+  ASSERT_NE(partition_of(t), nullptr);
+  auto bounds = at::tensor(partition_of(t)->bounds, at::kLong);
   auto max = bounds.clone();
   world().all_reduce(max, dist::ReduceOp::Max);
-  EXPECT_TRUE(at::equal(bounds, max)) << t.partition()->describe();
-  EXPECT_GE(t.partition()->layers(1), t.partition()->layers(0)) << t.partition()->describe();
+  EXPECT_TRUE(at::equal(bounds, max)) << partition_of(t)->describe();
+  EXPECT_GE(partition_of(t)->layers(1), partition_of(t)->layers(0)) << partition_of(t)->describe();
   EXPECT_EQ(t.train_step().step, 1);
   // Speeds measured at start-up: every rank computes the same split from the same timings.
   config.pp_devices = "measured";
   train::Trainer m(config, mesh);
-  ASSERT_NE(m.partition(), nullptr);
-  bounds = at::tensor(m.partition()->bounds, at::kLong);
+  ASSERT_NE(partition_of(m), nullptr);
+  bounds = at::tensor(partition_of(m)->bounds, at::kLong);
   max = bounds.clone();
   world().all_reduce(max, dist::ReduceOp::Max);
-  EXPECT_TRUE(at::equal(bounds, max)) << m.partition()->describe();
-  for (const auto& d : m.partition()->devices) {
-    EXPECT_TRUE(d.speed > 0 && d.speed <= 1.0) << m.partition()->describe();
+  EXPECT_TRUE(at::equal(bounds, max)) << partition_of(m)->describe();
+  for (const auto& d : partition_of(m)->devices) {
+    EXPECT_TRUE(d.speed > 0 && d.speed <= 1.0) << partition_of(m)->describe();
   }
 }
 

@@ -655,8 +655,8 @@ TEST(TrainerZero, FlagsThatDoNotFitAreRejected) {
   EXPECT_TRUE(contains(error_of([&] { c.validate(); }), "--activation-checkpointing 'some'"));
 }
 
-// ZeRO-1/2 compose with tp (test_pipeline.cpp trains them against one process); ZeRO-3 over
-// tp, ZeRO over sequence-parallel partial gradients and compressed hooks are refused.
+// ZeRO-1/2/3 compose with tp, sequence-parallel partial gradients included (test_pipeline.cpp
+// trains them against one process); a compressing communication hook is refused.
 TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);

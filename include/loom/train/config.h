@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <vector>
 
 namespace loom::train {
 
@@ -74,6 +75,10 @@ struct TrainConfig {
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
+
+  // Registered strategies (train/strategy.h), each "NAME[:key=value,...]" (--strategy,
+  // repeatable); the built-in ones are turned on by the flags above.
+  std::vector<std::string> strategies;
 
   // Output.
   std::string metrics_out;  // JSON lines; empty = none

@@ -1,0 +1,23 @@
+#pragma once
+#include <cstdint>
+#include <optional>
+
+namespace loom::train {
+
+// What one optimizer step did, as the Trainer returns it and the metrics line reports it.
+struct StepResult {
+  int64_t step = 0;  // optimizer steps completed, this one included
+  double loss = 0;   // mean over the whole batch (all micro-batches)
+  double grad_norm = 0;
+  double lr = 0;
+  double seconds = 0;
+  double comm_wait_s = 0;  // time the step blocked on gradient communication (dp > 1)
+  // Peak bytes allocated during the step's forwards and backwards above what was allocated
+  // when it began (activations, temporaries, and at ZeRO-3 the gathered units).
+  int64_t peak_activation_bytes = 0;
+  // Model FLOPs utilization of the step (mfu.h), when the device's peak is known (a GPU in
+  // the table, or --peak-tflops).
+  std::optional<double> mfu;
+};
+
+}  // namespace loom::train

@@ -1,0 +1,11 @@
+#pragma once
+// The built-in strategies' registrations, one per file of src/train/strategies/ (called by
+// register_builtin_strategies, builtins.cpp).
+namespace loom::train::strategies {
+void register_pipeline();
+void register_tensor_parallel();
+void register_memory_strategies();  // activation-checkpointing, activation-offload,
+                                    // optimizer-offload
+void register_data_parallel();
+void register_zero();
+}  // namespace loom::train::strategies

@@ -1,0 +1,86 @@
+// data-parallel: every dp rank holds the whole (stage of the) model and trains on its share of
+// the batch; gradients are averaged across the ranks in buckets, each bucket's all-reduce
+// starting during the backward of the step's last micro-batch (parallel/data).
+#include <fmt/format.h>
+
+#include "builtin.h"
+#include "loom/parallel/data/data_parallel.h"
+#include "loom/train/run_context.h"
+#include "loom/train/step_result.h"
+
+namespace loom::train::strategies {
+
+namespace {
+
+class DataParallelStrategy final : public Strategy {
+ public:
+  explicit DataParallelStrategy(const StrategySpec& spec) { spec.check_keys({}); }
+  std::string name() const override { return "data-parallel"; }
+  StrategySlot slot() const override { return StrategySlot::kData; }
+  StrategyTraits traits() const override {
+    StrategyTraits t;
+    t.mesh_dims = {dist::Dim::dp};
+    t.config_keys = {"bucket_mb", "comm_hook"};
+    t.syncs_data_parallel_gradients = true;
+    return t;
+  }
+
+  void apply(RunContext& run) override {
+    parallel::data::DataParallelOptions options;
+    options.bucket_mb = run.config.bucket_mb;
+    options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
+    // One per chunk: a pipeline finishes each chunk's last backward at its own time, and that
+    // chunk's buckets are reduced from then on while the other chunks still compute.
+    for (size_t c = 0; c < run.chunks.size(); ++c)
+      dp_.push_back(std::make_unique<parallel::data::DataParallel>(
+          run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options));
+    // Replicas start equal however they were initialized (the init is layout-invariant; this
+    // also covers a user-modified model).
+    for (auto& dp : dp_) dp->broadcast_parameters();
+    run.publish("data_parallel", dp_.front().get());
+  }
+
+  void begin_step(RunContext& /*run*/) override {
+    // Gradients accumulate over the micro-batches; each chunk's last one turns the sync on.
+    for (auto& dp : dp_) dp->set_sync(false);
+  }
+  void before_backward(RunContext& /*run*/, const MicroBatch& mb) override {
+    dp_.at(static_cast<size_t>(mb.chunk))->set_sync(mb.last);
+  }
+  void finish_gradient_sync(RunContext& /*run*/, StepResult& result) override {
+    for (auto& dp : dp_) {
+      dp->finish_gradient_sync();
+      result.comm_wait_s += dp->last_sync().wait_seconds;
+    }
+  }
+  bool zero_grad(RunContext& /*run*/) override {
+    // In place: the gradients are views of the communication buckets.
+    for (auto& dp : dp_) dp->zero_grad();
+    return true;
+  }
+
+  std::string describe(const RunContext& run) const override {
+    size_t buckets = 0;
+    for (const auto& dp : dp_) buckets += dp->buckets().size();
+    const int64_t dp_size = run.size(dist::Dim::dp);
+    return fmt::format(
+        "data-parallel: {} | each rank {} sequences per step in {} micro-batches of {} | {} "
+        "gradient buckets (<= {} MiB), comm hook {}",
+        run.mesh->shape().describe(), run.config.batch_size / dp_size, run.config.grad_accum,
+        run.config.micro_batch_size(dp_size), buckets, run.config.bucket_mb,
+        dp_.front()->hook().name());
+  }
+
+ private:
+  std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;  // one per chunk
+};
+
+}  // namespace
+
+void register_data_parallel() {
+  register_strategy("data-parallel", [](const StrategySpec& spec) -> StrategyPtr {
+    return std::make_unique<DataParallelStrategy>(spec);
+  });
+}
+
+}  // namespace loom::train::strategies

@@ -1,0 +1,278 @@
+// pipeline: the model's layers split into pp stages (virtual_stages chunks per rank with the
+// interleaved schedule), balanced by layer cost over the ranks' speeds and memory; each step's
+// micro-batches run through the stages as the schedule orders them, activations and gradients
+// point to point. See docs/pipeline.md.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "builtin.h"
+#include "loom/core/autocast.h"
+#include "loom/core/error.h"
+#include "loom/models/layer_costs.h"
+#include "loom/parallel/pipeline/executor.h"
+#include "loom/parallel/pipeline/partition.h"
+#include "loom/train/run_context.h"
+#include "loom/train/step_result.h"
+
+namespace loom::train::strategies {
+
+namespace {
+
+namespace pl = parallel::pipeline;
+
+// Forward + backward seconds of `part` (built on `tp`) on a micro-batch, the median of a few
+// runs after a warm-up.
+double time_part(const models::ModelConfig& config, const parallel::tensor::TpGroupPtr& tp,
+                 models::ModelPart part, int64_t micro, int64_t seq_len) {
+  auto model = models::make_model(config, tp, part);
+  models::init_parameters(*model, 1);
+  auto tokens = at::zeros({micro, seq_len}, at::kLong);
+  const int64_t local_seq = tp->sequence_parallel() ? seq_len / tp->size() : seq_len;
+  auto hidden = at::zeros({micro, local_seq, config.d_model}).normal_(0, 1);
+  std::vector<double> times;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    auto input = part.first ? tokens : hidden.clone().requires_grad_(true);
+    auto out = model->forward_part(input);
+    (part.last ? model->loss_from_logits(out, tokens) : out.sum()).backward();
+    if (rep > 0)
+      times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Micro-batches through this rank's stages in the schedule's order.
+class PipelineRunner final : public StepRunner {
+ public:
+  PipelineRunner(pl::PipelineExecutor& executor, pl::PipelineStats& last)
+      : executor_(executor), last_(last) {}
+
+  at::Tensor run(RunContext& run, const BatchFn& batch_of, const Phases& phases,
+                 StepResult& /*result*/) override {
+    const int64_t accum = run.config.grad_accum;
+    last_ = executor_.run(
+        [&](int64_t chunk, int64_t k, const at::Tensor& input) {
+          auto& part = *run.chunks[static_cast<size_t>(chunk)];
+          phases.before_forward({chunk, k, k == accum - 1});
+          core::Bf16Autocast autocast(run.config.precision == "bf16", run.device.type());
+          const bool needs_batch = part.part().first || part.part().last;
+          const auto batch = needs_batch ? batch_of(k) : data::Batch{};
+          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          if (!part.part().last) return out;
+          // Each micro-batch is an equal share of the global batch: scale so gradients are the
+          // mean.
+          return part.loss_from_logits(out, batch.targets) / static_cast<double>(accum);
+        },
+        [&](int64_t chunk, int64_t k) {
+          phases.before_backward({chunk, k, k == accum - 1});
+        },
+        [&](int64_t chunk, int64_t k) {
+          phases.after_backward({chunk, k, k == accum - 1});
+        });
+    // The last stage's losses (scaled by 1 / micro-batches: their sum is the mean), to every
+    // stage.
+    auto loss = at::zeros({1}, at::kDouble);
+    if (executor_.has_last_stage())
+      for (double l : last_.outputs) loss += l;
+    run.mesh->comm(dist::Dim::pp).broadcast(loss, static_cast<int>(run.size(dist::Dim::pp) - 1));
+    return loss.reshape({});
+  }
+
+  double evaluate(RunContext& run, int64_t begin, int64_t end, int64_t /*windows_per_rank*/,
+                  const Phases& phases) override {
+    // Micro-batches through the stages, forwards only; the last stage's sums go to every stage.
+    const int64_t micro =
+        std::max<int64_t>(1, run.config.micro_batch_size(run.size(dist::Dim::dp)));
+    const int64_t forwards = (end - begin + micro - 1) / micro;
+    const auto stats = executor_.run_forward(
+        [&](int64_t chunk, int64_t i, const at::Tensor& input) {
+          auto& part = *run.chunks[static_cast<size_t>(chunk)];
+          phases.before_forward({chunk, i, i == forwards - 1, /*training=*/false});
+          const int64_t first = begin + i * micro;
+          const int64_t count = std::min(micro, end - first);
+          const bool needs_batch = part.part().first || part.part().last;
+          const auto batch =
+              needs_batch ? run.val_sampler->sequential_batch(first, count) : data::Batch{};
+          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          if (!part.part().last) return out;
+          return part.loss_from_logits(out, batch.targets) * static_cast<double>(count);
+        },
+        forwards);
+    auto sum = at::zeros({1}, at::kDouble);
+    if (executor_.has_last_stage())
+      for (double v : stats.outputs) sum += v;
+    run.mesh->comm(dist::Dim::pp).broadcast(sum, static_cast<int>(run.size(dist::Dim::pp) - 1));
+    return sum.item<double>();
+  }
+
+ private:
+  pl::PipelineExecutor& executor_;
+  pl::PipelineStats& last_;
+};
+
+class PipelineStrategy final : public Strategy {
+ public:
+  explicit PipelineStrategy(const StrategySpec& spec) { spec.check_keys({}); }
+  std::string name() const override { return "pipeline"; }
+  StrategySlot slot() const override { return StrategySlot::kPipeline; }
+  StrategyTraits traits() const override {
+    return {{dist::Dim::pp},
+            {"pp", "schedule", "virtual_stages", "grad_accum", "pp_partition", "pp_devices"}};
+  }
+
+  void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
+    // The schedule must be able to run this pipeline: checked (and played out, so a custom
+    // schedule that would deadlock fails here) before anything is built.
+    pl::simulate(*pl::make_schedule(run.config.schedule), shape(run));
+  }
+
+  void plan_model(RunContext& run) override {
+    const auto& config = run.config;
+    const auto& model_config = run.model_config;
+    const auto shape = this->shape(run);
+    const int64_t micro = config.micro_batch_size(run.size(dist::Dim::dp));
+    // Micro-batches a chunk holds at once, from the schedule itself (its busiest rank's, over
+    // that rank's chunks).
+    const auto simulated = pl::simulate(*pl::make_schedule(config.schedule), shape);
+    const int64_t most =
+        *std::max_element(simulated.max_in_flight.begin(), simulated.max_in_flight.end());
+    const int64_t in_flight = (most + config.virtual_stages - 1) / config.virtual_stages;
+    models::CostShape cost_shape{micro, config.seq_len, run.size(dist::Dim::tp), in_flight};
+    pl::LayerCosts costs;
+    auto one = model_config;
+    one.n_layers = 1;
+    if (config.pp_partition == "measured") {
+      // One block, the embedding and the head timed on this rank, averaged over all ranks so
+      // every rank computes the same split.
+      costs = models::layer_costs(model_config, "uniform", cost_shape);
+      const double layer =
+          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len);
+      const double with_embed =
+          time_part(one, run.tp_group, {0, 1, true, false}, micro, config.seq_len);
+      const double with_head =
+          time_part(one, run.tp_group, {0, 1, false, true}, micro, config.seq_len);
+      auto t =
+          at::tensor({layer, std::max(0.0, with_embed - layer), std::max(0.0, with_head - layer)},
+                     at::kDouble);
+      run.mesh->world().all_reduce(t, dist::ReduceOp::Avg);
+      std::fill(costs.layer_time.begin(), costs.layer_time.end(), t[0].item<double>());
+      costs.first_time = t[1].item<double>();
+      costs.last_time = t[2].item<double>();
+      costs.kind = "measured";
+    } else {
+      costs = models::layer_costs(model_config, config.pp_partition, cost_shape);
+    }
+    std::vector<pl::DeviceSpec> devices;
+    const int64_t pp = run.size(dist::Dim::pp);
+    if (config.pp_devices.empty()) {
+      devices = pl::uniform_devices(pp);
+    } else if (config.pp_devices == "measured") {
+      // Each rank times one block; a pipeline rank is as fast as the slowest rank of its stage
+      // (its tp and dp peers), and speeds are relative to the fastest stage.
+      const double mine = time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len);
+      auto times = at::zeros({run.mesh->world_size()}, at::kDouble);
+      auto t = at::full({1}, mine, at::kDouble);
+      run.mesh->world().all_gather(times, t);
+      std::vector<double> stage_time(static_cast<size_t>(pp), 0.0);
+      for (int64_t r = 0; r < run.mesh->world_size(); ++r) {
+        const auto p =
+            static_cast<size_t>(run.mesh->coords_of(r)[static_cast<size_t>(dist::Dim::pp)]);
+        stage_time[p] = std::max(stage_time[p], times[r].item<double>());
+      }
+      const double fastest = *std::min_element(stage_time.begin(), stage_time.end());
+      for (int64_t p = 0; p < pp; ++p) {
+        pl::DeviceSpec d;
+        d.name = fmt::format("measured {:.3g} ms/block", 1e3 * stage_time[static_cast<size_t>(p)]);
+        d.speed = fastest / stage_time[static_cast<size_t>(p)];
+        devices.push_back(d);
+      }
+    } else {
+      devices = pl::load_device_file(config.pp_devices, pp);
+    }
+    partition_ = pl::partition_layers(costs, shape, devices);
+    run.plan.parts.clear();
+    for (int64_t c = 0; c < config.virtual_stages; ++c) {
+      const int64_t stage = shape.stage_of(run.coord(dist::Dim::pp), c);
+      run.plan.parts.push_back({partition_->first_layer(stage), partition_->end_layer(stage),
+                                stage == 0, stage == shape.stages() - 1});
+    }
+    run.plan.stage_bounds = partition_->bounds;
+    run.publish("pipeline.partition", &*partition_);
+  }
+
+  void apply(RunContext& run) override {
+    executor_ = std::make_unique<pl::PipelineExecutor>(
+        run.mesh->comm_ptr(dist::Dim::pp), shape(run), pl::make_schedule(run.config.schedule),
+        run.chunks.front()->parameters().front().device());
+    run.runner = std::make_unique<PipelineRunner>(*executor_, last_);
+    run.publish("pipeline.executor", executor_.get());
+    // The first and last stages hold the two copies of a tied embedding; their gradients are
+    // summed between them every step. Collective over the pipeline group.
+    if (run.model_config.tie_embeddings) {
+      const int64_t pp = run.size(dist::Dim::pp), rank = run.coord(dist::Dim::pp);
+      const bool holds_copy = rank == 0 || rank == pp - 1;
+      tied_group_ = run.mesh->comm(dist::Dim::pp)
+                        .split(holds_copy ? 0 : -1, static_cast<int>(rank), "tied-embedding");
+    }
+  }
+
+  // The tied embedding's two copies (first and last stage) each got part of its gradient: sum
+  // them where the engine keeps them (whole, or alike-laid-out ZeRO shards).
+  void finish_gradient_sync(RunContext& run, StepResult& /*result*/) override {
+    if (!tied_group_) return;
+    torch::NoGradGuard no_grad;
+    for (size_t c = 0; c < run.chunks.size(); ++c) {
+      const auto& chunk = run.chunks[c];
+      if (!chunk->part().first && chunk->tied_embedding_copy().empty()) continue;
+      auto piece = run.optimizer->grad_piece(c, chunk->embedding_weight_name()).values;
+      tied_group_->all_reduce(piece, dist::ReduceOp::Sum);
+    }
+  }
+
+  void grad_norm_groups(RunContext& run, std::vector<dist::Communicator*>& groups) override {
+    groups.push_back(&run.mesh->comm(dist::Dim::pp));
+  }
+
+  void save_state(RunContext& /*run*/, nlohmann::json& state, core::NamedTensors& /*t*/) override {
+    state["pipeline_bounds"] = partition_->bounds;
+  }
+
+  void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
+                   nlohmann::json& record) const override {
+    record["pipeline"] = {{"bubble", last_.bubble_fraction()},
+                          {"wait_s", last_.wait_seconds},
+                          {"max_in_flight", last_.max_in_flight}};
+  }
+
+  std::string describe(const RunContext& run) const override {
+    return fmt::format("pipeline: {} | schedule {} | {} stages, partitioned by {} cost:{}",
+                       executor_->shape().describe(), run.config.schedule,
+                       executor_->shape().stages(), run.config.pp_partition,
+                       partition_->describe());
+  }
+
+ private:
+  static pl::PipelineShape shape(const RunContext& run) {
+    return {run.size(dist::Dim::pp), run.config.virtual_stages, run.config.grad_accum};
+  }
+  std::optional<pl::Partition> partition_;
+  std::unique_ptr<pl::PipelineExecutor> executor_;
+  pl::PipelineStats last_;
+  dist::CommunicatorPtr tied_group_;  // pp ranks 0 and pp - 1, when embeddings are tied
+};
+
+}  // namespace
+
+void register_pipeline() {
+  register_strategy("pipeline", [](const StrategySpec& spec) -> StrategyPtr {
+    return std::make_unique<PipelineStrategy>(spec);
+  });
+}
+
+}  // namespace loom::train::strategies

@@ -1,0 +1,206 @@
+// zero: ZeRO-1/2/3 along dp. Its engine replaces the replicated AdamW and plain data
+// parallelism: gradients are reduce-scattered into flat shards, each rank steps AdamW on its
+// shard, and stage 3 keeps only a shard of the parameters, gathering one block at a time for each
+// forward and backward. See docs/zero.md.
+#include <fmt/format.h>
+
+#include "builtin.h"
+#include "loom/core/error.h"
+#include "loom/parallel/zero/zero_optimizer.h"
+#include "loom/train/run_context.h"
+#include "loom/train/step_result.h"
+
+namespace loom::train::strategies {
+
+namespace {
+
+using parallel::zero::ZeroOptimizer;
+
+class ZeroEngine final : public OptimizerEngine {
+ public:
+  explicit ZeroEngine(std::vector<std::unique_ptr<ZeroOptimizer>> engines)
+      : engines_(std::move(engines)) {}
+
+  std::string describe() const override {
+    int64_t decayed = 0, not_decayed = 0;
+    for (const auto& z : engines_) {
+      decayed += z->num_decayed();
+      not_decayed += z->num_not_decayed();
+    }
+    return fmt::format("AdamW on ZeRO-{} shards, {} tensors with weight decay, {} without",
+                       engines_.front()->stage(), decayed, not_decayed);
+  }
+  parallel::tensor::PartialGradSync::GradPiece grad_piece(size_t chunk,
+                                                          const std::string& name) override {
+    auto [values, offset] = engines_.at(chunk)->grad_shard_of(name);
+    return {values, offset};
+  }
+  at::Tensor local_grad_squares() override {
+    // Each engine's squares are summed over dp inside it.
+    double sq = 0;
+    for (auto& z : engines_) sq += z->grad_norm_squared();
+    return at::scalar_tensor(sq, at::kDouble);
+  }
+  void scale_gradients(const at::Tensor& factor) override {
+    const double f = factor.item<double>();
+    for (auto& z : engines_) z->scale_gradients(f);
+  }
+  void step(double lr) override {
+    for (auto& z : engines_) z->step(lr);
+  }
+  void zero_grad() override {
+    for (auto& z : engines_) z->zero_grad();
+  }
+  int64_t steps_taken() const override { return engines_.front()->steps_taken(); }
+  double comm_wait_seconds() const override {
+    double s = 0;
+    for (const auto& z : engines_) s += z->comm_stats().wait_seconds;
+    return s;
+  }
+  void add_memory(core::MemoryReport& m) const override {
+    for (const auto& z : engines_) {
+      const auto zm = z->memory();
+      m.parameters += zm.parameters;
+      m.gradients += zm.gradients;
+      m.optimizer += zm.optimizer;
+    }
+  }
+  core::NamedTensors per_parameter_state() const override { return {}; }
+  void load_per_parameter_state(const std::map<std::string, at::Tensor>& state,
+                                const std::string& source) override {
+    auto step = state.find("step");
+    LOOM_CHECK(step != state.end(), "{} has no optimizer step count", source);
+    for (auto& z : engines_) z->load_param_state(state, step->second.item<int64_t>(), source);
+  }
+  std::vector<ZeroOptimizer*> sharded_state() const override {
+    std::vector<ZeroOptimizer*> out;
+    for (const auto& z : engines_) out.push_back(z.get());
+    return out;
+  }
+  std::vector<std::unique_ptr<ZeroOptimizer>>& engines() { return engines_; }
+
+ private:
+  std::vector<std::unique_ptr<ZeroOptimizer>> engines_;  // one per model chunk
+};
+
+class ZeroStrategy final : public Strategy {
+ public:
+  explicit ZeroStrategy(const StrategySpec& spec) : stage_(spec.get_int("stage", 1)) {
+    spec.check_keys({"stage"});
+    LOOM_CHECK(stage_ >= 1 && stage_ <= 3, "strategy 'zero': stage {} is not 1, 2 or 3", stage_);
+  }
+  std::string name() const override { return "zero"; }
+  StrategySlot slot() const override { return StrategySlot::kData; }
+  StrategyTraits traits() const override {
+    StrategyTraits t;
+    t.mesh_dims = {dist::Dim::dp};
+    t.config_keys = {"zero", "bucket_mb", "offload_optimizer"};
+    t.syncs_data_parallel_gradients = true;
+    t.owns_optimizer = true;
+    t.shards_gradients = stage_ >= 2;
+    return t;
+  }
+
+  void validate(const RunContext& run, const std::vector<const Strategy*>& all) const override {
+    LOOM_CHECK(run.config.comm_hook == "avg",
+               "--comm-hook {} compresses plain data parallelism's all-reduce; strategy 'zero' "
+               "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
+               run.config.comm_hook);
+    for (const auto* s : all)
+      LOOM_CHECK(stage_ <= 2 || s->name() != "pipeline",
+                 "strategy 'zero' at stage 3 with strategy 'pipeline' (--pp {}): ZeRO-3 over a "
+                 "pipeline is not supported yet; use --zero 1 or 2 (optimizer state and gradients "
+                 "sharded along dp), or --pp 1",
+                 run.size(dist::Dim::pp));
+  }
+
+  void apply(RunContext& run) override {
+    const int stage = static_cast<int>(stage_);
+    parallel::zero::ZeroOptions base;
+    base.stage = stage;
+    base.bucket_mb = run.config.bucket_mb;
+    base.adamw = run.adamw;
+    base.decays = run.decays;
+    base.offload_optimizer = run.offload_optimizer;
+    // Stage 3 gathers one transformer block at a time; the rest (embeddings, final norm) is
+    // the root unit.
+    std::vector<parallel::zero::ZeroUnit> units;
+    if (stage == 3)
+      for (const auto& [prefix, block] : run.chunks.front()->blocks()) {
+        parallel::zero::ZeroUnit unit{prefix, {}};
+        for (const auto& p : block->named_parameters())
+          unit.params.push_back(prefix + "." + p.key());
+        units.push_back(std::move(unit));
+      }
+    std::vector<std::unique_ptr<ZeroOptimizer>> engines;
+    // One engine per model chunk (each finishes its backwards at its own time).
+    for (size_t c = 0; c < run.chunks.size(); ++c) {
+      const auto& chunk = run.chunks[c];
+      auto options = base;
+      const auto tied_copy = chunk->tied_embedding_copy();
+      const bool tied_first =
+          run.size(dist::Dim::pp) > 1 && run.model_config.tie_embeddings && chunk->part().first;
+      // The tied embedding's two copies get their own buckets, laid out alike on both stages,
+      // whose shards are summed; the copy is left out of the norm (its first is counted).
+      if (tied_first || !tied_copy.empty()) options.own_bucket = {chunk->embedding_weight_name()};
+      if (run.size(dist::Dim::tp) > 1 || !tied_copy.empty())
+        options.norm_weight = [part = chunk.get()](const std::string& name) {
+          return grad_norm_weight(*part, name);
+        };
+      engines.push_back(std::make_unique<ZeroOptimizer>(
+          run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options, units));
+    }
+    if (stage == 3) {
+      run.chunks.front()->add_block_wrapper(
+          [zero = engines.front().get()](int64_t layer, const at::Tensor& x,
+                                         const models::CausalLM::BlockFn& block) {
+            return zero->run_unit(static_cast<size_t>(layer), [&] { return block(x); });
+          });
+      run.collective_forward = true;
+    }
+    auto engine = std::make_unique<ZeroEngine>(std::move(engines));
+    engine_ = engine.get();
+    run.publish<ZeroOptimizer>("zero", engine_->engines().front().get());
+    run.optimizer = std::move(engine);
+  }
+
+  void begin_step(RunContext& /*run*/) override {
+    for (auto& z : engine_->engines()) z->reset_comm_stats();
+  }
+  void before_forward(RunContext& /*run*/, const MicroBatch& mb) override {
+    engine_->engines().at(static_cast<size_t>(mb.chunk))->prepare_forward();
+  }
+  void before_backward(RunContext& /*run*/, const MicroBatch& mb) override {
+    engine_->engines().at(static_cast<size_t>(mb.chunk))->set_sync(mb.last);
+  }
+  void after_backward(RunContext& /*run*/, const MicroBatch& mb) override {
+    engine_->engines().at(static_cast<size_t>(mb.chunk))->finish_gradient_sync();
+  }
+  void after_evaluation(RunContext& /*run*/) override {
+    for (auto& z : engine_->engines()) z->release_parameters();
+  }
+
+  std::string describe(const RunContext& run) const override {
+    const auto& z = *engine_->engines().front();
+    const int64_t dp = run.size(dist::Dim::dp);
+    return fmt::format("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}",
+                       z.stage(), z.num_buckets(), z.stage() == 3 ? "units" : "buckets", dp,
+                       z.stage() >= 2 ? ", gradients" : "", z.stage() == 3 ? ", parameters" : "",
+                       run.offload_optimizer ? " | optimizer on the host" : "",
+                       dp == 1 ? " (one rank: nothing to split)" : "");
+  }
+
+ private:
+  int64_t stage_;
+  ZeroEngine* engine_ = nullptr;  // owned by the RunContext
+};
+
+}  // namespace
+
+void register_zero() {
+  register_strategy("zero", [](const StrategySpec& spec) -> StrategyPtr {
+    return std::make_unique<ZeroStrategy>(spec);
+  });
+}
+
+}  // namespace loom::train::strategies

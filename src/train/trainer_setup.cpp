@@ -1,0 +1,170 @@
+// The Trainer's construction steps that are not the loop: the mesh and device checks, the model
+// shape (preset, Hugging Face directory or checkpoint), the dropout generator's seed and the
+// setup log.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <mutex>
+
+#include "loom/core/error.h"
+#include "loom/core/rng.h"
+#include "loom/models/hf.h"
+#include "loom/ops/cuda.h"
+#include "loom/train/trainer.h"
+
+namespace loom::train {
+
+using nlohmann::json;
+
+void Trainer::check_mesh_and_device() {
+  // The flags describe the mesh the ranks were started with: each size must match it.
+  const auto shape = mesh_->shape().describe();
+  LOOM_CHECK(config_.dp == 0 || config_.dp == data_ranks(),
+             "--dp {} does not match the mesh, whose data-parallel size is {} ({})", config_.dp,
+             data_ranks(), shape);
+  LOOM_CHECK(config_.batch_size % (data_ranks() * config_.grad_accum) == 0,
+             "--batch-size {} cannot be split evenly: dp {} x --grad-accum {} = {} must divide "
+             "it (the batch size is the global batch, whatever the layout)",
+             config_.batch_size, data_ranks(), config_.grad_accum,
+             data_ranks() * config_.grad_accum);
+  LOOM_CHECK(config_.tp == mesh_->size(dist::Dim::tp),
+             "--tp {} does not match the mesh, whose tensor-parallel size is {} ({})", config_.tp,
+             mesh_->size(dist::Dim::tp), shape);
+  LOOM_CHECK(config_.pp == mesh_->size(dist::Dim::pp),
+             "--pp {} does not match the mesh, whose pipeline-parallel size is {} ({})", config_.pp,
+             mesh_->size(dist::Dim::pp), shape);
+  device_ = at::Device(config_.device);
+  if (device_.is_cuda()) {
+    if (!device_.has_index()) device_ = at::Device(at::kCUDA, 0);
+    const int devices = ops::cuda_device_count();
+    LOOM_CHECK(device_.index() < devices,
+               "--device {}: there is no such CUDA device ({} visible; this loom was built {} "
+               "CUDA)",
+               config_.device, devices, ops::built_with_cuda() ? "with" : "without");
+    LOOM_CHECK(mesh_->world_size() == 1,
+               "--device {} trains in one process for now; this run has {} ranks ({}). "
+               "Multi-rank GPU training needs the mesh's groups on NCCL, which the Trainer does "
+               "not wire yet: use --device cpu, or one process",
+               config_.device, mesh_->world_size(), shape);
+    LOOM_CHECK(config_.zero == 0, "--zero {} with --device {}: ZeRO runs on the CPU only so far",
+               config_.zero, config_.device);
+    LOOM_CHECK(!config_.offload_activations && config_.memory_cap_mb == 0,
+               "--offload-activations and --memory-cap-mb run on the CPU only so far (given with "
+               "--device {})",
+               config_.device);
+    // Dropout masks are drawn on the host (layout-invariant, tp-sliced) and would be copied to
+    // the device every layer, and attention dropout takes the math path.
+    LOOM_CHECK(
+        config_.dropout == 0,
+        "--dropout {} with --device {}: dropout on a GPU is not supported yet (its masks are "
+        "drawn on the host); use --dropout 0",
+        config_.dropout, config_.device);
+  }
+  if (config_.attention == "fused") {
+    // What the kernel needs, named by flag before anything is built (the kernel itself would
+    // only refuse at the first forward).
+    LOOM_CHECK(device_.is_cuda(),
+               "--attention fused runs loom's CUDA kernel: it needs --device "
+               "cuda (the device is {})",
+               config_.device);
+    LOOM_CHECK(config_.precision == "bf16",
+               "--attention fused computes in bf16: it needs --precision bf16 (it is {})",
+               config_.precision);
+  }
+}
+
+models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointContents>& resume) {
+  // Model shape: Hugging Face directory, checkpoint being resumed, or preset.
+  models::ModelConfig model_config;
+  if (!config_.resume.empty()) {
+    resume = open_checkpoint(config_.resume);  // its tensors load once the model is built
+    model_config = models::ModelConfig::from_json(resume->state.value("model_config", json()));
+    const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
+    config_.check_resumable_from(saved);
+    // The layout may change on resume: the same training continues, equal up to float rounding
+    // (sums over the batch are taken in another order), not bit for bit.
+    if (saved.dp != 0 && saved.dp != data_ranks())
+      spdlog::warn(
+          "resuming at dp {} a run checkpointed at dp {}: it continues the same training up to "
+          "float rounding, not bit for bit",
+          data_ranks(), saved.dp);
+    if (saved.tp != config_.tp || saved.sequence_parallel != config_.sequence_parallel)
+      spdlog::warn(
+          "resuming at tp {}{} a run checkpointed at tp {}{}: it continues the same training up "
+          "to float rounding, not bit for bit",
+          config_.tp, config_.sequence_parallel ? " with sequence parallelism" : "", saved.tp,
+          saved.sequence_parallel ? " with sequence parallelism" : "");
+    if (saved.comm_hook != config_.comm_hook)
+      spdlog::warn("resuming with --comm-hook {} a run trained with {}", config_.comm_hook,
+                   saved.comm_hook);
+    const auto saved_tokens = resume->state.value("data_tokens", int64_t{-1});
+    LOOM_CHECK(saved_tokens == train_shard_->size(),
+               "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
+               "--data '{}' holds {}",
+               saved_tokens, config_.data, train_shard_->size());
+  } else if (!config_.init_from_hf.empty()) {
+    model_config = models::read_hf_config(config_.init_from_hf);
+    LOOM_CHECK(config_.layers == 0 || config_.layers == model_config.n_layers,
+               "--layers {} with --init-from-hf: the model has the directory's {} layers",
+               config_.layers, model_config.n_layers);
+  } else {
+    model_config = models::ModelConfig::preset(config_.preset);
+    LOOM_CHECK(models::to_string(model_config.family) == config_.model,
+               "--preset {} is a {} preset but --model is {}", config_.preset,
+               models::to_string(model_config.family), config_.model);
+    if (config_.layers > 0) model_config.n_layers = config_.layers;
+    model_config.vocab_size =
+        config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
+  }
+  if (!resume) model_config.dropout = config_.dropout;
+  model_config.validate();
+  LOOM_CHECK(config_.attention != "fused" || model_config.head_dim() == 64 ||
+                 model_config.head_dim() == 128,
+             "--attention fused: the kernel has head dims 64 and 128, and this model's is {} "
+             "(d_model {} / {} heads); use --attention auto",
+             model_config.head_dim(), model_config.d_model, model_config.n_heads);
+  LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
+             "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
+             model_config.max_seq_len);
+  return model_config;
+}
+
+void Trainer::seed_dropout() {
+  // Dropout draws from the model's generator: seed it, so that two runs with the same flags
+  // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
+  // different masks for their different samples; the tp ranks of a replica draw alike; each
+  // pipeline stage has its own stream.
+  auto& gen = model().tp().generator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  uint64_t seed = core::mix_seed({config_.seed, core::stable_hash("dropout")});
+  if (data_ranks() > 1)
+    seed = core::mix_seed(
+        {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(data_rank())});
+  if (mesh_->size(dist::Dim::pp) > 1)
+    seed = core::mix_seed({seed, core::stable_hash("pipeline stage"),
+                           static_cast<uint64_t>(mesh_->coord(dist::Dim::pp))});
+  gen.set_current_seed(seed);
+}
+
+void Trainer::log_setup() const {
+  const auto& m = model_config();
+  spdlog::info(
+      "model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
+      models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers, m.n_heads,
+      m.n_kv_heads, m.vocab_size);
+  spdlog::info(
+      "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
+      "of {}) | {} threads",
+      train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size, config_.seq_len,
+      config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
+  const auto names = runtime_->strategy_names();
+  spdlog::info("strategies: {}", names.empty() ? std::string("none (one process)")
+                                               : fmt::format("{}", fmt::join(names, " -> ")));
+  for (const auto& line : runtime_->describe()) spdlog::info("{}", line);
+  spdlog::info("optimizer: {} | lr {} -> {} (warmup {}, cosine) | precision {}",
+               run().optimizer->describe(), config_.lr, config_.min_lr, config_.warmup_steps,
+               config_.precision);
+  spdlog::info("{}", memory_report().describe());
+}
+
+}  // namespace loom::train
