@@ -1,5 +1,5 @@
 #pragma once
-// The result of a kernel-layer call: no exceptions cross the kernels layer (DESIGN.md), so each
+// The result of a kernel-layer call: no exceptions cross the kernels layer (docs/architecture.md), so each
 // entry point returns what went wrong as a code and a message naming the field, the value and
 // what would be valid. Plain C++: usable by host references built without CUDA.
 #include <string>
