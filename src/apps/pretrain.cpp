@@ -147,6 +147,11 @@ int pretrain_main(int argc, char** argv) {
                  "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
                  "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")
       ->capture_default_str();
+  app.add_option("--zero3-reshard-after-forward", c.zero3_reshard_after_forward,
+                 "With --zero 3: release each block's gathered parameters after its forward and "
+                 "backward (true: least memory) or keep them until the step's last backward "
+                 "(false: one all-gather per block per step)")
+      ->capture_default_str();
   app.add_option("--activation-checkpointing", c.activation_checkpointing,
                  "none | full (recompute each block in backward) | selective (recompute the "
                  "attention core only)")

@@ -68,6 +68,10 @@ void TrainConfig::validate() const {
                  activation_checkpointing == "selective",
              "--activation-checkpointing '{}' is not valid: none, full or selective",
              activation_checkpointing);
+  LOOM_CHECK(zero3_reshard_after_forward || zero == 3,
+             "--zero3-reshard-after-forward false keeps ZeRO-3's gathered blocks across "
+             "micro-batches: it needs --zero 3 (it is {})",
+             zero);
   LOOM_CHECK(!offload_optimizer || zero >= 1,
              "--offload-optimizer moves the ZeRO optimizer shards to the host: it needs --zero "
              "1, 2 or 3");
@@ -99,7 +103,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
-    strategies)
+    strategies, zero3_reshard_after_forward)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

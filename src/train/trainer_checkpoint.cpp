@@ -101,9 +101,11 @@ std::map<std::string, at::Tensor> unpadded(const models::CausalLM& model,
 }  // namespace
 
 std::map<std::string, at::Tensor> Trainer::gather_parameters() {
-  if (config_.zero == 3)
-    return unpadded(model(), run().optimizer->sharded_state().front()->gather_parameters());
-  if (mesh_->size(dist::Dim::pp) == 1) return models::gather_parameters(model());
+  if (mesh_->size(dist::Dim::pp) == 1) {
+    if (config_.zero == 3)
+      return unpadded(model(), run().optimizer->sharded_state().front()->gather_parameters());
+    return models::gather_parameters(model());
+  }
   std::map<std::string, at::Tensor> out;
   // The tied embedding's two copies are equal: the first one received is kept.
   for (auto& [name, t] :
@@ -114,8 +116,14 @@ std::map<std::string, at::Tensor> Trainer::gather_parameters() {
 
 core::NamedTensors Trainer::local_full_state(bool optimizer) const {
   core::NamedTensors out;
-  for (const auto& chunk : run().chunks)
-    for (auto& kv : models::gather_parameters(*chunk)) out.push_back(std::move(kv));
+  const auto zero = run().optimizer->sharded_state();
+  for (size_t c = 0; c < run().chunks.size(); ++c) {
+    const auto& chunk = *run().chunks[c];
+    // Stage 3 holds 1/dp of each parameter: gathered over dp (collective) first.
+    auto params = config_.zero == 3 ? unpadded(chunk, zero[c]->gather_parameters())
+                                    : models::gather_parameters(chunk);
+    for (auto& kv : params) out.push_back(std::move(kv));
+  }
   if (!optimizer) return out;
   for (auto [key, tensor] : run().optimizer->per_parameter_state()) {
     for (const auto& chunk : run().chunks) {
@@ -143,27 +151,33 @@ std::string Trainer::write_stage3_parameters(const fs::path& file, const std::st
   if (writes) {
     try {
       std::vector<core::SafetensorsWriter::Entry> entries;
-      for (const auto& item : model().named_parameters()) {
-        auto shape = item.value().sizes().vec();
-        if (whole) shape = model().shard_spec(item.key()).full_shape(shape);
-        entries.push_back({prefix + item.key(), item.value().scalar_type(), shape});
-      }
+      for (const auto& chunk : run().chunks)
+        for (const auto& item : chunk->named_parameters()) {
+          auto shape = item.value().sizes().vec();
+          if (whole) shape = chunk->shard_spec(item.key()).full_shape(shape);
+          entries.push_back({prefix + item.key(), item.value().scalar_type(), shape});
+        }
       for (const auto& [key, t] : extra) entries.push_back({key, t.scalar_type(), t.sizes().vec()});
       writer = std::make_unique<core::SafetensorsWriter>(file, entries, metadata);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
-  // A failed write stops the writing, not the gathers the other ranks wait in.
-  run().optimizer->sharded_state().front()->for_each_gathered_parameter(
-      /*only_rank=*/0, [&](const std::string& name, const at::Tensor& value) {
-        if (!error.empty()) return;
-        try {
-          writer->write(prefix + name, whole ? models::gather_shard(model(), name, value) : value);
-        } catch (const std::exception& e) {
-          error = e.what();
-        }
-      });
+  // Each chunk's engine gathers its units in turn. A failed write stops the writing, not the
+  // gathers the other ranks wait in.
+  const auto zero = run().optimizer->sharded_state();
+  for (size_t c = 0; c < zero.size(); ++c) {
+    const auto& chunk = *run().chunks[c];
+    zero[c]->for_each_gathered_parameter(
+        /*only_rank=*/0, [&](const std::string& name, const at::Tensor& value) {
+          if (!error.empty()) return;
+          try {
+            writer->write(prefix + name, whole ? models::gather_shard(chunk, name, value) : value);
+          } catch (const std::exception& e) {
+            error = e.what();
+          }
+        });
+  }
   if (writes && error.empty()) {
     try {
       for (const auto& [key, t] : extra) writer->write(key, t);
@@ -553,9 +567,11 @@ void Trainer::export_hf() {
   // Assembled from the shards by replica 0's tp ranks, written by rank 0 as the
   // single-process model.
   std::map<std::string, at::Tensor> params;
-  if (config_.zero == 3)
+  if (config_.zero == 3 && mesh_->size(dist::Dim::pp) == 1)
     params = unpadded(model(), run().optimizer->sharded_state().front()->gather_parameters(
                                    /*only_rank=*/0));  // collective over dp
+  else if (config_.zero == 3)
+    params = gather_parameters();  // stage 3's gathers are collective over dp: every rank joins
   else
     params = collect_for_rank0(false, {}).first;
   std::exception_ptr failure;

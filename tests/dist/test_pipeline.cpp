@@ -341,6 +341,7 @@ struct Layout {
   bool sp = false;
   int64_t micro_batches = 4;  // interleaved needs a multiple of pp
   int64_t zero = 0;
+  bool reshard = true;  // --zero3-reshard-after-forward
   // `c` laid out this way.
   train::TrainConfig applied_to(train::TrainConfig c) const {
     c.tp = tp;
@@ -349,11 +350,13 @@ struct Layout {
     c.virtual_stages = v;
     c.sequence_parallel = sp;
     c.zero = zero;
+    c.zero3_reshard_after_forward = reshard;
     return c;
   }
   std::string describe() const {
-    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}", model, dp, tp, sp ? " sp" : "",
-                       pp, schedule, v, zero > 0 ? fmt::format(", ZeRO-{}", zero) : "");
+    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}{}", model, dp, tp, sp ? " sp" : "",
+                       pp, schedule, v, zero > 0 ? fmt::format(", ZeRO-{}", zero) : "",
+                       reshard ? "" : ", units kept gathered");
   }
 };
 
@@ -376,6 +379,29 @@ void expect_layout_trains_like_one_process(
   EXPECT_EQ(t.zero() ? t.zero()->stage() : 0, layout.zero);
   auto distributed = loom::testing::run(t);
   loom::testing::expect_same_run(distributed, single[key]);
+  if (layout.zero == 3) {
+    // Each rank holds 1/dp of its stage's parameters (plus each flat unit's padding to a
+    // multiple of dp) once the step's units are released.
+    int64_t stage_bytes = 0;
+    for (const auto& chunk : t.chunks())
+      for (const auto& p : chunk->parameters())
+        stage_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    const double expected = static_cast<double>(stage_bytes) / static_cast<double>(layout.dp);
+    const auto held = static_cast<double>(t.memory_report().parameters);
+    EXPECT_GE(held, expected) << "parameter bytes per rank";
+    EXPECT_LE(held, expected * 1.02) << "parameter bytes per rank";
+    // The all-gathers of the last step and the evaluation after it: kept gathered, each unit once
+    // in each; released after each use, again for every micro-batch's forward and backward.
+    const auto& z = *t.zero();
+    const auto once_each = 2 * static_cast<int64_t>(z.num_buckets());
+    if (layout.reshard)
+      EXPECT_GT(z.comm_stats().gathers, once_each);
+    else
+      EXPECT_EQ(z.comm_stats().gathers, once_each);
+    if (world().rank() == 0)
+      std::printf("%s: parameters %.0f bytes per rank, stage / dp = %.0f\n",
+                  layout.describe().c_str(), held, expected);
+  }
 }
 
 }  // namespace
@@ -408,7 +434,15 @@ TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
                                    // ZeRO-3 over tp: each rank holds 1/dp of its tp shards and
                                    // gathers them over dp block by block.
                                    {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 3},
-                                   {"llama", 2, 2, 1, "1f1b", 1, false, 4, 3}});
+                                   {"llama", 2, 2, 1, "1f1b", 1, false, 4, 3},
+                                   {"gpt2", 2, 2, 1, "1f1b", 1, true, 4, 3, false},
+                                   // ZeRO-3 over a pipeline: each stage's parameters sharded over
+                                   // its dp group, the tied embedding's copies in units of their
+                                   // own; units released after each use, or kept gathered.
+                                   {"gpt2", 2, 1, 2, "1f1b", 1, false, 4, 3},
+                                   {"gpt2", 2, 1, 2, "interleaved", 2, false, 4, 3},
+                                   {"llama", 2, 1, 2, "interleaved", 2, false, 4, 3, false},
+                                   {"gpt2", 2, 1, 2, "gpipe", 1, false, 4, 3, false}});
   if (n == 2) layouts.push_back({"gpt2", 1, 1, 2, "gpipe", 1, false, 4, 2});
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : layouts)
@@ -424,7 +458,9 @@ TEST(Pipeline3D, Dp2Tp2Pp2TrainsLikeOneProcess) {
   for (const auto& layout : std::vector<Layout>{{"gpt2", 2, 2, 2, "1f1b", 1, true},
                                                 {"llama", 2, 2, 2, "interleaved", 2},
                                                 {"gpt2", 2, 2, 2, "interleaved", 2, true, 4, 1},
-                                                {"llama", 2, 2, 2, "1f1b", 1, false, 4, 2}})
+                                                {"llama", 2, 2, 2, "1f1b", 1, false, 4, 2},
+                                                {"gpt2", 2, 2, 2, "1f1b", 1, true, 4, 3},
+                                                {"llama", 2, 2, 2, "interleaved", 2, false, 4, 3}})
     expect_layout_trains_like_one_process(layout, dir.path(), single);
 }
 
@@ -683,8 +719,11 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
   };
   auto e = with([](train::TrainConfig& c) { c.layers = 1; });
   EXPECT_TRUE(contains(e, "the model has 1 layers but the pipeline has 2 stages")) << e;
-  e = with([](train::TrainConfig& c) { c.zero = 3; });
-  EXPECT_TRUE(contains(e, "ZeRO-3 over a pipeline is not supported yet")) << e;
+  e = with([](train::TrainConfig& c) { c.zero3_reshard_after_forward = false; });
+  EXPECT_TRUE(contains(e,
+                       "--zero3-reshard-after-forward false keeps ZeRO-3's gathered blocks "
+                       "across micro-batches: it needs --zero 3 (it is 0)"))
+      << e;
   e = with([](train::TrainConfig& c) { c.pp = 1; });
   EXPECT_TRUE(contains(e, "--pp 1 does not match the mesh, whose pipeline-parallel size is 2"))
       << e;
@@ -728,13 +767,14 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
   }
 }
 
-// ZeRO-1/2 shards of a pipeline (one file per chunk, tp rank and dp rank) resume in the layout
-// that wrote them, continuing the uninterrupted run exactly, and reshard into another.
+// ZeRO-1/2/3 shards of a pipeline (one file per chunk, tp rank and dp rank) resume in the layout
+// that wrote them, continuing the uninterrupted run exactly, and reshard into another; a
+// checkpoint of another layout reshards into ZeRO-3 over the pipeline.
 TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  for (int64_t stage : {1, 2}) {
+  for (int64_t stage : {1, 2, 3}) {
     SCOPED_TRACE(fmt::format("ZeRO-{}", stage));
     auto config = pipeline_config(dir.path(), "gpt2");
     config.pp = 2;
@@ -781,5 +821,46 @@ TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
     ASSERT_EQ(rest.size(), 2u);
     EXPECT_NEAR(rest[0], full[2], loom::testing::kFp64Relative * full[2]);
     EXPECT_NEAR(rest[1], full[3], loom::testing::kFp64Relative * full[3]);
+    if (stage != 3) continue;
+    // And back: that layout's checkpoint resumes as ZeRO-3 over the pipeline.
+    auto other_first = other;
+    other_first.resume.clear();
+    other_first.steps = 2;
+    other_first.save_dir = (dir / "other").string();
+    {
+      train::Trainer o(other_first, loom::testing::runtime().mesh({.dp = 2, .tp = 2}));
+      o.fit();
+    }
+    auto back = config;
+    back.resume = (fs::path(other_first.save_dir) / "step-00000002").string();
+    train::Trainer b(back, mesh());
+    rest.clear();
+    while (b.step() < config.steps) rest.push_back(b.train_step().loss);
+    ASSERT_EQ(rest.size(), 2u);
+    EXPECT_NEAR(rest[0], full[2], loom::testing::kFp64Relative * full[2]);
+    EXPECT_NEAR(rest[1], full[3], loom::testing::kFp64Relative * full[3]);
   }
+}
+
+// ZeRO-3 over a pipeline in fp32: the loss of every step within 1e-5 (relative) of one process.
+TEST(TrainerPipeline, Zero3OverAPipelineInFp32) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = pipeline_config(dir.path(), "llama");
+  config.precision = "fp32";
+  loom::testing::RunResult single;
+  {
+    train::Trainer t(config);
+    single = loom::testing::run(t);
+  }
+  config.pp = 2;
+  config.zero = 3;
+  config.schedule = "interleaved";
+  config.virtual_stages = 2;
+  train::Trainer t(config, loom::testing::runtime().mesh({.dp = 2, .pp = 2}));
+  const auto d = loom::testing::compare_runs(loom::testing::run(t), single);
+  EXPECT_LE(d.loss, 1e-5) << d.describe();
+  if (world().rank() == 0)
+    std::printf("ZeRO-3 x pp (fp32) vs one process: %s\n", d.describe().c_str());
 }

@@ -65,6 +65,10 @@ struct TrainConfig {
   // Memory. ZeRO shards the training state across the dp ranks: 1 optimizer state, 2 plus
   // gradients, 3 plus parameters (0: plain replicated data parallelism).
   int64_t zero = 0;
+  // ZeRO-3: release a block's gathered parameters after its forward and its backward (true:
+  // least memory), or keep them gathered until the step's last backward (false: one all-gather
+  // per block per step).
+  bool zero3_reshard_after_forward = true;
   std::string activation_checkpointing = "none";  // none | full | selective
   bool offload_optimizer = false;    // with --zero: optimizer state and step on the host
   bool offload_activations = false;  // with full checkpointing: block inputs wait on the host

@@ -121,12 +121,21 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
       bucket_of_unit_.push_back(plan.size());
       plan.emplace_back(unit.name, std::move(members));
     }
-    std::vector<size_t> rest;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (!taken[i]) rest.push_back(i);
+    std::vector<size_t> rest, own;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (taken[i]) continue;
+      const auto& name = params_[i].first;
+      const bool alone = std::find(options_.own_bucket.begin(), options_.own_bucket.end(), name) !=
+                         options_.own_bucket.end();
+      (alone ? own : rest).push_back(i);
+    }
     if (!rest.empty()) {
-      root_ = plan.size();
+      roots_.push_back(plan.size());
       plan.emplace_back("root", std::move(rest));
+    }
+    for (size_t i : own) {
+      roots_.push_back(plan.size());
+      plan.emplace_back(params_[i].first, std::vector<size_t>{i});
     }
   } else {
     std::vector<at::Tensor> tensors;
@@ -290,9 +299,9 @@ void ZeroOptimizer::prepare_forward() {
   forward_pos_ = 0;
   // A forward ran before (with or without backward): its units' order is the order.
   if (!forward_order_.empty()) order_recorded_ = true;
-  if (options_.stage != 3 || !root_) return;
-  gather(*root_, false);
-  wait_gathered(*root_);
+  if (options_.stage != 3) return;
+  for (size_t root : roots_) gather(root, false);
+  for (size_t root : roots_) wait_gathered(root);
 }
 
 at::Tensor ZeroOptimizer::run_unit(size_t unit, const std::function<at::Tensor()>& fn) {
@@ -318,7 +327,7 @@ at::Tensor ZeroOptimizer::run_unit(size_t unit, const std::function<at::Tensor()
   wait_gathered(bucket);
   prefetch_after(bucket, +1);
   auto out = fn();
-  if (!is_root(bucket)) release(bucket);
+  if (!is_root(bucket) && options_.reshard_after_forward) release(bucket);
   if (torch::GradMode::is_enabled() && out.requires_grad())
     out = PreBackwardGather::apply(out, reinterpret_cast<int64_t>(this),
                                    static_cast<int64_t>(bucket));
@@ -340,7 +349,8 @@ void ZeroOptimizer::release_parameters() {
 // ---- Gradients -----------------------------------------------------------------------------
 
 void ZeroOptimizer::on_grad_ready(size_t bucket, size_t slot) {
-  if (options_.stage == 1 && !sync_) return;  // stage 1 accumulates in its full buffer
+  // Stage 1 accumulates in its full buffer, reduce_once in the parameters' .grad.
+  if ((options_.stage == 1 || options_.reduce_once) && !sync_) return;
   auto& b = buckets_[bucket];
   LOOM_CHECK(b.pending > 0,
              "ZeRO: gradient of '{}' became ready twice in one backward; call "
@@ -409,7 +419,7 @@ void ZeroOptimizer::launch_reduce(size_t bucket) {
     if (b.layout.padding() > 0) f.send.narrow(0, b.layout.total(), b.layout.padding()).zero_();
     // Stage 3: the unit's backward is over; its gathered parameters go (the root stays for the
     // step's other micro-batches).
-    if (options_.stage == 3 && !is_root(bucket)) release(bucket);
+    if (options_.stage == 3 && !is_root(bucket) && options_.reshard_after_forward) release(bucket);
   }
   f.work = comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
   stats_.reduce_scatter_bytes += static_cast<double>(f.send.numel() * f.send.element_size());
@@ -438,6 +448,17 @@ void ZeroOptimizer::retire(bool wait) {
 void ZeroOptimizer::finish_gradient_sync() {
   if (options_.stage == 1 && !sync_) return;
   torch::NoGradGuard no_grad;
+  if (options_.reduce_once && !sync_) {
+    // Nothing was reduced: the gradients wait whole in .grad for the last micro-batch.
+    forward_pos_ = 0;
+    if (options_.stage == 3) {
+      if (!forward_order_.empty()) order_recorded_ = true;
+      if (options_.reshard_after_forward)
+        for (size_t bi = 0; bi < buckets_.size(); ++bi)
+          if (!is_root(bi)) release(bi);
+    }
+    return;
+  }
   // Buckets whose parameters did not all get a gradient: those count as zeros on this rank.
   if (launch_order_.empty()) compute_launch_order();
   for (size_t k = next_launch_; k < launch_order_.size(); ++k) {
@@ -459,7 +480,7 @@ void ZeroOptimizer::finish_gradient_sync() {
   if (options_.stage == 3) {
     if (!forward_order_.empty()) order_recorded_ = true;
     for (size_t bi = 0; bi < buckets_.size(); ++bi)
-      if (!is_root(bi) || sync_) release(bi);
+      if ((!is_root(bi) && options_.reshard_after_forward) || sync_) release(bi);
   }
 }
 
@@ -494,8 +515,6 @@ void ZeroOptimizer::scale_gradients(double factor) {
 }
 
 at::Tensor ZeroOptimizer::own_bucket_grad_shard(const std::string& name) {
-  LOOM_CHECK(options_.stage <= 2, "own_bucket_grad_shard: stage {} has no own buckets",
-             options_.stage);
   for (auto& b : buckets_)
     if (b.params.size() == 1 && params_[b.params.front()].first == name && b.name == name)
       return b.grad_shard;

@@ -84,21 +84,25 @@ class PipelineRunner final : public StepRunner {
     return loss.reshape({});
   }
 
-  double evaluate(RunContext& run, int64_t begin, int64_t end, int64_t /*windows_per_rank*/,
+  double evaluate(RunContext& run, int64_t begin, int64_t end, int64_t windows_per_rank,
                   const Phases& phases) override {
     // Micro-batches through the stages, forwards only; the last stage's sums go to every stage.
     const int64_t micro =
         std::max<int64_t>(1, run.config.micro_batch_size(run.size(dist::Dim::dp)));
-    const int64_t forwards = (end - begin + micro - 1) / micro;
+    // Collective forwards (ZeRO-3 gathers over dp): every replica runs as many as the one with
+    // the most windows; one with fewer repeats window 0 and counts nothing from it.
+    const int64_t forwards = run.collective_forward ? (windows_per_rank + micro - 1) / micro
+                                                    : (end - begin + micro - 1) / micro;
     const auto stats = executor_.run_forward(
         [&](int64_t chunk, int64_t i, const at::Tensor& input) {
           auto& part = *run.chunks[static_cast<size_t>(chunk)];
           phases.before_forward({chunk, i, i == forwards - 1, /*training=*/false});
           const int64_t first = begin + i * micro;
-          const int64_t count = std::min(micro, end - first);
+          const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
           const bool needs_batch = part.part().first || part.part().last;
-          const auto batch =
-              needs_batch ? run.val_sampler->sequential_batch(first, count) : data::Batch{};
+          const auto batch = needs_batch ? run.val_sampler->sequential_batch(
+                                               count > 0 ? first : 0, std::max<int64_t>(count, 1))
+                                         : data::Batch{};
           auto out = part.forward_part(part.part().first ? batch.inputs : input);
           if (!part.part().last) return out;
           return part.loss_from_logits(out, batch.targets) * static_cast<double>(count);

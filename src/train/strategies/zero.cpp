@@ -94,24 +94,18 @@ class ZeroStrategy final : public Strategy {
   StrategyTraits traits() const override {
     StrategyTraits t;
     t.mesh_dims = {dist::Dim::dp};
-    t.config_keys = {"zero", "bucket_mb", "offload_optimizer"};
+    t.config_keys = {"zero", "bucket_mb", "offload_optimizer", "zero3_reshard_after_forward"};
     t.syncs_data_parallel_gradients = true;
     t.owns_optimizer = true;
     t.shards_gradients = stage_ >= 2;
     return t;
   }
 
-  void validate(const RunContext& run, const std::vector<const Strategy*>& all) const override {
+  void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
     LOOM_CHECK(run.config.comm_hook == "avg",
                "--comm-hook {} compresses plain data parallelism's all-reduce; strategy 'zero' "
                "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
                run.config.comm_hook);
-    for (const auto* s : all)
-      LOOM_CHECK(stage_ <= 2 || s->name() != "pipeline",
-                 "strategy 'zero' at stage 3 with strategy 'pipeline' (--pp {}): ZeRO-3 over a "
-                 "pipeline is not supported yet; use --zero 1 or 2 (optimizer state and gradients "
-                 "sharded along dp), or --pp 1",
-                 run.size(dist::Dim::pp));
   }
 
   void apply(RunContext& run) override {
@@ -122,16 +116,10 @@ class ZeroStrategy final : public Strategy {
     base.adamw = run.adamw;
     base.decays = run.decays;
     base.offload_optimizer = run.offload_optimizer;
-    // Stage 3 gathers one transformer block at a time; the rest (embeddings, final norm) is
-    // the root unit.
-    std::vector<parallel::zero::ZeroUnit> units;
-    if (stage == 3)
-      for (const auto& [prefix, block] : run.chunks.front()->blocks()) {
-        parallel::zero::ZeroUnit unit{prefix, {}};
-        for (const auto& p : block->named_parameters())
-          unit.params.push_back(prefix + "." + p.key());
-        units.push_back(std::move(unit));
-      }
+    base.reshard_after_forward = run.config.zero3_reshard_after_forward;
+    // A pipeline runs a chunk's micro-batches interleaved with other chunks' work: its gradients
+    // accumulate whole and are reduce-scattered once, after the chunk's last micro-batch.
+    base.reduce_once = stage == 3 && run.size(dist::Dim::pp) > 1;
     std::vector<std::unique_ptr<ZeroOptimizer>> engines;
     // One engine per model chunk (each finishes its backwards at its own time).
     for (size_t c = 0; c < run.chunks.size(); ++c) {
@@ -147,17 +135,26 @@ class ZeroStrategy final : public Strategy {
         options.norm_weight = [part = chunk.get()](const std::string& name) {
           return grad_norm_weight(*part, name);
         };
+      // Stage 3 gathers one transformer block at a time; the rest (embeddings, final norm) is
+      // the root unit.
+      std::vector<parallel::zero::ZeroUnit> units;
+      if (stage == 3)
+        for (const auto& [prefix, block] : chunk->blocks()) {
+          parallel::zero::ZeroUnit unit{prefix, {}};
+          for (const auto& p : block->named_parameters())
+            unit.params.push_back(prefix + "." + p.key());
+          units.push_back(std::move(unit));
+        }
       engines.push_back(std::make_unique<ZeroOptimizer>(
           run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options, units));
+      if (stage == 3)
+        chunk->add_block_wrapper(
+            [zero = engines.back().get()](int64_t layer, const at::Tensor& x,
+                                          const models::CausalLM::BlockFn& block) {
+              return zero->run_unit(static_cast<size_t>(layer), [&] { return block(x); });
+            });
     }
-    if (stage == 3) {
-      run.chunks.front()->add_block_wrapper(
-          [zero = engines.front().get()](int64_t layer, const at::Tensor& x,
-                                         const models::CausalLM::BlockFn& block) {
-            return zero->run_unit(static_cast<size_t>(layer), [&] { return block(x); });
-          });
-      run.collective_forward = true;
-    }
+    run.collective_forward = stage == 3;
     auto engine = std::make_unique<ZeroEngine>(std::move(engines));
     engine_ = engine.get();
     run.publish<ZeroOptimizer>("zero", engine_->engines().front().get());
@@ -183,9 +180,12 @@ class ZeroStrategy final : public Strategy {
   std::string describe(const RunContext& run) const override {
     const auto& z = *engine_->engines().front();
     const int64_t dp = run.size(dist::Dim::dp);
-    return fmt::format("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}",
+    return fmt::format("ZeRO stage {}: {} flat {} over dp {} | optimizer state{}{} sharded{}{}{}",
                        z.stage(), z.num_buckets(), z.stage() == 3 ? "units" : "buckets", dp,
                        z.stage() >= 2 ? ", gradients" : "", z.stage() == 3 ? ", parameters" : "",
+                       z.stage() == 3 && !run.config.zero3_reshard_after_forward
+                           ? " | units stay gathered across the step's micro-batches"
+                           : "",
                        run.offload_optimizer ? " | optimizer on the host" : "",
                        dp == 1 ? " (one rank: nothing to split)" : "");
   }

@@ -28,6 +28,7 @@
 //   norm = clip_grad_norm(max); step(lr); zero_grad();
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
@@ -55,10 +56,20 @@ struct ZeroOptions {
   // parameter shard back.
   bool offload_optimizer = false;
   bool prefetch = true;  // stage 3: start the next unit's all-gather before this one computes
-  // Stages 1-2: parameters that get a flat bucket of their own, so that their gradient shard
-  // has the same layout on every engine that holds them (a tied embedding's two copies on the
-  // first and last pipeline stages, whose shards are summed; see own_bucket_grad_shard).
+  // Parameters that get a flat bucket of their own, so that their gradient shard has the same
+  // layout on every engine that holds them (a tied embedding's two copies on the first and last
+  // pipeline stages, whose shards are summed; see own_bucket_grad_shard). At stage 3 each is a
+  // unit of its own, gathered with the root (outside any block).
   std::vector<std::string> own_bucket;
+  // Stage 3: release each unit's gathered parameters after its forward and after its backward
+  // (true: the least memory), or keep them gathered until the step's last backward (false: one
+  // all-gather per unit per step, however many micro-batches).
+  bool reshard_after_forward = true;
+  // Stages 2-3: gradients accumulate whole over the step's micro-batches and are reduce-scattered
+  // once, in the backward of the last one (set_sync(true)); false: reduce-scattered after every
+  // backward, so only shards are kept between micro-batches. A pipeline uses true (one
+  // reduction per step instead of one per micro-batch).
+  bool reduce_once = false;
   // How much each parameter's squares count in the gradient norm (null: 1 each). With tensor
   // parallelism, 1 / (ranks holding the same values), so a norm summed over tp counts every
   // element once.
@@ -135,8 +146,8 @@ class ZeroOptimizer {
   // by norm_weight, summed over the dp group (one all-reduce); and scaling every shard.
   double grad_norm_squared();
   void scale_gradients(double factor);
-  // This rank's shard of the dp-averaged gradient of a parameter named in own_bucket (stages
-  // 1-2; after finish_gradient_sync), to modify in place.
+  // This rank's shard of the dp-averaged gradient of a parameter named in own_bucket (after
+  // finish_gradient_sync), to modify in place.
   at::Tensor own_bucket_grad_shard(const std::string& name);
   // This rank's part of any parameter's dp-averaged gradient (after finish_gradient_sync): a
   // 1-D view of its gradient shard, to modify in place (empty when the rank holds none of it),
@@ -230,7 +241,11 @@ class ZeroOptimizer {
   void wait_gathered(size_t bucket);
   void release(size_t bucket);
   void prefetch_after(size_t bucket, int direction);
-  bool is_root(size_t bucket) const { return root_ && *root_ == bucket; }
+  // Gathered with the root unit and kept until the step's last backward (the root itself and
+  // stage 3's own buckets).
+  bool is_root(size_t bucket) const {
+    return std::find(roots_.begin(), roots_.end(), bucket) != roots_.end();
+  }
   friend struct PreBackwardGather;
   void pre_backward(size_t bucket);
 
@@ -242,7 +257,7 @@ class ZeroOptimizer {
   std::vector<Bucket> buckets_;
   std::vector<std::optional<size_t>> bucket_of_unit_;  // per unit given; empty units: none
   std::vector<std::string> unit_names_;
-  std::optional<size_t> root_;
+  std::vector<size_t> roots_;
   GradReadyHooks hooks_;  // after the buckets: destroyed (unhooked) before them
   std::vector<InFlight> in_flight_;
   std::vector<size_t> launch_order_;  // buckets in the order their reductions are issued
