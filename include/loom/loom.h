@@ -21,6 +21,7 @@
 #include "loom/dist/watchdog.h"
 #include "loom/dist/work.h"
 #include "loom/models/causal_lm.h"
+#include "loom/models/custom_model.h"
 #include "loom/models/config.h"
 #include "loom/models/generate.h"
 #include "loom/models/gpt2.h"

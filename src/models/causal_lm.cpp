@@ -114,6 +114,14 @@ void CausalLM::register_blocks(std::string prefix, std::shared_ptr<torch::nn::Mo
                                blocks_[i]);
 }
 
+void CausalLM::adopt_blocks(std::string prefix,
+                            std::vector<std::shared_ptr<torch::nn::Module>> blocks) {
+  LOOM_CHECK(static_cast<int64_t>(blocks.size()) == part_.end_layer - part_.first_layer,
+             "adopt_blocks: {} blocks for {}", blocks.size(), part_.describe(config_.n_layers));
+  blocks_prefix_ = std::move(prefix);
+  blocks_ = std::move(blocks);
+}
+
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> CausalLM::blocks() const {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
   for (size_t i = 0; i < blocks_.size(); ++i)
@@ -249,6 +257,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part) {
+  LOOM_CHECK(config.family != Family::kCustom,
+             "a custom model is built by its own code (models::make_custom_model), not from its "
+             "config: rebuild it and load the checkpoint's parameters into it");
   if (config.family == Family::kGpt2) return std::make_shared<Gpt2>(config, std::move(tp), part);
   return std::make_shared<Llama>(config, std::move(tp), part);
 }
@@ -260,6 +271,7 @@ void init_parameters(CausalLM& model, uint64_t seed) {
     const auto& name = item.key();
     auto param = item.value();
     const auto rule = model.init_for(name);
+    if (rule.kind == ParamInit::Kind::kKeep) continue;
     const auto& spec = model.shard_spec(name);
     // The whole single-process tensor, in fp32 on the CPU (the same values for every dtype,
     // device and tp), then this rank's shard of it (padding rows zero).
@@ -277,6 +289,8 @@ void init_parameters(CausalLM& model, uint64_t seed) {
         values = at::empty(shape, at::kFloat).normal_(0.0, rule.std, gen);
         break;
       }
+      case ParamInit::Kind::kKeep:  // skipped above
+        continue;
     }
     param.copy_(spec.shard(values, rank, tp));
   }

@@ -9,13 +9,23 @@
 namespace loom::models {
 
 std::string to_string(Family family) {
-  return family == Family::kGpt2 ? "gpt2" : "llama";
+  switch (family) {
+    case Family::kGpt2:
+      return "gpt2";
+    case Family::kLlama:
+      return "llama";
+    case Family::kCustom:
+      return "custom";
+  }
+  return "unknown";
 }
 
 Family family_from_string(const std::string& name) {
   if (name == "gpt2") return Family::kGpt2;
   if (name == "llama") return Family::kLlama;
-  fail("model family '{}' is not known: use gpt2 or llama", name);
+  if (name == "custom") return Family::kCustom;
+  fail("model family '{}' is not known: use gpt2, llama (or custom, for a model of your own)",
+       name);
 }
 
 void ModelConfig::validate() const {
@@ -41,7 +51,7 @@ void ModelConfig::validate() const {
                "n_heads = {}",
                n_kv_heads, n_heads);
     LOOM_CHECK(tie_embeddings, "model config: GPT-2 ties its input and output embeddings");
-  } else {
+  } else if (family == Family::kLlama) {
     LOOM_CHECK(head_dim() % 2 == 0, "model config: RoPE needs an even head_dim; got {}",
                head_dim());
   }

@@ -240,7 +240,10 @@ std::vector<StrategySpec> strategy_specs(const TrainConfig& config, const dist::
   return specs;
 }
 
-Runtime::Runtime(const TrainConfig& config, dist::MeshPtr mesh) : ctx_(config, std::move(mesh)) {
+Runtime::Runtime(const TrainConfig& config, dist::MeshPtr mesh,
+                 models::CustomModelFactory custom_model)
+    : ctx_(config, std::move(mesh)) {
+  ctx_.custom_model = std::move(custom_model);
   for (const auto& spec : strategy_specs(config, *ctx_.mesh))
     strategies_.push_back(make_strategy(spec));
   // A registered strategy that synchronizes the dp ranks itself replaces plain data parallelism.
@@ -307,6 +310,17 @@ void Runtime::build_model(const models::ModelConfig& model_config) {
   ctx_.plan.stage_bounds = {0, model_config.n_layers};
   for (const auto& s : strategies_) s->plan_model(ctx_);
   ctx_.chunks.clear();
+  if (ctx_.custom_model) {
+    // The module initializes itself: the same generator state on every rank gives every rank
+    // the same values.
+    torch::manual_seed(ctx_.config.seed);
+    auto model = ctx_.custom_model(ctx_.tp_group);
+    LOOM_CHECK(model != nullptr, "the custom model's factory returned nothing");
+    ctx_.model_config = model->config();
+    ctx_.plan.stage_bounds = {0, ctx_.model_config.n_layers};
+    ctx_.chunks.push_back(std::move(model));
+    return;
+  }
   for (const auto& part : ctx_.plan.parts)
     ctx_.chunks.push_back(part.whole(model_config.n_layers)
                               ? models::make_model(model_config, ctx_.tp_group)

@@ -35,7 +35,12 @@ std::string format_duration(double seconds) {
 }  // namespace
 
 Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
-    : config_(std::move(config)), mesh_(mesh ? std::move(mesh) : dist::Mesh::single_process()) {
+    : Trainer(std::move(config), std::move(mesh), {}) {}
+
+Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFactory custom_model)
+    : config_(std::move(config)),
+      mesh_(mesh ? std::move(mesh) : dist::Mesh::single_process()),
+      custom_model_(std::move(custom_model)) {
   config_.validate();
   // Before anything is allocated, so that memory reports count every tensor of the run.
   core::install_memory_tracking();
@@ -43,7 +48,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   check_mesh_and_device();
   config_.dp = data_ranks();  // checkpoints record the layout that was actually used
   // The strategies and their composition are checked before anything is built or read.
-  runtime_ = std::make_unique<Runtime>(config_, mesh_);
+  runtime_ = std::make_unique<Runtime>(config_, mesh_, custom_model_);
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
 
@@ -54,13 +59,10 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   if (!config_.val_data.empty()) val_shard_ = std::make_shared<data::TokenShard>(config_.val_data);
   std::optional<CheckpointContents> resume;
   const auto model_config = resolve_model_config(resume);
-  train_shard_->check_vocab(model_config.vocab_size);
   train_sampler_ =
       std::make_unique<data::WindowSampler>(train_shard_, config_.seq_len, config_.seed);
-  if (val_shard_) {
-    val_shard_->check_vocab(model_config.vocab_size);
+  if (val_shard_)
     val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
-  }
   if (!config_.save_dir.empty()) {
     core::ensure_writable_dir(config_.save_dir);
     // Starting afresh in a directory that holds another run's checkpoints would mix the two.
@@ -79,6 +81,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
   run.train_sampler = train_sampler_.get();
   run.val_sampler = val_sampler_.get();
   runtime_->build_model(model_config);
+  check_model_fits(run.model_config);  // a custom model's shape is known once it is built
   // fp64 runs hold parameters (and so activations, gradients and optimizer state) in fp64, from
   // the same initial values as an fp32 run; converted before anything is loaded into them, so a
   // resumed fp64 checkpoint is not rounded to fp32 on the way.
@@ -100,7 +103,14 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh)
     chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));
     chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
   }
-  flops_per_token_ = model_flops_per_token(model_config, config_.seq_len);
+  if (custom_model_) {
+    // 6 FLOPs per parameter per token (forward and backward); its attention, if any, unknown.
+    int64_t n = 0;
+    for (const auto& p : model().parameters()) n += p.numel();
+    flops_per_token_ = 6.0 * static_cast<double>(n);
+  } else {
+    flops_per_token_ = model_flops_per_token(model_config, config_.seq_len);
+  }
   peak_flops_ = config_.peak_tflops * 1e12;
   if (peak_flops_ == 0 && device_.is_cuda()) {
     const auto name = ops::cuda_device_name(device_.index());

@@ -74,6 +74,16 @@ void Trainer::check_mesh_and_device() {
 }
 
 models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointContents>& resume) {
+  if (custom_model_) {
+    // Its shape is its own; what loom would build or load for it does not apply.
+    LOOM_CHECK(config_.init_from_hf.empty() && config_.export_hf.empty(),
+               "--init-from-hf and --export-hf read and write GPT-2 or Llama in Hugging Face's "
+               "layout; this run trains a custom model (its checkpoints hold its parameters by "
+               "name)");
+    LOOM_CHECK(config_.dropout == 0,
+               "--dropout {} applies to loom's models; a custom model has its own dropout",
+               config_.dropout);
+  }
   // Model shape: Hugging Face directory, checkpoint being resumed, or preset.
   models::ModelConfig model_config;
   if (!config_.resume.empty()) {
@@ -107,6 +117,8 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
     LOOM_CHECK(config_.layers == 0 || config_.layers == model_config.n_layers,
                "--layers {} with --init-from-hf: the model has the directory's {} layers",
                config_.layers, model_config.n_layers);
+  } else if (custom_model_) {
+    return model_config;  // known once the factory has built it
   } else {
     model_config = models::ModelConfig::preset(config_.preset);
     LOOM_CHECK(models::to_string(model_config.family) == config_.model,
@@ -117,7 +129,11 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
         config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
   }
   if (!resume) model_config.dropout = config_.dropout;
-  model_config.validate();
+  if (!custom_model_) model_config.validate();
+  return model_config;
+}
+
+void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
   LOOM_CHECK(config_.attention != "fused" || model_config.head_dim() == 64 ||
                  model_config.head_dim() == 128,
              "--attention fused: the kernel has head dims 64 and 128, and this model's is {} "
@@ -126,7 +142,8 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
   LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
              "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
              model_config.max_seq_len);
-  return model_config;
+  train_shard_->check_vocab(model_config.vocab_size);
+  if (val_shard_) val_shard_->check_vocab(model_config.vocab_size);
 }
 
 void Trainer::seed_dropout() {
@@ -148,10 +165,17 @@ void Trainer::seed_dropout() {
 
 void Trainer::log_setup() const {
   const auto& m = model_config();
-  spdlog::info(
-      "model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
-      models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers, m.n_heads,
-      m.n_kv_heads, m.vocab_size);
+  if (custom_model_) {
+    int64_t n = 0;
+    for (const auto& p : run().chunks.front()->parameters()) n += p.numel();
+    spdlog::info("model: custom | {:.2f}M parameters | {} blocks | vocab {}", n / 1e6,
+                 run().chunks.front()->blocks().size(), m.vocab_size);
+  } else {
+    spdlog::info(
+        "model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
+        models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers, m.n_heads,
+        m.n_kv_heads, m.vocab_size);
+  }
   spdlog::info(
       "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
       "of {}) | {} threads",

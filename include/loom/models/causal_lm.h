@@ -21,7 +21,8 @@ namespace loom::models {
 
 // How one parameter is initialized.
 struct ParamInit {
-  enum class Kind { kZeros, kOnes, kNormal } kind = Kind::kNormal;
+  // kKeep: the value the module was built with stays (a custom model's own initialization).
+  enum class Kind { kZeros, kOnes, kNormal, kKeep } kind = Kind::kNormal;
   double std = 0.0;  // for kNormal
 };
 
@@ -93,7 +94,7 @@ class CausalLM : public torch::nn::Module {
   at::Tensor forward_part(const at::Tensor& input);
   // Mean next-token loss from this rank's logits shard (what a last part returns) against
   // targets [batch, seq], in fp32.
-  at::Tensor loss_from_logits(const at::Tensor& logits_shard, const at::Tensor& targets);
+  virtual at::Tensor loss_from_logits(const at::Tensor& logits_shard, const at::Tensor& targets);
   // The parameter a last part holds as its own copy of the first part's tied embedding (its
   // gradient must be summed with the first part's), or "" when there is none.
   std::string tied_embedding_copy() const;
@@ -157,6 +158,8 @@ class CausalLM : public torch::nn::Module {
   // ("transformer.h"), each named by its layer index in the whole model.
   void register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
                        std::vector<std::shared_ptr<torch::nn::Module>> blocks);
+  // The same for blocks already registered (a custom model's), named "<prefix>.<index>".
+  void adopt_blocks(std::string prefix, std::vector<std::shared_ptr<torch::nn::Module>> blocks);
   // Sequence length of the whole sequence from hidden states x [batch, seq, d] of this rank.
   int64_t full_seq_len(const at::Tensor& x) const;
   // Blocks receive this at construction and read the checkpointing mode from it.

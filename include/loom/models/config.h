@@ -7,10 +7,12 @@
 
 namespace loom::models {
 
-enum class Family { kGpt2, kLlama };
+// kCustom: a user's own LibTorch module trained through loom (custom_model.h); its config
+// carries only what the runtime reads (vocabulary, sequence length, width, blocks).
+enum class Family { kGpt2, kLlama, kCustom };
 
 std::string to_string(Family family);
-Family family_from_string(const std::string& name);  // "gpt2" | "llama"
+Family family_from_string(const std::string& name);  // "gpt2" | "llama" | "custom"
 
 struct ModelConfig {
   Family family = Family::kGpt2;

@@ -17,6 +17,7 @@
 #include "loom/data/sampler.h"
 #include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
+#include "loom/models/custom_model.h"
 #include "loom/ops/adamw.h"
 #include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/config.h"
@@ -107,6 +108,8 @@ class RunContext {
   std::vector<const Strategy*> strategies;
 
   models::ModelConfig model_config;
+  // Set when the run trains a user's own module (custom_model.h) instead of a loom preset.
+  models::CustomModelFactory custom_model;
   parallel::tensor::TpGroupPtr tp_group;
   ModelPlan plan;
   // This rank's model chunks, as ModelPlan::parts.

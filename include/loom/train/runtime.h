@@ -29,7 +29,9 @@ std::vector<std::string> user_strategy_names();
 class Runtime {
  public:
   // Makes the strategies (strategy_specs), sorts them by slot and validates the composition.
-  Runtime(const TrainConfig& config, dist::MeshPtr mesh);
+  // `custom_model`: a user's own module to train (empty: loom's model of the config).
+  Runtime(const TrainConfig& config, dist::MeshPtr mesh,
+          models::CustomModelFactory custom_model = {});
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

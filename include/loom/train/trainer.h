@@ -17,6 +17,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/dist/mesh.h"
 #include "loom/models/causal_lm.h"
+#include "loom/models/custom_model.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
@@ -37,6 +38,11 @@ class Trainer {
   // loom::Error, before any training happens. `mesh` null: one process. Every rank of the mesh
   // must construct its Trainer with the same config.
   explicit Trainer(TrainConfig config, dist::MeshPtr mesh = nullptr);
+  // Trains a model of your own (models/custom_model.h) instead of --model/--preset: the factory
+  // builds it on every rank. Data parallelism, ZeRO-1/2/3, activation checkpointing (of the
+  // blocks it declares), offload and registered strategies apply; --tp, --pp, --init-from-hf,
+  // --export-hf and --dropout are refused with a message saying why.
+  Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFactory custom_model);
   ~Trainer();  // puts back the memory cap that was there before --memory-cap-mb
 
   // Trains from the current step to config.steps, logging progress, evaluating and saving as
@@ -80,6 +86,8 @@ class Trainer {
   // Construction, in order (trainer_setup.cpp).
   void check_mesh_and_device();
   models::ModelConfig resolve_model_config(std::optional<CheckpointContents>& resume);
+  // What the built model must fit: the data's vocabulary, --seq-len, --attention fused.
+  void check_model_fits(const models::ModelConfig& model_config) const;
   void seed_dropout();
   void log_setup() const;
   // Checkpoints (trainer_checkpoint.cpp).
@@ -109,6 +117,7 @@ class Trainer {
 
   TrainConfig config_;
   dist::MeshPtr mesh_;
+  models::CustomModelFactory custom_model_;
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;

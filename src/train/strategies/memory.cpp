@@ -26,7 +26,16 @@ class ActivationCheckpointing final : public Strategy {
   StrategyTraits traits() const override { return {{}, {"activation_checkpointing"}}; }
   void apply(RunContext& run) override {
     const auto mode = models::parse_activation_checkpointing(run.config.activation_checkpointing);
-    for (auto& chunk : run.chunks) chunk->set_activation_checkpointing(mode);
+    for (auto& chunk : run.chunks) {
+      // A custom model recomputes the blocks it declared; kSelective is loom's attention core.
+      LOOM_CHECK(!run.custom_model ||
+                     (mode == models::ActivationCheckpointing::kFull && !chunk->blocks().empty()),
+                 "strategy 'activation-checkpointing' (--activation-checkpointing {}) on a custom "
+                 "model recomputes the blocks it declares (CustomModelSpec::blocks, run through "
+                 "run_block), with 'full' only; this one declares {} blocks",
+                 run.config.activation_checkpointing, chunk->blocks().size());
+      chunk->set_activation_checkpointing(mode);
+    }
   }
   std::string describe(const RunContext& run) const override {
     return fmt::format("activation checkpointing: {}", run.config.activation_checkpointing);

@@ -131,6 +131,10 @@ class PipelineStrategy final : public Strategy {
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
+    LOOM_CHECK(!run.custom_model,
+               "strategy 'pipeline' (--pp {}) splits loom's GPT-2 and Llama into stages of "
+               "layers; a custom model does not say how to split it into stages: use --pp 1",
+               run.size(dist::Dim::pp));
     // The schedule must be able to run this pipeline: checked (and played out, so a custom
     // schedule that would deadlock fails here) before anything is built.
     pl::simulate(*pl::make_schedule(run.config.schedule), shape(run));

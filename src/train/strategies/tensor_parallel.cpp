@@ -23,6 +23,14 @@ class TensorParallelStrategy final : public Strategy {
     return {{dist::Dim::tp}, {"tp", "sequence_parallel", "pad_vocab_multiple"}};
   }
 
+  void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
+    LOOM_CHECK(!run.custom_model,
+               "strategy 'tensor-parallel' (--tp {}) splits loom's parallel layers "
+               "(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) inside loom's "
+               "models; a custom model of plain LibTorch modules cannot be split: use --tp 1",
+               run.size(dist::Dim::tp));
+  }
+
   void apply(RunContext& run) override {
     for (size_t c = 0; c < run.chunks.size(); ++c)
       partial_.push_back(std::make_unique<parallel::tensor::PartialGradSync>(
