@@ -20,17 +20,20 @@ struct PlainLmImpl : torch::nn::Module {
 };
 
 // `declare_blocks` false: the same model with no blocks declared (its forward runs them itself).
-inline models::CustomModelFactory plain_lm(bool declare_blocks = true, int64_t n_layers = 2) {
+// `dropout` > 0: each block drops out (from LibTorch's default generator) while training.
+inline models::CustomModelFactory plain_lm(bool declare_blocks = true, int64_t n_layers = 2,
+                                           double dropout = 0) {
   return [=](const parallel::tensor::TpGroupPtr& tp) {
     auto net = std::make_shared<PlainLmImpl>(256, 16, n_layers);
     models::CustomModelSpec spec;
     spec.module = net;
-    spec.forward = [net, declare_blocks](const at::Tensor& ids,
-                                         const models::CustomModelSpec::BlockRunner& run) {
+    spec.forward = [net, declare_blocks, dropout](const at::Tensor& ids,
+                                                  const models::CustomModelSpec::BlockRunner& run) {
       auto x = net->embed(ids);
       for (size_t i = 0; i < net->layers->size(); ++i) {
-        auto block = [layer = net->layers[i]->as<torch::nn::LinearImpl>()](const at::Tensor& in) {
-          return in + torch::tanh(layer->forward(in));
+        auto block = [layer = net->layers[i]->as<torch::nn::LinearImpl>(), dropout,
+                      training = net->is_training()](const at::Tensor& in) {
+          return in + torch::dropout(torch::tanh(layer->forward(in)), dropout, training);
         };
         x = declare_blocks ? run(static_cast<int64_t>(i), x, block) : block(x);
       }

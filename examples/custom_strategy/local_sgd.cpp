@@ -65,8 +65,11 @@ class LocalSgd final : public Strategy {
     if (!synchronous(run.step + 1)) return;
     torch::NoGradGuard no_grad;
     auto& dp = run.mesh->comm(loom::dist::Dim::dp);
-    for (auto& [name, p] : run.named_parameters())
-      if (p.grad().defined()) dp.all_reduce(p.mutable_grad(), loom::dist::ReduceOp::Avg);
+    // Every rank reduces every parameter's gradient (zeros where it got none), in the same order.
+    for (auto& [name, p] : run.named_parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      dp.all_reduce(p.mutable_grad(), loom::dist::ReduceOp::Avg);
+    }
   }
 
   void after_optimizer_step(RunContext& run) override {

@@ -1,5 +1,7 @@
 #include "loom/models/causal_lm.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
@@ -173,6 +175,9 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
     parallel::memory::CheckpointOptions options;
     // Replayed only when something inside draws from it (the state is copied per block).
     if (is_training() && config_.dropout > 0) options.generators.push_back(tp_->generator());
+    // A custom module's own randomness (its dropout) draws from LibTorch's default generator.
+    if (is_training() && config_.family == Family::kCustom)
+      options.generators.push_back(at::detail::getDefaultCPUGenerator());
     options.offload = execution_->offload;
     run = [fn, options](const at::Tensor& in) {
       return parallel::memory::checkpoint(

@@ -261,7 +261,7 @@ fs::path Trainer::save_checkpoint() {
   // are gathered, then rank 0 writes everything while the others wait for the outcome.
   core::NamedTensors rng_states;
   {
-    auto& gen = model().tp().generator();
+    auto gen = dropout_generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng_states.emplace_back(rng_key(0, mesh_->coord(dist::Dim::pp)), gen.get_state());
   }
@@ -539,7 +539,7 @@ void Trainer::load_checkpoint_state(CheckpointContents& resume) {
   share_outcome(error, fmt::format("load their optimizer state from '{}'", resume.dir.string()));
   run().step = resume.step;
   runtime_->load_state(resume);
-  auto& gen = model().tp().generator();
+  auto gen = dropout_generator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   auto rng = resume.optimizer.find(rng_key(data_rank(), mesh_->coord(dist::Dim::pp)));
   if (rng != resume.optimizer.end()) {

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <mutex>
 
 #include "loom/core/error.h"
@@ -81,7 +83,9 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "layout; this run trains a custom model (its checkpoints hold its parameters by "
                "name)");
     LOOM_CHECK(config_.dropout == 0,
-               "--dropout {} applies to loom's models; a custom model has its own dropout",
+               "--dropout {} applies to loom's models; a custom model has its own dropout (which "
+               "draws from LibTorch's default generator: seeded per dp rank, saved in checkpoints "
+               "and replayed by activation checkpointing)",
                config_.dropout);
   }
   // Model shape: Hugging Face directory, checkpoint being resumed, or preset.
@@ -146,12 +150,16 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
   if (val_shard_) val_shard_->check_vocab(model_config.vocab_size);
 }
 
+at::Generator Trainer::dropout_generator() {
+  return custom_model_ ? at::detail::getDefaultCPUGenerator() : model().tp().generator();
+}
+
 void Trainer::seed_dropout() {
   // Dropout draws from the model's generator: seed it, so that two runs with the same flags
   // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
   // different masks for their different samples; the tp ranks of a replica draw alike; each
   // pipeline stage has its own stream.
-  auto& gen = model().tp().generator();
+  auto gen = dropout_generator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   uint64_t seed = core::mix_seed({config_.seed, core::stable_hash("dropout")});
   if (data_ranks() > 1)

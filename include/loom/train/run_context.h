@@ -102,7 +102,7 @@ class RunContext {
   RunContext(const TrainConfig& config, dist::MeshPtr mesh)
       : config(config), mesh(std::move(mesh)) {}
 
-  const TrainConfig& config;
+  const TrainConfig config;
   dist::MeshPtr mesh;
   // The strategies of the run, in slot order (the runtime's).
   std::vector<const Strategy*> strategies;

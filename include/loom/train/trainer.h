@@ -89,6 +89,9 @@ class Trainer {
   // What the built model must fit: the data's vocabulary, --seq-len, --attention fused.
   void check_model_fits(const models::ModelConfig& model_config) const;
   void seed_dropout();
+  // What dropout draws from: the model's TpGroup generator, or for a custom model LibTorch's
+  // default CPU generator (seeded per dp rank, saved in checkpoints, replayed by checkpointing).
+  at::Generator dropout_generator();
   void log_setup() const;
   // Checkpoints (trainer_checkpoint.cpp).
   void load_checkpoint_parameters(CheckpointContents& resume);

@@ -28,12 +28,15 @@ class ActivationCheckpointing final : public Strategy {
     const auto mode = models::parse_activation_checkpointing(run.config.activation_checkpointing);
     for (auto& chunk : run.chunks) {
       // A custom model recomputes the blocks it declared; kSelective is loom's attention core.
-      LOOM_CHECK(!run.custom_model ||
-                     (mode == models::ActivationCheckpointing::kFull && !chunk->blocks().empty()),
-                 "strategy 'activation-checkpointing' (--activation-checkpointing {}) on a custom "
-                 "model recomputes the blocks it declares (CustomModelSpec::blocks, run through "
-                 "run_block), with 'full' only; this one declares {} blocks",
-                 run.config.activation_checkpointing, chunk->blocks().size());
+      LOOM_CHECK(!run.custom_model || mode == models::ActivationCheckpointing::kFull,
+                 "--activation-checkpointing {} recomputes the attention core of loom's blocks; "
+                 "a custom model is recomputed block by block: use --activation-checkpointing "
+                 "full",
+                 run.config.activation_checkpointing);
+      LOOM_CHECK(!run.custom_model || !chunk->blocks().empty(),
+                 "strategy 'activation-checkpointing' on a custom model recomputes the blocks it "
+                 "declares (CustomModelSpec::blocks, run through run_block); this one declares "
+                 "none");
       chunk->set_activation_checkpointing(mode);
     }
   }

@@ -50,8 +50,11 @@ double time_part(const models::ModelConfig& config, const parallel::tensor::TpGr
 // Micro-batches through this rank's stages in the schedule's order.
 class PipelineRunner final : public StepRunner {
  public:
-  PipelineRunner(pl::PipelineExecutor& executor, pl::PipelineStats& last)
-      : executor_(executor), last_(last) {}
+  // Shares the executor and the last run's stats with the strategy (the runner lives in the
+  // RunContext, which may outlive it).
+  PipelineRunner(std::shared_ptr<pl::PipelineExecutor> executor,
+                 std::shared_ptr<pl::PipelineStats> last)
+      : executor_ptr_(std::move(executor)), last_ptr_(std::move(last)) {}
 
   at::Tensor run(RunContext& run, const BatchFn& batch_of, const Phases& phases,
                  StepResult& /*result*/) override {
@@ -116,8 +119,10 @@ class PipelineRunner final : public StepRunner {
   }
 
  private:
-  pl::PipelineExecutor& executor_;
-  pl::PipelineStats& last_;
+  std::shared_ptr<pl::PipelineExecutor> executor_ptr_;
+  std::shared_ptr<pl::PipelineStats> last_ptr_;
+  pl::PipelineExecutor& executor_ = *executor_ptr_;
+  pl::PipelineStats& last_ = *last_ptr_;
 };
 
 class PipelineStrategy final : public Strategy {
@@ -215,10 +220,10 @@ class PipelineStrategy final : public Strategy {
   }
 
   void apply(RunContext& run) override {
-    executor_ = std::make_unique<pl::PipelineExecutor>(
+    executor_ = std::make_shared<pl::PipelineExecutor>(
         run.mesh->comm_ptr(dist::Dim::pp), shape(run), pl::make_schedule(run.config.schedule),
         run.chunks.front()->parameters().front().device());
-    run.runner = std::make_unique<PipelineRunner>(*executor_, last_);
+    run.runner = std::make_unique<PipelineRunner>(executor_, last_);
     run.publish("pipeline.executor", executor_.get());
     // The first and last stages hold the two copies of a tied embedding; their gradients are
     // summed between them every step. Collective over the pipeline group.
@@ -253,9 +258,9 @@ class PipelineStrategy final : public Strategy {
 
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
-    record["pipeline"] = {{"bubble", last_.bubble_fraction()},
-                          {"wait_s", last_.wait_seconds},
-                          {"max_in_flight", last_.max_in_flight}};
+    record["pipeline"] = {{"bubble", last_->bubble_fraction()},
+                          {"wait_s", last_->wait_seconds},
+                          {"max_in_flight", last_->max_in_flight}};
   }
 
   std::string describe(const RunContext& run) const override {
@@ -270,8 +275,8 @@ class PipelineStrategy final : public Strategy {
     return {run.size(dist::Dim::pp), run.config.virtual_stages, run.config.grad_accum};
   }
   std::optional<pl::Partition> partition_;
-  std::unique_ptr<pl::PipelineExecutor> executor_;
-  pl::PipelineStats last_;
+  std::shared_ptr<pl::PipelineExecutor> executor_;
+  std::shared_ptr<pl::PipelineStats> last_ = std::make_shared<pl::PipelineStats>();
   dist::CommunicatorPtr tied_group_;  // pp ranks 0 and pp - 1, when embeddings are tied
 };
 

@@ -67,8 +67,9 @@ struct ZeroOptions {
   bool reshard_after_forward = true;
   // Stages 2-3: gradients accumulate whole over the step's micro-batches and are reduce-scattered
   // once, in the backward of the last one (set_sync(true)); false: reduce-scattered after every
-  // backward, so only shards are kept between micro-batches. A pipeline uses true (one
-  // reduction per step instead of one per micro-batch).
+  // backward, so only shards are kept between micro-batches. ZeRO-3 over a pipeline uses true
+  // (one reduction per step instead of one per micro-batch). The whole gradients held between
+  // micro-batches are not in memory(): they show in the step's peak activations.
   bool reduce_once = false;
   // How much each parameter's squares count in the gradient norm (null: 1 each). With tensor
   // parallelism, 1 / (ranks holding the same values), so a norm summed over tp counts every
