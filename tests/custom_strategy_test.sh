@@ -5,7 +5,9 @@
 #  1. its registration survives a static library (LOOM_LINK_STRATEGY): --help lists local-sgd;
 #  2. local-sgd:every=1 on 2 ranks equals plain data parallelism (loom-pretrain, 2 ranks);
 #  3. local-sgd:every=4 on 2 ranks equals local SGD recomputed without the strategy
-#     (reference.cpp), and differs from plain data parallelism (the strategy does something);
+#     (reference.cpp), and differs from plain data parallelism (the strategy does something); so
+#     does every=2 with DiLoCo's outer Nesterov step, whose state (the strategy's own checkpoint
+#     tensors) a resume restores: the resumed run ends where the uninterrupted one does;
 #  4. bad compositions and options fail with status 2 on every rank, naming what is wrong.
 #   custom_strategy_test.sh BUILD_DIR SOURCE_DIR WORK_DIR   (MPIEXEC, TOOLS in the environment)
 set -uo pipefail
@@ -65,6 +67,23 @@ else say "FAIL: every=4 differs from the reference: $out"; fail=1; fi
 if out=$("$reference" compare "$work/lsgd4" "$work/dp8" 1e-6); then
   say "FAIL: every=4 trains exactly like plain dp (the strategy did nothing): $out"; fail=1
 else say "ok: every=4 differs from plain dp: $out"; fi
+
+# DiLoCo's outer step: against the reference, and resumed from its step-4 checkpoint.
+outer=local-sgd:every=2,outer_lr=0.7,outer_momentum=0.9
+"$MPIEXEC" -np 2 "$custom" "${base[@]}" --steps 6 --save-dir "$work/outer" --save-every 2 \
+  --strategy "$outer" || { say "FAIL: outer-step run"; fail=1; }
+if out=$("$reference" replay "$work/outer" 1e-9); then say "ok: the outer step equals the reference: $out"
+else say "FAIL: the outer step differs from the reference: $out"; fail=1; fi
+"$MPIEXEC" -np 2 "$custom" "${base[@]}" --steps 6 --save-dir "$work/plain2" \
+  --strategy local-sgd:every=2 > /dev/null || { say "FAIL: every=2 run"; fail=1; }
+if out=$("$reference" compare "$work/outer/step-00000006" "$work/plain2" 1e-6); then
+  say "FAIL: the outer step changed nothing: $out"; fail=1
+else say "ok: the outer step differs from plain averaging: $out"; fi
+"$MPIEXEC" -np 2 "$custom" "${base[@]}" --steps 6 --save-dir "$work/outer_resumed" \
+  --resume "$work/outer/step-00000004" --strategy "$outer" || { say "FAIL: outer-step resume"; fail=1; }
+if out=$("$reference" compare "$work/outer_resumed/step-00000006" "$work/outer/step-00000006" 0); then
+  say "ok: the resumed outer-step run ends where the uninterrupted one does: $out"
+else say "FAIL: the resumed outer-step run differs: $out"; fail=1; fi
 
 # The same from a TOML config file (keys are flag names; --strategy repeats as a list).
 printf 'strategy = ["local-sgd:every=2"]\nsteps = 2\n' > "$work/run.toml"

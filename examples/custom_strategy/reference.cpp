@@ -49,6 +49,8 @@ int replay(const std::string& dir, double tolerance) {
   LOOM_CHECK(c.strategies.size() == 1, "expected one --strategy, got {}", c.strategies.size());
   const auto spec = lt::StrategySpec::parse(c.strategies.front());
   const int64_t every = spec.get_int("every", 1), ranks = c.dp;
+  const double outer_lr = spec.get_double("outer_lr", 1.0);
+  const double outer_momentum = spec.get_double("outer_momentum", 0.0);
   LOOM_CHECK(c.grad_accum == 1 && c.dropout == 0 && c.tp == 1 && c.pp == 1 && c.zero == 0,
              "the reference replays dp-only runs without accumulation or dropout");
   auto shard = std::make_shared<loom::data::TokenShard>(c.data);
@@ -79,6 +81,13 @@ int replay(const std::string& dir, double tolerance) {
       for (int64_t r = 0; r < ranks; ++r) pick(r)[i].copy_(mean);
     }
   };
+  // The outer optimizer (DiLoCo): the period's starting point and the velocity, per parameter.
+  std::vector<at::Tensor> start, velocity;
+  for (const auto& p : replicas[0]->parameters()) {
+    start.push_back(p.detach().clone());
+    velocity.push_back(torch::zeros_like(p));
+  }
+  const bool outer = outer_lr != 1.0 || outer_momentum != 0.0;
   for (int64_t s = 0; s < ckpt.step; ++s) {
     const bool synchronous = (s + 1) % every == 0;
     for (int64_t r = 0; r < ranks; ++r) {
@@ -104,6 +113,19 @@ int replay(const std::string& dir, double tolerance) {
           if (key != "step") m.push_back(t);
         return m;
       });
+      if (outer) {
+        torch::NoGradGuard no_grad;
+        auto params = replicas[0]->parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto delta = start[i] - params[i];
+          velocity[i] = outer_momentum * velocity[i] + delta;
+          start[i] = start[i] - outer_lr * (delta + outer_momentum * velocity[i]);
+        }
+        for (int64_t r = 0; r < ranks; ++r) {
+          auto rp = replicas[r]->parameters();
+          for (size_t i = 0; i < rp.size(); ++i) rp[i].copy_(start[i]);
+        }
+      }
     }
   }
   return worst_difference(parameters_of(*replicas[0]), ckpt.model) <= tolerance ? 0 : 1;
