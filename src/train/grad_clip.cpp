@@ -65,45 +65,48 @@ double clip_grad_norm(const models::CausalLM& model, double max_norm) {
   return clip_grad_norm({&model}, max_norm, nullptr);
 }
 
+double grad_norm_weight(const models::CausalLM& part, const std::string& name) {
+  if (name == part.tied_embedding_copy()) return 0.0;
+  const int64_t tp = part.tp().size();
+  if (tp == 1) return 1.0;
+  const auto& spec = part.shard_spec(name);
+  return 1.0 / static_cast<double>(spec.sharded() ? spec.replicas(tp) : tp);
+}
+
+at::Tensor local_grad_squares(const std::vector<const models::CausalLM*>& parts) {
+  torch::NoGradGuard no_grad;
+  LOOM_CHECK(!parts.empty(), "local_grad_squares: no model parts");
+  std::vector<at::Tensor> squares;
+  for (const auto* part : parts)
+    for (const auto& item : part->named_parameters()) {
+      const auto& g = item.value().grad();
+      if (!g.defined()) continue;
+      const double w = grad_norm_weight(*part, item.key());
+      if (w == 0) continue;
+      auto sq = squared_norm(g);
+      squares.push_back(w == 1 ? sq : sq * w);
+    }
+  const auto& params = parts.front()->parameters();
+  const auto device = params.empty() ? at::Device(at::kCPU) : params.front().device();
+  if (squares.empty()) return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
+  return at::stack(squares).sum().to(at::kDouble);
+}
+
 double clip_grad_norm(const std::vector<const models::CausalLM*>& parts, double max_norm,
                       dist::Communicator* pipeline) {
   torch::NoGradGuard no_grad;
-  LOOM_CHECK(!parts.empty(), "clip_grad_norm: no model parts");
-  const auto& tp_group = parts.front()->tp();
-  const int64_t tp = tp_group.size();
-  std::vector<at::Tensor> params, sharded, replicated;
-  for (const auto* model : parts) {
-    const auto tied_copy = model->tied_embedding_copy();
-    for (const auto& item : model->named_parameters()) {
-      const auto& g = item.value().grad();
-      if (!g.defined()) continue;
-      params.push_back(item.value());
-      if (item.key() == tied_copy) continue;
-      const auto& spec = model->shard_spec(item.key());
-      auto sq = squared_norm(g);
-      if (spec.sharded())
-        sharded.push_back(sq / static_cast<double>(spec.replicas(tp)));
-      else
-        replicated.push_back(sq);
-    }
-  }
-  // Every rank joins the reductions, gradients or not. On the parameters' device, so that NCCL
+  // Every rank joins the reductions, gradients or not; on the parameters' device, so that NCCL
   // groups can reduce it.
-  const auto& first = *parts.front();
-  const auto device =
-      first.parameters().empty() ? at::Device(at::kCPU) : first.parameters().front().device();
-  const auto options = at::TensorOptions(at::kDouble).device(device);
-  auto sharded_sq = at::full({1}, total_of(sharded), options);
-  if (tp > 1) tp_group.comm()->all_reduce(sharded_sq, dist::ReduceOp::Sum);
-  double total_sq = sharded_sq.item<double>() + total_of(replicated);
-  if (pipeline && pipeline->size() > 1) {
-    auto t = at::full({1}, total_sq, options);
-    pipeline->all_reduce(t, dist::ReduceOp::Sum);
-    total_sq = t.item<double>();
-  }
-  const double total = std::sqrt(total_sq);
-  scale_if_above(params, total, max_norm);
-  return total;
+  auto total = local_grad_squares(parts).reshape({1});
+  const auto& tp_group = parts.front()->tp();
+  if (tp_group.size() > 1) tp_group.comm()->all_reduce(total, dist::ReduceOp::Sum);
+  if (pipeline && pipeline->size() > 1) pipeline->all_reduce(total, dist::ReduceOp::Sum);
+  const double norm = std::sqrt(total.item<double>());
+  std::vector<at::Tensor> params;
+  for (const auto* part : parts)
+    for (const auto& p : part->parameters()) params.push_back(p);
+  scale_if_above(params, norm, max_norm);
+  return norm;
 }
 
 }  // namespace loom::train

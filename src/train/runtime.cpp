@@ -10,9 +10,9 @@
 
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
-#include "loom/ops/precision.h"
 #include "loom/parallel/tensor/tp_group.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/grad_clip.h"
 #include "loom/train/optimizer.h"
 
 namespace loom::train {
@@ -113,19 +113,9 @@ class ReplicatedAdamW final : public OptimizerEngine {
   }
 
   at::Tensor local_grad_squares() override {
-    torch::NoGradGuard no_grad;
-    std::vector<at::Tensor> squares;
-    for (const auto& chunk : run_.chunks)
-      for (const auto& item : chunk->named_parameters()) {
-        const auto& g = item.value().grad();
-        if (!g.defined()) continue;
-        const double w = grad_norm_weight(*chunk, item.key());
-        if (w == 0) continue;
-        auto sq = ops::squared_norm(g);
-        squares.push_back(w == 1 ? sq : sq * w);
-      }
-    if (squares.empty()) return at::zeros({}, at::TensorOptions(at::kDouble).device(run_.device));
-    return at::stack(squares).sum().to(at::kDouble);
+    std::vector<const models::CausalLM*> parts;
+    for (const auto& chunk : run_.chunks) parts.push_back(chunk.get());
+    return train::local_grad_squares(parts);
   }
 
   void scale_gradients(const at::Tensor& factor) override {
@@ -170,14 +160,6 @@ class ReplicatedAdamW final : public OptimizerEngine {
 };
 
 }  // namespace
-
-double grad_norm_weight(const models::CausalLM& part, const std::string& name) {
-  if (name == part.tied_embedding_copy()) return 0.0;
-  const int64_t tp = part.tp().size();
-  if (tp == 1) return 1.0;
-  const auto& spec = part.shard_spec(name);
-  return 1.0 / static_cast<double>(spec.sharded() ? spec.replicas(tp) : tp);
-}
 
 core::NamedTensors RunContext::named_parameters(size_t chunk) const {
   core::NamedTensors out;

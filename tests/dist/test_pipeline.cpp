@@ -11,17 +11,13 @@
 
 #include "../test_util.h"
 #include "dist_util.h"
-#include "loom/core/files.h"
-#include "loom/core/memory.h"
 #include "loom/core/safetensors.h"
 #include "loom/dist/gather_tensors.h"
+#include "loom/models/causal_lm.h"
 #include "loom/models/layer_costs.h"
 #include "loom/parallel/pipeline/executor.h"
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/parallel/pipeline/schedule.h"
-#include "loom/parallel/zero/zero_optimizer.h"
-#include "loom/train/trainer.h"
-#include "train_compare.h"
 
 using loom::testing::contains;
 using loom::testing::error_of;
@@ -29,8 +25,6 @@ using loom::testing::world;
 namespace dist = loom::dist;
 namespace models = loom::models;
 namespace pl = loom::parallel::pipeline;
-namespace train = loom::train;
-namespace fs = std::filesystem;
 
 namespace {
 

@@ -1,6 +1,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace loom::models {
@@ -28,6 +29,16 @@ at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, doubl
 // replicated parameters, whose gradients are equal on every rank, are counted once. Padded
 // vocabulary rows have zero gradients. Collective over the model's tp group.
 double clip_grad_norm(const models::CausalLM& model, double max_norm);
+
+// How much parameter `name` of `part` counts in a sum of squared gradients that is then summed
+// over the tp group (and over the pipeline): 1 / (tp ranks holding the same values) — 1 / replicas
+// for a sharded parameter, 1 / tp for a replicated one, 1 at tp 1 — and 0 for a last part's copy
+// of the tied embedding (the first part's is counted). ZeRO's engines weight their shards by it.
+double grad_norm_weight(const models::CausalLM& part, const std::string& name);
+
+// This rank's weighted sum of squared gradients over `parts` (accumulation dtype: a 0-dim
+// float64 tensor on the parameters' device), to be summed over the tp and pipeline groups.
+at::Tensor local_grad_squares(const std::vector<const models::CausalLM*>& parts);
 
 // The same over the model parts (pipeline chunks) one rank holds, with the squares also summed
 // across the pipeline group `pipeline` (null or size 1: none): the norm of the whole model's

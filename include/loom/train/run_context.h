@@ -64,10 +64,6 @@ class OptimizerEngine {
   virtual std::vector<parallel::zero::ZeroOptimizer*> sharded_state() const { return {}; }
 };
 
-// The gradient norm's inputs the engine needs to weight replicated values (tp > 1) and skip the
-// tied embedding's copy: the weight of parameter `name` of chunk `part` in the sum of squares.
-double grad_norm_weight(const models::CausalLM& part, const std::string& name);
-
 // How the forwards and backwards of one step run over this rank's micro-batches: in order
 // (the runtime's default), or as a pipeline schedule (the pipeline strategy's).
 class StepRunner {

@@ -7,6 +7,7 @@
 #include "builtin.h"
 #include "loom/core/error.h"
 #include "loom/parallel/zero/zero_optimizer.h"
+#include "loom/train/grad_clip.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
 
