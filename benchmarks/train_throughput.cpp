@@ -20,6 +20,7 @@
 #include "loom/core/autocast.h"
 #include "loom/loom.h"
 #include "loom/train/mfu.h"
+#include "step_profile.h"
 
 namespace {
 
@@ -28,6 +29,7 @@ struct Options {
   int64_t d_model = 0, layers = 0, heads = 0;  // 0: the preset's
   int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
+  int64_t profile_steps = 0;  // > 0: that many more steps under op hooks (step_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
   std::string device = "cpu", precision = "fp32", attention = "auto";
@@ -51,6 +53,7 @@ loom::models::ModelConfig model_config(const Options& o) {
   LOOM_CHECK(o.steps > 0, "--steps {} must be positive", o.steps);
   LOOM_CHECK(o.warmup >= 0, "--warmup {} must be >= 0", o.warmup);
   LOOM_CHECK(o.threads > 0, "--threads {} must be positive", o.threads);
+  LOOM_CHECK(o.profile_steps >= 0, "--profile {} must be >= 0", o.profile_steps);
   LOOM_CHECK(o.precision == "fp32" || o.precision == "bf16",
              "--precision '{}' must be fp32 or bf16", o.precision);
   return c;
@@ -88,39 +91,56 @@ void run(const Options& o) {
                                {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
   constexpr double kLr = 1e-3, kMaxGradNorm = 1.0;
 
-  // Every batch is drawn before the clock starts, so only the training step is timed. The
-  // generator and call match the Python twin's, so both see the same tokens.
-  const int64_t total = o.warmup + o.steps;
+  // Every batch is drawn before the clock starts; each step slices its own (the "data" phase).
+  // The generator and call match the Python twin's, so both see the same tokens.
+  const int64_t total = o.warmup + o.steps + o.profile_steps;
   auto gen = loom::core::make_generator(o.seed);
   const auto tokens = at::randint(o.vocab, {total, o.batch_size, o.seq_len + 1}, gen, at::kLong);
-  std::vector<at::Tensor> inputs, targets;
-  for (int64_t i = 0; i < total; ++i) {
-    inputs.push_back(tokens[i].narrow(1, 0, o.seq_len).contiguous().to(device));
-    targets.push_back(tokens[i].narrow(1, 1, o.seq_len).contiguous().to(device));
-  }
 
+  // Phase markers cost a clock read each; the op hooks are on only for the profile steps.
+  auto& profile = loom_bench::StepProfile::instance();
+  enum Phase { kData, kForward, kBackward, kClip, kOptimizer, kZeroGrad, kMetrics };
   std::vector<double> step_ms;
   std::vector<at::Tensor> losses;  // read after timing; .item() on the CPU would not sync anyway
+  nlohmann::ordered_json walls;
   for (int64_t i = 0; i < total; ++i) {
+    if (i == o.warmup) profile.reset();
+    if (i == o.warmup + o.steps) {
+      walls = profile.phase_walls();
+      profile.reset();
+      profile.hook_ops(true);
+    }
     const auto start = std::chrono::steady_clock::now();
+    profile.phase(kData);
+    const auto input = tokens[i].narrow(1, 0, o.seq_len).contiguous().to(device);
+    const auto target = tokens[i].narrow(1, 1, o.seq_len).contiguous().to(device);
+    profile.phase(kForward);
     at::Tensor loss;
     {
       loom::core::Bf16Autocast autocast(o.precision == "bf16", device.type());
-      loss = loom::models::next_token_loss(model->forward(inputs[i]), targets[i]);
+      loss = loom::models::next_token_loss(model->forward(input), target);
     }
+    profile.phase(kBackward);
     loss.backward();
+    profile.phase(kClip);
     if (device.is_cuda())
       loom::train::clip_grad_norm_on_device(params, kMaxGradNorm);  // no host sync
     else
       loom::train::clip_grad_norm(params, kMaxGradNorm);
+    profile.phase(kOptimizer);
     optimizer.step(kLr);
+    profile.phase(kZeroGrad);
     optimizer.zero_grad();
-    if (device.is_cuda()) torch::cuda::synchronize(device.has_index() ? device.index() : 0);
-    const auto stop = std::chrono::steady_clock::now();
+    profile.phase(kMetrics);
     losses.push_back(loss.detach());
-    if (i >= o.warmup)
+    if (device.is_cuda()) torch::cuda::synchronize(device.has_index() ? device.index() : 0);
+    profile.end_step();
+    const auto stop = std::chrono::steady_clock::now();
+    if (i >= o.warmup && i < o.warmup + o.steps)
       step_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
   }
+  profile.hook_ops(false);
+  if (o.profile_steps == 0) walls = profile.phase_walls();
 
   const double med = median(step_ms);
   double sum = 0;
@@ -152,6 +172,12 @@ void run(const Options& o) {
         {"seed", o.seed},
         {"decayed_tensors", optimizer.num_decayed()},
         {"undecayed_tensors", optimizer.num_not_decayed()}}}};
+  out["phase_ms"] = walls;
+  out["peak_rss_mib"] = loom_bench::StepProfile::peak_rss_mib();
+  if (o.profile_steps > 0) {
+    out["op_self_ms"] = profile.op_tables();
+    out["top_ops_ms"] = profile.top_ops(20);
+  }
   if (!device.is_cpu()) {
     // Outside "config", which scripts/bench compares with the Python twin's (CPU only).
     out["device"] = loom::ops::cuda_device_name(device.has_index() ? device.index() : 0);
@@ -189,10 +215,14 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "Intra-op threads")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed for initialization and the token batches")
       ->capture_default_str();
+  app.add_option("--profile", o.profile_steps,
+                 "After the timed steps, this many steps with every op's self time recorded "
+                 "(by phase and op class: benchmarks/step_profile.h)")
+      ->capture_default_str();
   app.add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();
   app.add_option("--precision", o.precision, "fp32 | bf16 (autocast, fp32 master weights)")
       ->capture_default_str();
-  app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
+  app.add_option("--attention", o.attention, "auto | fused | sdpa | math | gemm")->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops,
                  "Device bf16 peak for MFU (0: from the GPU's name)")
       ->capture_default_str();

@@ -1,12 +1,17 @@
 """Training throughput of GPT-2 in plain PyTorch (Python API), the twin of loom-bench-train.
 
 The model, optimizer, clipping, batches, flags and JSON line are those of
-benchmarks/train_throughput.cpp, op for op where it matters (src/models/gpt2.cpp), so the two
-numbers differ only by what runs around the same ATen kernels. No torch.compile: the point is
-eager PyTorch against eager loom.
+benchmarks/train_throughput.cpp, op for op where it matters (src/models/gpt2.cpp). The loop is
+the fastest eager one a user would write: SDPA attention, the fused (vectorised, multi-tensor)
+AdamW kernel, foreach gradient clipping, no host sync inside the step. --compile runs the same
+model under torch.compile (inductor) instead: a second reference, reported as such.
+
+--profile N adds N steps under torch.profiler and reports each op's self time by phase and op
+class, with the same phases and classes as loom-bench-train's (benchmarks/step_profile.h).
 """
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -88,6 +93,68 @@ def decays(name, p):
     return p.dim() >= 2 and not any(e in name for e in ("wte.", "wpe.", "embed_tokens."))
 
 
+PHASES = ["data", "forward", "backward", "clip", "optimizer", "zero_grad", "metrics"]
+OP_CLASSES = ["matmul", "attention", "norm", "activation", "cross_entropy", "memory",
+              "embedding", "autograd", "elementwise", "other"]
+SCOPE_FUNCTION, SCOPE_BACKWARD_FUNCTION = 0, 1  # at::RecordScope; loom hooks only these two
+
+
+def op_class(name, backward_node):
+    # The rules and order of op_class in benchmarks/step_profile.h (keep them in step).
+    def has(*parts):
+        return any(p in name for p in parts)
+    if backward_node or has("autograd::", "Backward"):
+        return "autograd"
+    if has("scaled_dot_product", "flash_attention", "attention"):
+        return "attention"
+    if has("layer_norm", "rms_norm"):
+        return "norm"
+    if has("gelu", "silu", "relu"):
+        return "activation"
+    if has("log_softmax", "nll_loss", "cross_entropy"):
+        return "cross_entropy"
+    if has("::mm", "addmm", "bmm", "matmul", "linear"):
+        return "matmul"
+    if has("embedding", "index_select"):
+        return "embedding"
+    if has("copy", "fill_", "zero", "empty", "cat", "stack", "clone", "contiguous"):
+        return "memory"
+    if has("aten::", "loom::"):
+        return "elementwise"
+    return "other"
+
+
+def op_tables(events, walls_ms, steps):
+    """Self time (ms per step) of every op by phase and class; a phase's wall time minus its ops'
+    is what ran outside any op (the interpreter, dispatch, autograd's engine)."""
+    table = {p: {c: 0.0 for c in OP_CLASSES} for p in PHASES}
+    by_name = {}
+    for e in events:
+        if e.scope not in (SCOPE_FUNCTION, SCOPE_BACKWARD_FUNCTION):
+            continue  # record_function ranges (phases, Optimizer.step): not ops
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("phase::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
+        phase = parent.name[len("phase::"):]
+        cls = op_class(e.name, e.scope == SCOPE_BACKWARD_FUNCTION)
+        table[phase][cls] += e.self_cpu_time_total / 1000.0
+        key = phase + " " + e.name
+        by_name[key] = by_name.get(key, 0.0) + e.self_cpu_time_total / 1000.0
+    out = {}
+    for p in PHASES:
+        row = {c: table[p][c] / steps for c in OP_CLASSES}
+        row["outside_ops"] = (walls_ms[p] - sum(table[p].values())) / steps
+        out[p] = row
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    return out, {k: v / steps for k, v in top}
+
+
+def minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def fail(message):
     # Exit code 2 for bad flags, as loom-bench-train and argparse.
     print(f"train_throughput.py: error: {message}", file=sys.stderr)
@@ -129,7 +196,15 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the timed steps, this many steps under torch.profiler")
+    ap.add_argument("--adamw", choices=["fused", "foreach", "loop"], default="fused",
+                    help="torch.optim.AdamW implementation (fused: the fastest on the CPU)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the model under torch.compile (inductor): a second reference")
     args = ap.parse_args()
+    if args.profile < 0:
+        fail(f"--profile {args.profile} must be >= 0")
     c = model_config(args)
     torch.set_num_threads(args.threads)
 
@@ -142,35 +217,76 @@ def main():
     params = [p for _, p in named]
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
-    # Default implementation choice (no foreach/fused on the CPU), as a user would get it.
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY},
               {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **impl[args.adamw])
+    forward = torch.compile(model) if args.compile else model
 
     # Drawn before timing, with the generator and call loom-bench-train uses: the same tokens.
-    total = args.warmup + args.steps
+    # Each step slices its own batch (the "data" phase), as loom-bench-train does.
+    total = args.warmup + args.steps + args.profile
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(args.vocab, (total, args.batch_size, args.seq_len + 1), generator=gen)
-    inputs = [tokens[i, :, :-1].contiguous() for i in range(total)]
-    targets = [tokens[i, :, 1:].contiguous() for i in range(total)]
 
+    walls = {p: 0.0 for p in PHASES}
+    clock = {"phase": None, "start": 0.0, "range": None}
+
+    def phase(name):
+        # Ends the running phase (its wall time, and its profiler range when profiling).
+        now = time.perf_counter()
+        if clock["phase"] is not None:
+            walls[clock["phase"]] += (now - clock["start"]) * 1000.0
+        if clock["range"] is not None:
+            clock["range"].__exit__(None, None, None)
+            clock["range"] = None
+        clock["phase"], clock["start"] = name, time.perf_counter()
+        if name is not None and profiler is not None:
+            clock["range"] = torch.profiler.record_function("phase::" + name)
+            clock["range"].__enter__()
+
+    profiler = None
     step_ms, losses = [], []
+    phase_ms, faults = None, minor_faults()
     for i in range(total):
+        if i == args.warmup:
+            walls, faults = {p: 0.0 for p in PHASES}, minor_faults()
+        if i == args.warmup + args.steps:
+            phase_ms = {p: walls[p] / args.steps for p in PHASES}
+            phase_ms["minor_faults_per_step"] = (minor_faults() - faults) / args.steps
+            walls = {p: 0.0 for p in PHASES}
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         start = time.perf_counter()
-        logits = model(inputs[i])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets[i].reshape(-1))
+        phase("data")
+        inp = tokens[i, :, :-1].contiguous()
+        tgt = tokens[i, :, 1:].contiguous()
+        phase("forward")
+        logits = forward(inp)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+        phase("backward")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        phase("clip")
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)
+        phase("optimizer")
         optimizer.step()
+        phase("zero_grad")
         optimizer.zero_grad()  # set_to_none, as loom's AdamW::zero_grad
-        stop = time.perf_counter()
+        phase("metrics")
         losses.append(loss.detach())
-        if i >= args.warmup:
+        phase(None)
+        stop = time.perf_counter()
+        if args.warmup <= i < args.warmup + args.steps:
             step_ms.append((stop - start) * 1000.0)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    if phase_ms is None:
+        phase_ms = {p: walls[p] / args.steps for p in PHASES}
+        phase_ms["minor_faults_per_step"] = (minor_faults() - faults) / args.steps
 
     med = statistics.median(step_ms)
     out = {
-        "impl": "pytorch",
+        "impl": "pytorch-compile" if args.compile else "pytorch",
         "tokens_per_s": args.batch_size * args.seq_len / (med / 1000.0),
         "step_ms_median": med,
         "step_ms_mean": statistics.fmean(step_ms),
@@ -184,6 +300,10 @@ def main():
                    "threads": args.threads, "seed": args.seed, "decayed_tensors": len(decay),
                    "undecayed_tensors": len(no_decay)},
     }
+    out["phase_ms"] = phase_ms
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if profiler is not None:
+        out["op_self_ms"], out["top_ops_ms"] = op_tables(profiler.events(), walls, args.profile)
     print(json.dumps(out))
 
 

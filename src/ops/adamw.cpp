@@ -1,12 +1,46 @@
 #include "loom/ops/adamw.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 
+#include "cpu_vectorize.h"
 #include "loom/core/error.h"
 
 namespace loom::ops {
+
+namespace {
+
+// The update of adamw_update_ (the header's formulas, in that order) as one pass over the four
+// buffers: each element's moments and weight are read once and written once.
+template <typename T>
+LOOM_CPU_CLONES void adamw_kernel(T* __restrict weight, const T* __restrict grad,
+                                  T* __restrict exp_avg, T* __restrict exp_avg_sq, int64_t n,
+                                  T one_minus_beta1, T beta2, T one_minus_beta2, T bias2,
+                                  T eps, T step_size) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T g = grad[i];
+    const T m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i]);
+    const T v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    weight[i] = weight[i] + step_size * (m / (std::sqrt(v / bias2) + eps));
+  }
+}
+
+bool fused_adamw_applies(const std::vector<const at::Tensor*>& tensors) {
+  const auto dtype = tensors.front()->scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) return false;
+  for (const auto* t : tensors)
+    if (!t->device().is_cpu() || t->scalar_type() != dtype || !t->is_contiguous() ||
+        t->numel() != tensors.front()->numel())
+      return false;
+  return true;
+}
+
+}  // namespace
 
 void check_adamw_options(const AdamWOptions& options) {
   LOOM_CHECK(options.beta1 >= 0 && options.beta1 < 1, "AdamW: beta1 = {} must be in [0, 1)",
@@ -28,6 +62,22 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
   const double b1 = options.beta1, b2 = options.beta2;
   const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step));
   const double bias2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  if (fused_adamw_applies({&weight, &grad, &exp_avg, &exp_avg_sq})) {
+    RECORD_FUNCTION("loom::adamw_update_", std::vector<c10::IValue>({weight}));
+    AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "loom::adamw_update_", [&] {
+      using T = scalar_t;
+      auto* w = weight.mutable_data_ptr<T>();
+      const auto* g = grad.const_data_ptr<T>();
+      auto* m = exp_avg.mutable_data_ptr<T>();
+      auto* v = exp_avg_sq.mutable_data_ptr<T>();
+      at::parallel_for(0, weight.numel(), 16384, [&](int64_t begin, int64_t end) {
+        adamw_kernel<T>(w + begin, g + begin, m + begin, v + begin, end - begin, T(1.0 - b1),
+                        T(b2), T(1.0 - b2), T(bias2), T(options.eps), T(-lr / bias1));
+      });
+    });
+    return;
+  }
+  // Elsewhere (CUDA) the same formulas as ATen ops.
   exp_avg.lerp_(grad, 1.0 - b1);
   exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
   auto denom = (exp_avg_sq / bias2).sqrt_().add_(options.eps);

@@ -1,8 +1,10 @@
 #pragma once
 // The AdamW update as one op on fp32 (or fp64) tensors, shared by the replicated optimizer
 // (train/) and the ZeRO-sharded one (parallel/zero/): both must apply the same arithmetic, element
-// by element, so that a sharded run trains the same model as one process. A fused CUDA kernel can
-// replace the body later without touching either caller.
+// by element, so that a sharded run trains the same model as one process. On contiguous CPU
+// tensors adamw_update_ is one vectorised, multi-threaded pass over the four buffers (each value
+// read and written once; src/ops/cpu_vectorize.h); elsewhere (CUDA) the same formulas run as
+// ATen ops.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>

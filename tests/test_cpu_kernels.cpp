@@ -1,0 +1,389 @@
+// loom's vectorised CPU kernels (src/ops/activation.cpp, src/ops/adamw.cpp) against fp64 runs of
+// the same formulas, with bounds from a rounding-error estimate (stated at each test), and the
+// properties the parallel layouts rely on: the same bits for an element whatever its offset in
+// the buffer (so a shard equals the whole) and whatever the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "loom/core/error.h"
+#include "loom/core/rng.h"
+#include "loom/ops/activation.h"
+#include "loom/ops/adamw.h"
+#include "loom/ops/attention.h"
+#include "loom/ops/cpu_attention.h"
+
+namespace {
+
+using namespace loom;
+
+constexpr double kEps32 = std::numeric_limits<float>::epsilon();  // 2^-23
+constexpr double kK0 = 0.79788456080286535588, kK1 = 0.044715;
+
+// Inputs that reach every branch: typical activations, both saturations, the clamp at |x| = 30,
+// the fp32 exponent range, zeros and tiny values; an odd count, so the vector loops have tails.
+at::Tensor gelu_inputs() {
+  auto gen = core::make_generator(7);
+  auto x = at::randn({100001}, gen, at::kFloat) * 3.0;
+  const auto specials = at::tensor({0.0f, -0.0f, 1e-30f, -1e-30f, 1e-6f, 0.5f, -0.5f, 2.0f, -2.0f,
+                                    5.0f, -5.0f, 9.0f, -9.0f, 12.0f, -12.0f, 29.9f, -29.9f, 30.0f,
+                                    -30.0f, 31.0f, -31.0f, 100.0f, -100.0f, 1e30f, -1e30f});
+  return at::cat({x, specials});
+}
+
+// |fp32 result - exact| for gelu and its derivative, element by element. Rounding analysis of
+// the kernel (each op rounds once, |f| <= 0.5 in the exp polynomial, t = -2 log2(e) u):
+//   u carries <= 5 eps relative error, so t <= 6 eps |t|; e = 2^t then <= (4.2 |t| + 2) eps
+//   relative (ln 2 * 6 eps |t|, plus polynomial and scaling); s = 1 / (1 + e) moves by
+//   s (1 - s) times e's relative error, plus 2 eps s from its own add and divide;
+//   y = x s adds eps |y|, the fp32 store another half.
+// Where t >= 126 the kernel takes s = 0 (the exact s is below 2^-126, or 2^-125 allowing for t's
+// own rounding), which the bound adds: 2^-125 times |x| (y) or 1 + |x du| (the derivative).
+struct GeluBounds {
+  at::Tensor y, dy;  // per element
+};
+GeluBounds gelu_bounds(const at::Tensor& x64) {
+  const auto u = kK0 * (x64 + kK1 * x64.pow(3));
+  const auto t = (-2.0 / std::log(2.0)) * u;
+  const auto s = at::sigmoid(2 * u);
+  const auto ds = (s * (1 - s) * (4.2 * t.abs() + 2) + 2 * s) * kEps32 + std::ldexp(1.0, -125);
+  const auto y = x64 * s;
+  const auto xdu = x64 * 2 * kK0 * (1 + 3 * kK1 * x64 * x64);
+  const auto d = s + xdu * s * (1 - s);
+  GeluBounds b;
+  b.y = x64.abs() * ds + 1.5 * kEps32 * y.abs() + 1e-37;
+  // d = s + (x du) s (1 - s): s's error enters directly and through s (1 - s) (times |x du|),
+  // the products and sum round 5 times more, the fp32 store half an eps.
+  b.dy = ds * (1 + xdu.abs()) + kEps32 * (5 * (xdu * s * (1 - s)).abs() + 1.5 * d.abs()) + 1e-37;
+  return b;
+}
+
+// The exact values: gelu = x sigmoid(2u) and its derivative in fp64. Not at::gelu(x, "tanh") in
+// fp64: it computes 1 + tanh(u), which cancels to 0 for x below about -6 (gelu(-9) = -1.3e-28
+// comes out as -0), while the sigmoid form keeps every digit.
+struct GeluExact {
+  at::Tensor y, d;
+};
+GeluExact gelu_exact(const at::Tensor& x64) {
+  const auto u = kK0 * (x64 + kK1 * x64.pow(3));
+  const auto s = at::sigmoid(2 * u);
+  return {x64 * s, s + x64 * 2 * kK0 * (1 + 3 * kK1 * x64 * x64) * s * (1 - s)};
+}
+
+TEST(GeluTanh, ForwardWithinTheRoundingBoundOfFp64) {
+  const auto x = gelu_inputs();
+  ASSERT_TRUE(ops::gelu_tanh_uses_loom_kernel(x));
+  const auto y = ops::gelu_tanh(x).to(at::kDouble);
+  const auto x64 = x.to(at::kDouble);
+  const auto err = (y - gelu_exact(x64).y).abs();
+  const double worst = (err / gelu_bounds(x64).y).max().item<double>();
+  const int64_t at_worst = (err / gelu_bounds(x64).y).argmax().item<int64_t>();
+  std::printf("gelu forward: max |err| / bound = %.3f (max |err| %.3g; worst at x = %.9g)\n",
+              worst, err.max().item<double>(), x64[at_worst].item<double>());
+  EXPECT_LE(worst, 1.0);
+  EXPECT_TRUE(at::equal(y.masked_select(x > 30), x64.masked_select(x > 30)));
+  EXPECT_EQ(y.masked_select(x < -30).abs().max().item<double>(), 0.0);
+}
+
+TEST(GeluTanh, BackwardWithinTheRoundingBoundOfFp64) {
+  const auto x = gelu_inputs().requires_grad_();
+  auto gen = core::make_generator(8);
+  const auto g = at::randn(x.sizes(), gen, at::kFloat);
+  ops::gelu_tanh(x).backward(g);
+  const auto grad = x.grad().to(at::kDouble);
+  const auto x64 = x.detach().to(at::kDouble), g64 = g.to(at::kDouble);
+  const auto exact = g64 * gelu_exact(x64).d;
+  const auto err = (grad - exact).abs();
+  // grad = g d: g's magnitude times d's bound, plus the product's rounding.
+  const auto bound = g64.abs() * gelu_bounds(x64).dy + kEps32 * exact.abs();
+  const double worst = (err / bound).max().item<double>();
+  const int64_t at_worst = (err / bound).argmax().item<int64_t>();
+  std::printf("gelu backward: max |err| / bound = %.3f (max |err| %.3g; worst at x = %.9g)\n",
+              worst, err.max().item<double>(), x64[at_worst].item<double>());
+  EXPECT_LE(worst, 1.0);
+}
+
+TEST(GeluTanh, Fp64KernelMatchesAtenToFp64Precision) {
+  const auto x = gelu_inputs().to(at::kDouble).masked_select(gelu_inputs().abs() < 1e12);
+  const auto exact = gelu_exact(x);
+  const auto xr = x.clone().requires_grad_();
+  ASSERT_TRUE(ops::gelu_tanh_uses_loom_kernel(x));
+  const auto y = ops::gelu_tanh(xr);
+  y.backward(at::ones_like(y));
+  // The fp32 analysis with eps = 2^-52 (and the clamp at 2^-1022): ~1e-13 at |x| = 30.
+  const double tol = 64 * std::numeric_limits<double>::epsilon();
+  EXPECT_LE(((y.detach() - exact.y).abs() / (x.abs() + 1)).max().item<double>(), tol);
+  // d's error carries |x du| (up to ~5 |x|^3 / 30 at the clamp): 40 |x| covers it to |x| = 30.
+  EXPECT_LE(((xr.grad() - exact.d).abs() / (40 * x.abs() + 1)).max().item<double>(), tol);
+}
+
+TEST(GeluTanh, OtherTensorsFallBackToAtenExactly) {
+  auto gen = core::make_generator(9);
+  const auto x = at::randn({64, 33}, gen, at::kFloat);
+  const auto strided = x.t();  // not contiguous
+  EXPECT_FALSE(ops::gelu_tanh_uses_loom_kernel(strided));
+  EXPECT_TRUE(at::equal(ops::gelu_tanh(strided), at::gelu(strided, "tanh")));
+  const auto bf16 = x.to(at::kBFloat16);
+  EXPECT_FALSE(ops::gelu_tanh_uses_loom_kernel(bf16));
+  EXPECT_TRUE(at::equal(ops::gelu_tanh(bf16), at::gelu(bf16, "tanh")));
+}
+
+TEST(GeluTanh, TwiceDifferentiableThroughAtensFormula) {
+  const auto x = at::linspace(-4, 4, 41, at::kDouble).requires_grad_();
+  const auto x_ref = x.detach().clone().requires_grad_();
+  const auto first = torch::autograd::grad({ops::gelu_tanh(x).sum()}, {x}, {}, true, true)[0];
+  const auto first_ref =
+      torch::autograd::grad({at::gelu(x_ref, "tanh").sum()}, {x_ref}, {}, true, true)[0];
+  const auto second = torch::autograd::grad({first.sum()}, {x})[0];
+  const auto second_ref = torch::autograd::grad({first_ref.sum()}, {x_ref})[0];
+  EXPECT_TRUE(at::allclose(second, second_ref, 1e-12, 1e-12));
+}
+
+// Same bits for an element wherever it sits in the buffer (vector body or scalar tail, start or
+// end of a thread's chunk) and whatever the thread count: sharded layouts equal one process.
+TEST(GeluTanh, ElementsGetTheSameBitsAtAnyOffsetAndThreadCount) {
+  const auto x = gelu_inputs().requires_grad_();
+  const auto y = ops::gelu_tanh(x);
+  y.backward(at::ones_like(y));
+  for (int64_t offset : {1, 3, 7, 13}) {
+    const auto part = x.detach().narrow(0, offset, x.size(0) - offset).contiguous();
+    EXPECT_TRUE(at::equal(ops::gelu_tanh(part), y.detach().narrow(0, offset, part.size(0))))
+        << offset;
+  }
+  const int threads = at::get_num_threads();
+  at::set_num_threads(threads == 1 ? 2 : 1);
+  const auto x2 = x.detach().clone().requires_grad_();
+  const auto y2 = ops::gelu_tanh(x2);
+  y2.backward(at::ones_like(y2));
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(y2, y));
+  EXPECT_TRUE(at::equal(x2.grad(), x.grad()));
+}
+
+struct AdamState {
+  at::Tensor w, g, m, v;
+};
+
+AdamState adam_state(int64_t n, uint64_t seed) {
+  auto gen = core::make_generator(seed);
+  AdamState s;
+  s.w = at::randn({n}, gen, at::kFloat);
+  s.g = at::randn({n}, gen, at::kFloat) * at::rand({n}, gen, at::kFloat).pow(4);
+  s.m = at::randn({n}, gen, at::kFloat) * 0.1;
+  s.v = at::rand({n}, gen, at::kFloat) * 0.01;
+  s.v.narrow(0, 0, 5).zero_();  // the eps-dominated denominator
+  s.g.narrow(0, 0, 3).zero_();
+  return s;
+}
+
+// One step of adamw_update_ in fp32 against the same formulas in fp64 from the same state.
+// Rounding: m = m0 + (1 - b1)(g - m0) <= 3 eps (|m0| + |g|); v (all terms >= 0) <= 3 eps v;
+// sqrt(v / bias2) + eps <= 4 eps relative; the ratio m / denom adds 1 eps and the step size 1
+// more; the weight's add rounds once: |dw| <= lr/bias1 * 3 eps (|m0| + |g|) / denom
+// + eps (6 |step| + |w1|).
+TEST(AdamWKernel, OneStepWithinTheRoundingBoundOfFp64) {
+  const ops::AdamWOptions o{.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0};
+  const double lr = 3e-3;
+  for (int64_t step : {1, 2, 10, 1000}) {
+    auto s = adam_state(40009, static_cast<uint64_t>(step));
+    const auto w64 = s.w.to(at::kDouble), g64 = s.g.to(at::kDouble);
+    const auto m64 = s.m.to(at::kDouble), v64 = s.v.to(at::kDouble);
+    const auto m0 = m64.abs(), g0 = g64.abs();
+    ops::adamw_update_(s.w, s.g, s.m, s.v, lr, step, o);
+    const double bias1 = 1 - std::pow(o.beta1, step), bias2 = 1 - std::pow(o.beta2, step);
+    const auto m1 = m64 + (1 - o.beta1) * (g64 - m64);
+    const auto v1 = o.beta2 * v64 + (1 - o.beta2) * g64 * g64;
+    const auto denom = (v1 / bias2).sqrt() + o.eps;
+    const auto update = -lr / bias1 * m1 / denom;
+    const auto w1 = w64 + update;
+    const auto bound = lr / bias1 * 3 * kEps32 * (m0 + g0) / denom +
+                       kEps32 * (6 * update.abs() + w1.abs());
+    const double worst = ((s.w.to(at::kDouble) - w1).abs() / bound).max().item<double>();
+    std::printf("adamw step %lld: max |err| / bound = %.3f\n", static_cast<long long>(step),
+                worst);
+    EXPECT_LE(worst, 1.0) << "step " << step;
+    EXPECT_LE(((s.m.to(at::kDouble) - m1).abs() / (3 * kEps32 * (m0 + g0) + 1e-45))
+                  .max()
+                  .item<double>(),
+              1.0);
+    EXPECT_LE(((s.v.to(at::kDouble) - v1).abs() / (3 * kEps32 * v1 + 1e-45)).max().item<double>(),
+              1.0);
+  }
+}
+
+// Strided tensors (and CUDA ones) take the ATen-op path. Both paths over 5 steps, each against
+// the fp64 run of the formulas: per step and element each may drift by eps |w| (the weight's
+// add) plus 16 eps |update| (the one-step analysis above, with the moments' carried error).
+TEST(AdamWKernel, BothPathsTrackFp64OverSeveralSteps) {
+  const ops::AdamWOptions o{.beta1 = 0.8, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0};
+  auto fused = adam_state(4096, 3), aten = adam_state(4096, 3);
+  auto ref = adam_state(4096, 3);
+  for (auto* t : {&ref.w, &ref.g, &ref.m, &ref.v}) *t = t->to(at::kDouble);
+  auto as_strided = [](const at::Tensor& t) { return t.view({64, 64}).t(); };
+  ASSERT_FALSE(as_strided(aten.w).is_contiguous());
+  auto bound = at::zeros_like(ref.w);
+  const double lr = 1e-2;
+  for (int step = 1; step <= 5; ++step) {
+    ops::adamw_update_(fused.w, fused.g, fused.m, fused.v, lr, step, o);
+    ops::adamw_update_(as_strided(aten.w), as_strided(aten.g), as_strided(aten.m),
+                       as_strided(aten.v), lr, step, o);
+    const auto before = ref.w.clone();
+    ref.m.lerp_(ref.g, 1 - o.beta1);
+    ref.v.mul_(o.beta2).addcmul_(ref.g, ref.g, 1 - o.beta2);
+    const double bias1 = 1 - std::pow(o.beta1, step), bias2 = 1 - std::pow(o.beta2, step);
+    ref.w.add_(-lr / bias1 * ref.m / ((ref.v / bias2).sqrt() + o.eps));
+    bound += kEps32 * (ref.w.abs() + 16 * (ref.w - before).abs());
+  }
+  for (const auto* path : {&fused, &aten}) {
+    const double worst = ((path->w.to(at::kDouble) - ref.w).abs() / bound).max().item<double>();
+    std::printf("adamw %s path, 5 steps: max |err| / bound = %.3f\n",
+                path == &fused ? "fused" : "aten", worst);
+    EXPECT_LE(worst, 1.0);
+  }
+}
+
+// ZeRO updates each rank's slice of a flat buffer: every element must come out as in the
+// whole-buffer update, whatever the slice boundaries and thread count.
+TEST(AdamWKernel, SlicesAndThreadCountsGiveTheSameBits) {
+  const ops::AdamWOptions o{.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0};
+  auto whole = adam_state(50021, 5);
+  auto pieces = adam_state(50021, 5);
+  ops::adamw_update_(whole.w, whole.g, whole.m, whole.v, 1e-3, 7, o);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(threads == 1 ? 2 : 1);
+  for (int64_t begin = 0; begin < 50021;) {
+    const int64_t n = std::min<int64_t>(50021 - begin, 4099 + begin % 13);
+    ops::adamw_update_(pieces.w.narrow(0, begin, n), pieces.g.narrow(0, begin, n),
+                       pieces.m.narrow(0, begin, n), pieces.v.narrow(0, begin, n), 1e-3, 7, o);
+    begin += n;
+  }
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(whole.w, pieces.w));
+  EXPECT_TRUE(at::equal(whole.m, pieces.m));
+  EXPECT_TRUE(at::equal(whole.v, pieces.v));
+}
+
+// ---- loom's CPU attention (backend "gemm") ----
+
+struct AttentionCase {
+  int64_t batch, heads, kv_heads, seq, dim;
+  bool causal;
+  bool strided;  // q, k, v sliced from one fused projection, as GPT-2 passes them
+};
+
+struct AttentionRun {
+  at::Tensor out, dq, dk, dv;
+};
+
+AttentionRun run_attention(const AttentionCase& c, at::ScalarType dtype,
+                           ops::AttentionBackend backend, uint64_t seed) {
+  auto gen = core::make_generator(seed);
+  const int64_t width = (c.heads + 2 * c.kv_heads) * c.dim;
+  const auto fused = at::randn({c.batch, c.seq, width}, gen, at::kFloat).to(dtype);
+  const auto grad = at::randn({c.batch, c.heads, c.seq, c.dim}, gen, at::kFloat).to(dtype);
+  auto take = [&](int64_t first, int64_t heads) {
+    auto part = fused.narrow(2, first * c.dim, heads * c.dim)
+                    .view({c.batch, c.seq, heads, c.dim})
+                    .transpose(1, 2);
+    return (c.strided ? part : part.contiguous()).detach().requires_grad_();
+  };
+  auto q = take(0, c.heads), k = take(c.heads, c.kv_heads), v = take(c.heads + c.kv_heads, c.kv_heads);
+  const auto out = ops::attention(q, k, v, {.causal = c.causal, .backend = backend});
+  out.backward(grad);
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+// fp32 against the fp64 reference (the math path in fp64): loom's error may be at most 4 times
+// that of PyTorch's own fp32 math path on the same inputs, plus 8 eps of the output's scale
+// (both sum the same products in different orders, so their errors are of one size; 4x leaves
+// room for the order and for loom's exp polynomial, 2 ulp against libm's 1).
+TEST(CpuAttention, Fp32TracksFp64AsCloselyAsPyTorchsMathPath) {
+  const AttentionCase cases[] = {{2, 4, 4, 37, 16, true, true},  {2, 4, 2, 33, 8, true, false},
+                                 {1, 4, 1, 1, 8, true, true},    {2, 2, 2, 29, 16, false, true},
+                                 {3, 6, 3, 64, 32, true, true}};
+  for (const auto& c : cases) {
+    const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 11);
+    const auto loom = run_attention(c, at::kFloat, ops::AttentionBackend::kGemm, 11);
+    const auto torch_fp32 = run_attention(c, at::kFloat, ops::AttentionBackend::kMath, 11);
+    const at::Tensor AttentionRun::*parts[] = {&AttentionRun::out, &AttentionRun::dq,
+                                               &AttentionRun::dk, &AttentionRun::dv};
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; ++i) {
+      const auto& ref = exact.*parts[i];
+      const double err = max_abs((loom.*parts[i]).to(at::kDouble) - ref);
+      const double theirs = max_abs((torch_fp32.*parts[i]).to(at::kDouble) - ref);
+      const double bound = 4 * theirs + 8 * kEps32 * max_abs(ref);
+      std::printf("attention T=%lld %s: loom %.3g, PyTorch math %.3g, bound %.3g\n",
+                  static_cast<long long>(c.seq), names[i], err, theirs, bound);
+      EXPECT_LE(err, bound) << names[i] << " T=" << c.seq << " kv " << c.kv_heads;
+    }
+  }
+}
+
+// In fp64 the same algorithm matches the reference to fp64 rounding (a wrong mask, scale, group
+// mapping or gradient formula shows up at 1e-2, not 1e-13).
+TEST(CpuAttention, Fp64MatchesTheReferenceToRounding) {
+  for (const AttentionCase& c : {AttentionCase{2, 4, 2, 21, 8, true, true},
+                                 AttentionCase{1, 3, 3, 17, 8, false, false}}) {
+    const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 12);
+    const auto loom = run_attention(c, at::kDouble, ops::AttentionBackend::kGemm, 12);
+    EXPECT_LE(max_abs(loom.out - exact.out), 1e-13 * (1 + max_abs(exact.out)));
+    EXPECT_LE(max_abs(loom.dq - exact.dq), 1e-12 * (1 + max_abs(exact.dq)));
+    EXPECT_LE(max_abs(loom.dk - exact.dk), 1e-12 * (1 + max_abs(exact.dk)));
+    EXPECT_LE(max_abs(loom.dv - exact.dv), 1e-12 * (1 + max_abs(exact.dv)));
+  }
+}
+
+// Enough heads that the scores do not fit one chunk (kScoreChunkBytes): the chunked loop must
+// give what one chunk would, so compare with the reference in fp64.
+TEST(CpuAttention, ChunkedHeadsMatchTheReference) {
+  const AttentionCase c{4, 8, 8, 512, 4, true, false};
+  ASSERT_GT(c.batch * c.kv_heads * c.seq * c.seq * 8, ops::kScoreChunkBytes);
+  const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 13);
+  const auto loom = run_attention(c, at::kDouble, ops::AttentionBackend::kGemm, 13);
+  EXPECT_LE(max_abs(loom.out - exact.out), 1e-13 * (1 + max_abs(exact.out)));
+  EXPECT_LE(max_abs(loom.dk - exact.dk), 1e-12 * (1 + max_abs(exact.dk)));
+}
+
+TEST(CpuAttention, AutoPicksItOnTheCpuAndRefusesWhatItCannotDo) {
+  const AttentionCase c{1, 2, 2, 9, 8, true, true};
+  const auto by_auto = run_attention(c, at::kFloat, ops::AttentionBackend::kAuto, 14);
+  const auto by_gemm = run_attention(c, at::kFloat, ops::AttentionBackend::kGemm, 14);
+  EXPECT_TRUE(at::equal(by_auto.out, by_gemm.out));
+  EXPECT_TRUE(at::equal(by_auto.dq, by_gemm.dq));
+  const auto bf16 = at::randn({1, 2, 4, 8}).to(at::kBFloat16);
+  EXPECT_FALSE(ops::cpu_attention_supported(bf16, bf16, bf16));
+  auto message = [](auto f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { ops::attention(bf16, bf16, bf16, {.backend = ops::AttentionBackend::kGemm}); })
+                .find("fp32 or fp64 CPU tensors"),
+            std::string::npos);
+  const auto x = at::randn({1, 2, 4, 8});
+  EXPECT_NE(message([&] {
+              ops::attention(x, x, x, {.dropout = 0.1, .backend = ops::AttentionBackend::kGemm});
+            }).find("no attention dropout"),
+            std::string::npos);
+  // A graph for a second derivative (create_graph) is refused by name.
+  const auto q = at::randn({1, 2, 4, 8}, at::kDouble).requires_grad_();
+  EXPECT_NE(message([&] {
+              torch::autograd::grad(
+                  {ops::attention(q, q, q, {.backend = ops::AttentionBackend::kGemm}).sum()}, {q},
+                  {}, true, true);
+            }).find("differentiable once"),
+            std::string::npos);
+}
+
+}  // namespace
