@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();
   app.add_option("--precision", o.precision, "fp32 | bf16 (autocast, fp32 master weights)")
       ->capture_default_str();
-  app.add_option("--attention", o.attention, "auto | fused | sdpa | math | gemm")->capture_default_str();
+  app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops,
                  "Device bf16 peak for MFU (0: from the GPU's name)")
       ->capture_default_str();

@@ -11,12 +11,9 @@
 #include <cstdio>
 #include <limits>
 
-#include "loom/core/error.h"
 #include "loom/core/rng.h"
 #include "loom/ops/activation.h"
 #include "loom/ops/adamw.h"
-#include "loom/ops/attention.h"
-#include "loom/ops/cpu_attention.h"
 
 namespace {
 
@@ -266,124 +263,6 @@ TEST(AdamWKernel, SlicesAndThreadCountsGiveTheSameBits) {
   EXPECT_TRUE(at::equal(whole.w, pieces.w));
   EXPECT_TRUE(at::equal(whole.m, pieces.m));
   EXPECT_TRUE(at::equal(whole.v, pieces.v));
-}
-
-// ---- loom's CPU attention (backend "gemm") ----
-
-struct AttentionCase {
-  int64_t batch, heads, kv_heads, seq, dim;
-  bool causal;
-  bool strided;  // q, k, v sliced from one fused projection, as GPT-2 passes them
-};
-
-struct AttentionRun {
-  at::Tensor out, dq, dk, dv;
-};
-
-AttentionRun run_attention(const AttentionCase& c, at::ScalarType dtype,
-                           ops::AttentionBackend backend, uint64_t seed) {
-  auto gen = core::make_generator(seed);
-  const int64_t width = (c.heads + 2 * c.kv_heads) * c.dim;
-  const auto fused = at::randn({c.batch, c.seq, width}, gen, at::kFloat).to(dtype);
-  const auto grad = at::randn({c.batch, c.heads, c.seq, c.dim}, gen, at::kFloat).to(dtype);
-  auto take = [&](int64_t first, int64_t heads) {
-    auto part = fused.narrow(2, first * c.dim, heads * c.dim)
-                    .view({c.batch, c.seq, heads, c.dim})
-                    .transpose(1, 2);
-    return (c.strided ? part : part.contiguous()).detach().requires_grad_();
-  };
-  auto q = take(0, c.heads), k = take(c.heads, c.kv_heads), v = take(c.heads + c.kv_heads, c.kv_heads);
-  const auto out = ops::attention(q, k, v, {.causal = c.causal, .backend = backend});
-  out.backward(grad);
-  return {out.detach(), q.grad(), k.grad(), v.grad()};
-}
-
-double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
-
-// fp32 against the fp64 reference (the math path in fp64): loom's error may be at most 4 times
-// that of PyTorch's own fp32 math path on the same inputs, plus 8 eps of the output's scale
-// (both sum the same products in different orders, so their errors are of one size; 4x leaves
-// room for the order and for loom's exp polynomial, 2 ulp against libm's 1).
-TEST(CpuAttention, Fp32TracksFp64AsCloselyAsPyTorchsMathPath) {
-  const AttentionCase cases[] = {{2, 4, 4, 37, 16, true, true},  {2, 4, 2, 33, 8, true, false},
-                                 {1, 4, 1, 1, 8, true, true},    {2, 2, 2, 29, 16, false, true},
-                                 {3, 6, 3, 64, 32, true, true}};
-  for (const auto& c : cases) {
-    const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 11);
-    const auto loom = run_attention(c, at::kFloat, ops::AttentionBackend::kGemm, 11);
-    const auto torch_fp32 = run_attention(c, at::kFloat, ops::AttentionBackend::kMath, 11);
-    const at::Tensor AttentionRun::*parts[] = {&AttentionRun::out, &AttentionRun::dq,
-                                               &AttentionRun::dk, &AttentionRun::dv};
-    const char* names[] = {"out", "dq", "dk", "dv"};
-    for (int i = 0; i < 4; ++i) {
-      const auto& ref = exact.*parts[i];
-      const double err = max_abs((loom.*parts[i]).to(at::kDouble) - ref);
-      const double theirs = max_abs((torch_fp32.*parts[i]).to(at::kDouble) - ref);
-      const double bound = 4 * theirs + 8 * kEps32 * max_abs(ref);
-      std::printf("attention T=%lld %s: loom %.3g, PyTorch math %.3g, bound %.3g\n",
-                  static_cast<long long>(c.seq), names[i], err, theirs, bound);
-      EXPECT_LE(err, bound) << names[i] << " T=" << c.seq << " kv " << c.kv_heads;
-    }
-  }
-}
-
-// In fp64 the same algorithm matches the reference to fp64 rounding (a wrong mask, scale, group
-// mapping or gradient formula shows up at 1e-2, not 1e-13).
-TEST(CpuAttention, Fp64MatchesTheReferenceToRounding) {
-  for (const AttentionCase& c : {AttentionCase{2, 4, 2, 21, 8, true, true},
-                                 AttentionCase{1, 3, 3, 17, 8, false, false}}) {
-    const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 12);
-    const auto loom = run_attention(c, at::kDouble, ops::AttentionBackend::kGemm, 12);
-    EXPECT_LE(max_abs(loom.out - exact.out), 1e-13 * (1 + max_abs(exact.out)));
-    EXPECT_LE(max_abs(loom.dq - exact.dq), 1e-12 * (1 + max_abs(exact.dq)));
-    EXPECT_LE(max_abs(loom.dk - exact.dk), 1e-12 * (1 + max_abs(exact.dk)));
-    EXPECT_LE(max_abs(loom.dv - exact.dv), 1e-12 * (1 + max_abs(exact.dv)));
-  }
-}
-
-// Enough heads that the scores do not fit one chunk (kScoreChunkBytes): the chunked loop must
-// give what one chunk would, so compare with the reference in fp64.
-TEST(CpuAttention, ChunkedHeadsMatchTheReference) {
-  const AttentionCase c{4, 8, 8, 512, 4, true, false};
-  ASSERT_GT(c.batch * c.kv_heads * c.seq * c.seq * 8, ops::kScoreChunkBytes);
-  const auto exact = run_attention(c, at::kDouble, ops::AttentionBackend::kMath, 13);
-  const auto loom = run_attention(c, at::kDouble, ops::AttentionBackend::kGemm, 13);
-  EXPECT_LE(max_abs(loom.out - exact.out), 1e-13 * (1 + max_abs(exact.out)));
-  EXPECT_LE(max_abs(loom.dk - exact.dk), 1e-12 * (1 + max_abs(exact.dk)));
-}
-
-TEST(CpuAttention, AutoPicksItOnTheCpuAndRefusesWhatItCannotDo) {
-  const AttentionCase c{1, 2, 2, 9, 8, true, true};
-  const auto by_auto = run_attention(c, at::kFloat, ops::AttentionBackend::kAuto, 14);
-  const auto by_gemm = run_attention(c, at::kFloat, ops::AttentionBackend::kGemm, 14);
-  EXPECT_TRUE(at::equal(by_auto.out, by_gemm.out));
-  EXPECT_TRUE(at::equal(by_auto.dq, by_gemm.dq));
-  const auto bf16 = at::randn({1, 2, 4, 8}).to(at::kBFloat16);
-  EXPECT_FALSE(ops::cpu_attention_supported(bf16, bf16, bf16));
-  auto message = [](auto f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  EXPECT_NE(message([&] { ops::attention(bf16, bf16, bf16, {.backend = ops::AttentionBackend::kGemm}); })
-                .find("fp32 or fp64 CPU tensors"),
-            std::string::npos);
-  const auto x = at::randn({1, 2, 4, 8});
-  EXPECT_NE(message([&] {
-              ops::attention(x, x, x, {.dropout = 0.1, .backend = ops::AttentionBackend::kGemm});
-            }).find("no attention dropout"),
-            std::string::npos);
-  // A graph for a second derivative (create_graph) is refused by name.
-  const auto q = at::randn({1, 2, 4, 8}, at::kDouble).requires_grad_();
-  EXPECT_NE(message([&] {
-              torch::autograd::grad(
-                  {ops::attention(q, q, q, {.backend = ops::AttentionBackend::kGemm}).sum()}, {q},
-                  {}, true, true);
-            }).find("differentiable once"),
-            std::string::npos);
 }
 
 }  // namespace

@@ -79,10 +79,8 @@ int pretrain_main(int argc, char** argv) {
                  "cpu | cuda | cuda:N: where the model trains (CUDA: one process, one GPU)")
       ->capture_default_str();
   app.add_option("--attention", c.attention,
-                 "auto | fused | sdpa | math | gemm: auto runs loom's fused FlashAttention-2 kernel "
-                 "on CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), loom's GEMM-based "
-                 "CPU attention (gemm) on fp32/fp64 CPU tensors without dropout, else PyTorch's "
-                 "SDPA")
+                 "auto | fused | sdpa | math: auto runs loom's fused FlashAttention-2 kernel on "
+                 "CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), else PyTorch's SDPA")
       ->capture_default_str();
   app.add_option("--peak-tflops", c.peak_tflops,
                  "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "

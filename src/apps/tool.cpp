@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 #include "loom/dist/process_info.h"
 #include "loom/dist/runtime.h"
 
@@ -22,6 +23,7 @@ int run_tool(const std::string& name, const std::function<void()>& body) {
     dist::abort_job_if_multi_rank(code);
     return code;
   };
+  core::keep_freed_host_memory();
   try {
     body();
     return 0;

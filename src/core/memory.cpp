@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -15,6 +17,10 @@
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#if defined(__GLIBC__)
+#include <malloc.h>
 #endif
 
 #include "loom/core/error.h"
@@ -274,6 +280,19 @@ std::string MemoryReport::describe() const {
       "allocated now {} (peak {})",
       device, format_bytes(parameters), format_bytes(gradients), format_bytes(optimizer),
       format_bytes(peak_activations), format_bytes(current_total), format_bytes(peak_total));
+}
+
+bool keep_freed_host_memory() {
+  const char* opt_out = std::getenv("LOOM_HOST_MALLOC_TUNING");
+  if (opt_out && std::strcmp(opt_out, "0") == 0) return false;
+#if defined(__GLIBC__)
+  // mallopt returns 1 on success. 32 MiB is glibc's largest mmap threshold on 64-bit systems.
+  const bool trim = mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1;
+  const bool mmap = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  return trim && mmap;
+#else
+  return false;
+#endif
 }
 
 }  // namespace loom::core

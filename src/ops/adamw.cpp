@@ -18,15 +18,16 @@ namespace {
 template <typename T>
 LOOM_CPU_CLONES void adamw_kernel(T* __restrict weight, const T* __restrict grad,
                                   T* __restrict exp_avg, T* __restrict exp_avg_sq, int64_t n,
-                                  T one_minus_beta1, T beta2, T one_minus_beta2, T bias2,
-                                  T eps, T step_size) {
+                                  T one_minus_beta1, T beta2, T one_minus_beta2,
+                                  T inv_sqrt_bias2, T eps, T step_size) {
   for (int64_t i = 0; i < n; ++i) {
     const T g = grad[i];
     const T m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i]);
     const T v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
-    weight[i] = weight[i] + step_size * (m / (std::sqrt(v / bias2) + eps));
+    // sqrt(v) / sqrt(bias2) as a product: one division per element, not two.
+    weight[i] = weight[i] + step_size * (m / (std::sqrt(v) * inv_sqrt_bias2 + eps));
   }
 }
 
@@ -72,7 +73,8 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
       auto* v = exp_avg_sq.mutable_data_ptr<T>();
       at::parallel_for(0, weight.numel(), 16384, [&](int64_t begin, int64_t end) {
         adamw_kernel<T>(w + begin, g + begin, m + begin, v + begin, end - begin, T(1.0 - b1),
-                        T(b2), T(1.0 - b2), T(bias2), T(options.eps), T(-lr / bias1));
+                        T(b2), T(1.0 - b2), T(1.0 / std::sqrt(bias2)), T(options.eps),
+                        T(-lr / bias1));
       });
     });
     return;

@@ -6,7 +6,6 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
-#include "loom/ops/cpu_attention.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/ops/precision.h"
 
@@ -42,15 +41,12 @@ std::string to_string(AttentionBackend backend) {
       return "sdpa";
     case AttentionBackend::kMath:
       return "math";
-    case AttentionBackend::kGemm:
-      return "gemm";
   }
   return "?";
 }
 
 constexpr AttentionBackend kAllBackends[] = {AttentionBackend::kAuto, AttentionBackend::kFused,
-                                             AttentionBackend::kSdpa, AttentionBackend::kMath,
-                                             AttentionBackend::kGemm};
+                                             AttentionBackend::kSdpa, AttentionBackend::kMath};
 
 std::vector<std::string> attention_backend_names() {
   std::vector<std::string> names;
@@ -78,18 +74,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                  options.dropout);
       return flash_attention(q, k, v, options.causal, scale);
     }
-    case AttentionBackend::kGemm:
-      LOOM_CHECK(!options.dropout_mask.defined() && options.dropout == 0,
-                 "attention backend 'gemm' has no attention dropout (asked for {}); use 'auto'",
-                 options.dropout);
-      return cpu_attention(q, k, v, options.causal, scale);
     case AttentionBackend::kAuto:
       if (!options.dropout_mask.defined() && q.is_cuda() &&
           !flash_attention_unsupported(q, k, v, options.dropout))
         return flash_attention(q, k, v, options.causal, scale);
-      if (!options.dropout_mask.defined() && options.dropout == 0 &&
-          cpu_attention_supported(q, k, v))
-        return cpu_attention(q, k, v, options.causal, scale);
       break;
     case AttentionBackend::kSdpa:
       break;

@@ -1,7 +1,7 @@
 #pragma once
-// Scalar math that loom's vectorised CPU kernels share (src/ops/activation.cpp,
-// src/ops/cpu_attention.cpp): written as plain arithmetic on bits so that the loops calling it
-// vectorise at every LOOM_CPU_CLONES level, and rounded as written (-ffp-contract=off).
+// Scalar math for loom's vectorised CPU kernels (src/ops/activation.cpp): written as plain
+// arithmetic on bits so that the loops calling it vectorise at every LOOM_CPU_CLONES level, and
+// rounded as written (-ffp-contract=off).
 #include <cstdint>
 #include <cstring>
 
@@ -56,16 +56,6 @@ inline double exp2_bounded(double t) {
   double scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-// e^x for x <= 0 (softmax's shifted scores): 0 below the exponent range, where e^x < 2^-126
-// (fp32) or 2^-1022 (fp64).
-template <typename T>
-inline T exp_nonpositive(T x) {
-  constexpr T log2e = static_cast<T>(1.44269504088896340736);
-  constexpr T limit = sizeof(T) == 4 ? T(-126) : T(-1022);
-  const T t = x * log2e;
-  return t < limit ? T(0) : exp2_bounded(t);
 }
 
 }  // namespace loom::ops::cpu

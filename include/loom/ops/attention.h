@@ -11,15 +11,12 @@ namespace loom::ops {
 
 // Which implementation computes attention.
 enum class AttentionBackend {
-  // CUDA: the fused kernel where it applies (flash_attention_unsupported), else kSdpa.
-  // CPU: kGemm for fp32/fp64 without dropout, else kSdpa (the dropout-mask path: kMath).
-  kAuto,
+  kAuto,   // the fused kernel where it applies (flash_attention_unsupported), else kSdpa
   kFused,  // loom's FlashAttention-2 kernel (ops/flash_attention.h); other inputs: an error
   kSdpa,   // at::scaled_dot_product_attention (PyTorch's fused kernels)
   kMath,   // attention_reference: the plain math, T x T scores and all
-  kGemm,   // loom's CPU attention (ops/cpu_attention.h); other inputs or dropout: an error
 };
-// "auto", "fused", "sdpa", "math", "gemm".
+// "auto", "fused", "sdpa", "math".
 std::string to_string(AttentionBackend backend);
 // Throws loom::Error naming the value and the valid names.
 AttentionBackend parse_attention_backend(const std::string& name);

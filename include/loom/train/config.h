@@ -77,7 +77,7 @@ struct TrainConfig {
   // Device and kernels. One process per device: --device cuda trains on GPU 0 (cuda:N on GPU
   // N) in one process; multi-rank CUDA runs are not wired yet (the Trainer refuses them).
   std::string device = "cpu";      // cpu | cuda | cuda:N
-  std::string attention = "auto";  // auto | fused | sdpa | math | gemm (ops::AttentionBackend)
+  std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
 
   // Registered strategies (train/strategy.h), each "NAME[:key=value,...]" (--strategy,
