@@ -25,10 +25,10 @@
 
 namespace loom_bench {
 
-inline constexpr std::array<const char*, 7> kPhases = {
-    "data", "forward", "backward", "clip", "optimizer", "zero_grad", "metrics"};
+inline constexpr std::array<const char*, 7> kPhases = {"data",      "forward",   "backward", "clip",
+                                                       "optimizer", "zero_grad", "metrics"};
 inline constexpr std::array<const char*, 10> kOpClasses = {
-    "matmul", "attention", "norm",   "activation", "cross_entropy",
+    "matmul", "attention", "norm",     "activation",  "cross_entropy",
     "memory", "embedding", "autograd", "elementwise", "other"};
 
 // The class of an op by its RecordFunction name; the Python twin's op_class is the same rules
@@ -40,8 +40,7 @@ inline const char* op_class(std::string_view name, bool backward_node) {
   if (has("layer_norm") || has("rms_norm")) return "norm";
   if (has("gelu") || has("silu") || has("relu")) return "activation";
   if (has("log_softmax") || has("nll_loss") || has("cross_entropy")) return "cross_entropy";
-  if (has("::mm") || has("addmm") || has("bmm") || has("matmul") || has("linear"))
-    return "matmul";
+  if (has("::mm") || has("addmm") || has("bmm") || has("matmul") || has("linear")) return "matmul";
   if (has("embedding") || has("index_select")) return "embedding";
   if (has("copy") || has("fill_") || has("zero") || has("empty") || has("cat") || has("stack") ||
       has("clone") || has("contiguous"))
@@ -120,7 +119,8 @@ class StepProfile {
     for (const auto& [key, total] : by_name_) all.emplace_back(total, key);
     std::sort(all.rbegin(), all.rend());
     nlohmann::ordered_json out;
-    for (size_t i = 0; i < std::min(n, all.size()); ++i) out[all[i].second] = all[i].first / per_step();
+    for (size_t i = 0; i < std::min(n, all.size()); ++i)
+      out[all[i].second] = all[i].first / per_step();
     return out;
   }
 
@@ -140,7 +140,9 @@ class StepProfile {
     const char* name = nullptr;
   };
 
-  static double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+  static double ms(Clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  }
   double per_step() const { return steps_ > 0 ? static_cast<double>(steps_) : 1.0; }
   static long minor_faults() {
     rusage u{};

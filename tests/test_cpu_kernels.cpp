@@ -27,9 +27,10 @@ constexpr double kK0 = 0.79788456080286535588, kK1 = 0.044715;
 at::Tensor gelu_inputs() {
   auto gen = core::make_generator(7);
   auto x = at::randn({100001}, gen, at::kFloat) * 3.0;
-  const auto specials = at::tensor({0.0f, -0.0f, 1e-30f, -1e-30f, 1e-6f, 0.5f, -0.5f, 2.0f, -2.0f,
-                                    5.0f, -5.0f, 9.0f, -9.0f, 12.0f, -12.0f, 29.9f, -29.9f, 30.0f,
-                                    -30.0f, 31.0f, -31.0f, 100.0f, -100.0f, 1e30f, -1e30f});
+  const auto specials =
+      at::tensor({0.0f,   -0.0f, 1e-30f, -1e-30f, 1e-6f,   0.5f,   -0.5f, 2.0f,   -2.0f,
+                  5.0f,   -5.0f, 9.0f,   -9.0f,   12.0f,   -12.0f, 29.9f, -29.9f, 30.0f,
+                  -30.0f, 31.0f, -31.0f, 100.0f,  -100.0f, 1e30f,  -1e30f});
   return at::cat({x, specials});
 }
 
@@ -80,8 +81,8 @@ TEST(GeluTanh, ForwardWithinTheRoundingBoundOfFp64) {
   const auto err = (y - gelu_exact(x64).y).abs();
   const double worst = (err / gelu_bounds(x64).y).max().item<double>();
   const int64_t at_worst = (err / gelu_bounds(x64).y).argmax().item<int64_t>();
-  std::printf("gelu forward: max |err| / bound = %.3f (max |err| %.3g; worst at x = %.9g)\n",
-              worst, err.max().item<double>(), x64[at_worst].item<double>());
+  std::printf("gelu forward: max |err| / bound = %.3f (max |err| %.3g; worst at x = %.9g)\n", worst,
+              err.max().item<double>(), x64[at_worst].item<double>());
   EXPECT_LE(worst, 1.0);
   EXPECT_TRUE(at::equal(y.masked_select(x > 30), x64.masked_select(x > 30)));
   EXPECT_EQ(y.masked_select(x < -30).abs().max().item<double>(), 0.0);
@@ -198,16 +199,14 @@ TEST(AdamWKernel, OneStepWithinTheRoundingBoundOfFp64) {
     const auto denom = (v1 / bias2).sqrt() + o.eps;
     const auto update = -lr / bias1 * m1 / denom;
     const auto w1 = w64 + update;
-    const auto bound = lr / bias1 * 3 * kEps32 * (m0 + g0) / denom +
-                       kEps32 * (6 * update.abs() + w1.abs());
+    const auto bound =
+        lr / bias1 * 3 * kEps32 * (m0 + g0) / denom + kEps32 * (6 * update.abs() + w1.abs());
     const double worst = ((s.w.to(at::kDouble) - w1).abs() / bound).max().item<double>();
-    std::printf("adamw step %lld: max |err| / bound = %.3f\n", static_cast<long long>(step),
-                worst);
+    std::printf("adamw step %lld: max |err| / bound = %.3f\n", static_cast<long long>(step), worst);
     EXPECT_LE(worst, 1.0) << "step " << step;
-    EXPECT_LE(((s.m.to(at::kDouble) - m1).abs() / (3 * kEps32 * (m0 + g0) + 1e-45))
-                  .max()
-                  .item<double>(),
-              1.0);
+    EXPECT_LE(
+        ((s.m.to(at::kDouble) - m1).abs() / (3 * kEps32 * (m0 + g0) + 1e-45)).max().item<double>(),
+        1.0);
     EXPECT_LE(((s.v.to(at::kDouble) - v1).abs() / (3 * kEps32 * v1 + 1e-45)).max().item<double>(),
               1.0);
   }
@@ -263,6 +262,20 @@ TEST(AdamWKernel, SlicesAndThreadCountsGiveTheSameBits) {
   EXPECT_TRUE(at::equal(whole.w, pieces.w));
   EXPECT_TRUE(at::equal(whole.m, pieces.m));
   EXPECT_TRUE(at::equal(whole.v, pieces.v));
+}
+
+// Weight decay inside the pass equals adamw_decay_ before it, bit for bit (ZeRO decays its flat
+// shards' decayed segments separately, the replicated optimizer fuses): both paths train alike.
+TEST(AdamWKernel, FusedDecayEqualsTheSeparatePass) {
+  const ops::AdamWOptions o{.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  auto fused = adam_state(30011, 6), separate = adam_state(30011, 6);
+  for (int step = 1; step <= 3; ++step) {
+    ops::adamw_update_(fused.w, fused.g, fused.m, fused.v, 3e-3, step, o, /*decay=*/true);
+    ops::adamw_decay_(separate.w, 3e-3, o);
+    ops::adamw_update_(separate.w, separate.g, separate.m, separate.v, 3e-3, step, o);
+  }
+  EXPECT_TRUE(at::equal(fused.w, separate.w));
+  EXPECT_TRUE(at::equal(fused.m, separate.m));
 }
 
 }  // namespace

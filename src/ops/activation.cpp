@@ -108,8 +108,8 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 }  // namespace
 
 bool gelu_tanh_uses_loom_kernel(const at::Tensor& x) {
-  return x.device().is_cpu() && x.layout() == at::kStrided && x.is_contiguous() &&
-         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
+  return cpu::kernels_enabled() && x.device().is_cpu() && x.layout() == at::kStrided &&
+         x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
 }
 
 at::Tensor gelu_tanh(const at::Tensor& x) {

@@ -18,20 +18,22 @@ namespace {
 template <typename T>
 LOOM_CPU_CLONES void adamw_kernel(T* __restrict weight, const T* __restrict grad,
                                   T* __restrict exp_avg, T* __restrict exp_avg_sq, int64_t n,
-                                  T one_minus_beta1, T beta2, T one_minus_beta2,
+                                  T decay, T one_minus_beta1, T beta2, T one_minus_beta2,
                                   T inv_sqrt_bias2, T eps, T step_size) {
   for (int64_t i = 0; i < n; ++i) {
+    const T w = weight[i] * decay;  // exactly weight[i] when decay == 1
     const T g = grad[i];
     const T m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i]);
     const T v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     // sqrt(v) / sqrt(bias2) as a product: one division per element, not two.
-    weight[i] = weight[i] + step_size * (m / (std::sqrt(v) * inv_sqrt_bias2 + eps));
+    weight[i] = w + step_size * (m / (std::sqrt(v) * inv_sqrt_bias2 + eps));
   }
 }
 
 bool fused_adamw_applies(const std::vector<const at::Tensor*>& tensors) {
+  if (!cpu::kernels_enabled()) return false;
   const auto dtype = tensors.front()->scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) return false;
   for (const auto* t : tensors)
@@ -59,7 +61,7 @@ void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& optio
 
 void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, double lr, int64_t step,
-                   const AdamWOptions& options) {
+                   const AdamWOptions& options, bool decay) {
   const double b1 = options.beta1, b2 = options.beta2;
   const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step));
   const double bias2 = 1.0 - std::pow(b2, static_cast<double>(step));
@@ -67,19 +69,23 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
     RECORD_FUNCTION("loom::adamw_update_", std::vector<c10::IValue>({weight}));
     AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "loom::adamw_update_", [&] {
       using T = scalar_t;
+      // The factor adamw_decay_ multiplies by, rounded to T as ATen's mul_ rounds its scalar.
+      const T decay_factor =
+          decay && options.weight_decay > 0 ? T(1.0 - lr * options.weight_decay) : T(1);
       auto* w = weight.mutable_data_ptr<T>();
       const auto* g = grad.const_data_ptr<T>();
       auto* m = exp_avg.mutable_data_ptr<T>();
       auto* v = exp_avg_sq.mutable_data_ptr<T>();
       at::parallel_for(0, weight.numel(), 16384, [&](int64_t begin, int64_t end) {
-        adamw_kernel<T>(w + begin, g + begin, m + begin, v + begin, end - begin, T(1.0 - b1),
-                        T(b2), T(1.0 - b2), T(1.0 / std::sqrt(bias2)), T(options.eps),
+        adamw_kernel<T>(w + begin, g + begin, m + begin, v + begin, end - begin, decay_factor,
+                        T(1.0 - b1), T(b2), T(1.0 - b2), T(1.0 / std::sqrt(bias2)), T(options.eps),
                         T(-lr / bias1));
       });
     });
     return;
   }
   // Elsewhere (CUDA) the same formulas as ATen ops.
+  if (decay) adamw_decay_(weight, lr, options);
   exp_avg.lerp_(grad, 1.0 - b1);
   exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
   auto denom = (exp_avg_sq / bias2).sqrt_().add_(options.eps);

@@ -13,3 +13,20 @@
 #else
 #define LOOM_CPU_CLONES
 #endif
+
+#include <cstdlib>
+#include <cstring>
+
+namespace loom::ops::cpu {
+
+// LOOM_CPU_KERNELS=0 switches loom's CPU kernels off (ATen's ops run instead): to rule them out
+// when a result looks wrong, and to measure what they buy (docs/benchmarks.md). Read once.
+inline bool kernels_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("LOOM_CPU_KERNELS");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+}  // namespace loom::ops::cpu

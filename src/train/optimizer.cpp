@@ -50,8 +50,7 @@ void AdamW::step(double lr) {
     if (!grad_any.defined()) continue;
     const auto grad = grad_any.to(s.exp_avg.scalar_type());
     auto& w = s.master.defined() ? s.master : s.param;
-    if (s.decay) ops::adamw_decay_(w, lr, options_);
-    ops::adamw_update_(w, grad, s.exp_avg, s.exp_avg_sq, lr, steps_, options_);
+    ops::adamw_update_(w, grad, s.exp_avg, s.exp_avg_sq, lr, steps_, options_, s.decay);
     if (s.master.defined()) s.param.copy_(s.master);
   }
 }

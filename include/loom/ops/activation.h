@@ -5,10 +5,11 @@
 // On contiguous fp32/fp64 CPU tensors it runs loom's own kernels: the identity
 // 0.5 (1 + tanh(u)) = sigmoid(2u) turns the activation into x / (1 + exp(-2u)), and exp is a
 // short polynomial in 2^f (f in [-0.5, 0.5]) scaled by the exponent bits, which the compiler
-// vectorises for every x86 level (src/ops/cpu_vectorize.h); the backward pass recomputes sigmoid(2u) from
-// the saved input in the same single pass. Everything else (CUDA, bf16 under autocast) calls
-// at::gelu(x, "tanh"), which is also the reference the tests hold the kernels to
-// (tests/test_cpu_kernels.cpp states the bound).
+// vectorises for every x86 level (src/ops/cpu_vectorize.h); the backward pass recomputes
+// sigmoid(2u) from the saved input in the same single pass. Everything else (CUDA, bf16 under
+// autocast; every tensor with LOOM_CPU_KERNELS=0) calls at::gelu(x, "tanh"), which is also what
+// the tests hold the kernels to, through an fp64 run (tests/test_cpu_kernels.cpp states the
+// bound).
 #include <ATen/core/Tensor.h>
 
 namespace loom::ops {

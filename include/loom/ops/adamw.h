@@ -4,7 +4,7 @@
 // by element, so that a sharded run trains the same model as one process. On contiguous CPU
 // tensors adamw_update_ is one vectorised, multi-threaded pass over the four buffers (each value
 // read and written once; src/ops/cpu_vectorize.h); elsewhere (CUDA) the same formulas run as
-// ATen ops.
+// ATen ops (on the CPU too with LOOM_CPU_KERNELS=0).
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -25,13 +25,14 @@ void check_adamw_options(const AdamWOptions& options);
 void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& options);
 
 // The moment updates and the step for optimizer step number `step` (1-based), all of one dtype
-// (fp32, or fp64 for --precision fp64) and in place, without weight decay (apply adamw_decay_
-// first, to the elements that decay):
+// (fp32, or fp64 for --precision fp64) and in place. With `decay`, adamw_decay_ is applied first
+// in the same pass (the same product, rounded the same way: identical to calling adamw_decay_
+// before, which is what a caller does when only some elements decay, as ZeRO's flat shards):
 //   exp_avg    = lerp(exp_avg, grad, 1 - beta1)
 //   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2
 //   weight    -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^step)) + eps)
 void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, double lr, int64_t step,
-                   const AdamWOptions& options);
+                   const AdamWOptions& options, bool decay = false);
 
 }  // namespace loom::ops
