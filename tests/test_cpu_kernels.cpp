@@ -163,6 +163,64 @@ TEST(GeluTanh, ElementsGetTheSameBitsAtAnyOffsetAndThreadCount) {
   EXPECT_TRUE(at::equal(x2.grad(), x.grad()));
 }
 
+// gelu(h + b): against the fp64 formulas at the fp32-rounded h + b (one correctly rounded add, as
+// ATen's), with the bounds above; the bias gradient (ATen's fp32 column sum of the input's
+// gradient) within the sum of its terms' bounds plus the sum's own rounding (rows x eps each).
+TEST(BiasGeluTanh, ForwardAndBothGradientsWithinTheRoundingBoundOfFp64) {
+  auto gen = core::make_generator(21);
+  const int64_t rows = 517, features = 300;  // odd sizes: tails in rows and columns
+  const auto h = (at::randn({rows, features}, gen, at::kFloat) * 3).requires_grad_();
+  const auto b = at::randn({features}, gen, at::kFloat).requires_grad_();
+  const auto g = at::randn({rows, features}, gen, at::kFloat);
+  const auto y = ops::bias_gelu_tanh(h, b);
+  y.backward(g);
+  const auto pre64 = (h.detach() + b.detach()).to(at::kDouble);
+  const auto exact = gelu_exact(pre64);
+  const auto bounds = gelu_bounds(pre64);
+  const auto g64 = g.to(at::kDouble);
+  const double y_used =
+      ((y.detach().to(at::kDouble) - exact.y).abs() / bounds.y).max().item<double>();
+  const auto dh_exact = g64 * exact.d;
+  const auto dh_bound = g64.abs() * bounds.dy + kEps32 * dh_exact.abs();
+  const double dh_used =
+      ((h.grad().to(at::kDouble) - dh_exact).abs() / dh_bound).max().item<double>();
+  const auto db_bound = dh_bound.sum(0) + rows * kEps32 * dh_exact.abs().sum(0);
+  const double db_used =
+      ((b.grad().to(at::kDouble) - dh_exact.sum(0)).abs() / db_bound).max().item<double>();
+  std::printf("bias_gelu: bound used: y %.3f, dh %.3f, db %.3f\n", y_used, dh_used, db_used);
+  EXPECT_LE(y_used, 1.0);
+  EXPECT_LE(dh_used, 1.0);
+  EXPECT_LE(db_used, 1.0);
+}
+
+TEST(BiasGeluTanh, ThreadCountsGiveTheSameBitsAndOtherInputsFallBack) {
+  auto gen = core::make_generator(22);
+  auto run = [&](const at::Tensor& h0, const at::Tensor& b0) {
+    const auto h = h0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    ops::bias_gelu_tanh(h, b).backward(at::ones_like(h0));
+    return std::pair{h.grad(), b.grad()};
+  };
+  const auto h = at::randn({64, 8, 257}, gen, at::kFloat), b = at::randn({257}, gen, at::kFloat);
+  const auto a = run(h, b);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(threads == 1 ? 2 : 1);
+  const auto c = run(h, b);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(a.first, c.first));
+  EXPECT_TRUE(at::equal(a.second, c.second));
+  // bf16 (autocast's dtype): ATen's formula, the bias cast to bf16 as at::linear would.
+  const auto hb = h.to(at::kBFloat16);
+  const auto yb = ops::bias_gelu_tanh(hb, b);
+  EXPECT_EQ(yb.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(yb, at::gelu(hb + b.to(at::kBFloat16), "tanh")));
+  try {
+    ops::bias_gelu_tanh(h, at::randn({256}));
+    ADD_FAILURE() << "a bias of the wrong size was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("last dimension"), std::string::npos) << e.what();
+  }
+}
+
 struct AdamState {
   at::Tensor w, g, m, v;
 };

@@ -17,6 +17,14 @@ namespace loom::ops {
 // gelu(x, tanh approximation), differentiable.
 at::Tensor gelu_tanh(const at::Tensor& x);
 
+// gelu(h + bias), differentiable in both: the bias add and the activation in one pass (so a
+// linear layer's output is not first filled with its bias, as at::linear does), the saved sum
+// h + bias read by backward's single pass, where the kernels apply (h as for gelu_tanh, bias
+// 1-D of h's last size, same dtype); else at::gelu(h + bias, "tanh"), with the bias cast to h's
+// dtype (bf16 under autocast stays bf16, as at::linear's bias would). For a linear layer
+// followed by GELU: the matmul without its bias, then this.
+at::Tensor bias_gelu_tanh(const at::Tensor& h, const at::Tensor& bias);
+
 // True when gelu_tanh(x) runs loom's CPU kernels for `x` (else ATen's gelu).
 bool gelu_tanh_uses_loom_kernel(const at::Tensor& x);
 

@@ -40,6 +40,10 @@ at::Tensor ColumnParallelLinear::forward(const at::Tensor& x) {
   return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
 }
 
+at::Tensor ColumnParallelLinear::forward_without_bias(const at::Tensor& x) {
+  return at::linear(x, weight);
+}
+
 std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
   std::map<std::string, ShardSpec> out{{"weight", spec_}};
   if (bias.defined()) out.emplace("bias", spec_);
