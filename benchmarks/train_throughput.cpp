@@ -111,6 +111,9 @@ void run(const Options& o) {
       profile.hook_ops(true);
     }
     const auto start = std::chrono::steady_clock::now();
+    // The data phase slices this step's batch (and on a GPU copies it to the device, as a
+    // training step does; only the metrics phase synchronizes the device, so on a GPU the other
+    // phases' wall times are launch times).
     profile.phase(kData);
     const auto input = tokens[i].narrow(1, 0, o.seq_len).contiguous().to(device);
     const auto target = tokens[i].narrow(1, 1, o.seq_len).contiguous().to(device);
@@ -173,6 +176,9 @@ void run(const Options& o) {
         {"decayed_tensors", optimizer.num_decayed()},
         {"undecayed_tensors", optimizer.num_not_decayed()}}}};
   out["phase_ms"] = walls;
+  // Whether freed host memory is kept (every loom tool asks for it at start; asking again
+  // reports the outcome).
+  out["host_malloc_kept"] = loom::core::keep_freed_host_memory();
   out["peak_rss_mib"] = loom_bench::StepProfile::peak_rss_mib();
   if (o.profile_steps > 0) {
     out["op_self_ms"] = profile.op_tables();

@@ -12,6 +12,11 @@ on=$("$bin" "${flags[@]}")
 printf '%s\n%s\n' "$off" "$on" | python3 -c '
 import json, sys
 off, on = (json.loads(line) for line in sys.stdin)
+if not on["host_malloc_kept"]:
+    print("SKIP: the C library is not glibc; keep_freed_host_memory does not apply")
+    sys.exit(77)
+if off["host_malloc_kept"]:
+    sys.exit("FAIL: LOOM_HOST_MALLOC_TUNING=0 did not switch the tuning off")
 f_off, f_on = off["phase_ms"]["minor_faults_per_step"], on["phase_ms"]["minor_faults_per_step"]
 r_off, r_on = off["peak_rss_mib"], on["peak_rss_mib"]
 print(f"minor faults per step: {f_off:.0f} without, {f_on:.0f} with; peak RSS {r_off:.0f} -> {r_on:.0f} MiB")

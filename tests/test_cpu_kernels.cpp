@@ -221,6 +221,32 @@ TEST(BiasGeluTanh, ThreadCountsGiveTheSameBitsAndOtherInputsFallBack) {
   }
 }
 
+TEST(BiasGeluTanh, TwiceDifferentiableInBothInputsAndEmptyFeaturesFallBack) {
+  auto gen = core::make_generator(23);
+  const auto h0 = at::randn({5, 7}, gen, at::kDouble), b0 = at::randn({7}, gen, at::kDouble);
+  auto second = [&](bool loom_op) {
+    const auto h = h0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    const auto y = loom_op ? ops::bias_gelu_tanh(h, b) : at::gelu(h + b, "tanh");
+    const auto first = torch::autograd::grad({y.pow(2).sum()}, {h, b}, {}, true, true);
+    return torch::autograd::grad({first[0].sum() + first[1].pow(2).sum()}, {h, b});
+  };
+  const auto mine = second(true), ref = second(false);
+  EXPECT_TRUE(at::allclose(mine[0], ref[0], 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(mine[1], ref[1], 1e-12, 1e-12));
+  const auto empty = ops::bias_gelu_tanh(at::zeros({4, 0}), at::zeros({0}));
+  EXPECT_EQ(empty.sizes(), (std::vector<int64_t>{4, 0}));
+}
+
+// at::parallel_for is inline OpenMP code: loom's kernel sources must be built with OpenMP or
+// every kernel runs on one thread (what the first version of these kernels did).
+TEST(CpuKernels, UseEveryIntraOpThread) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const int used = ops::cpu_kernel_threads(64);
+  at::set_num_threads(threads);
+  EXPECT_EQ(used, 2);
+}
+
 struct AdamState {
   at::Tensor w, g, m, v;
 };

@@ -52,9 +52,11 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
-  // The fc bias enters with the activation (one pass, and its gradient's sum in backward's).
-  m = c_fc_->bias.defined() ? ops::bias_gelu_tanh(c_fc_->forward_without_bias(m), c_fc_->bias)
-                            : ops::gelu_tanh(c_fc_->forward(m));
+  // On the CPU the fc bias enters with the activation (one pass fewer); elsewhere the GEMM adds
+  // it, as before.
+  m = c_fc_->bias.defined() && ops::bias_gelu_tanh_applies(m, c_fc_->bias)
+          ? ops::bias_gelu_tanh(c_fc_->forward_without_bias(m), c_fc_->bias)
+          : ops::gelu_tanh(c_fc_->forward(m));
   m = mlp_c_proj_->forward(m);
   return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim);
 }

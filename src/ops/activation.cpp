@@ -2,11 +2,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "cpu_math.h"
@@ -42,7 +46,7 @@ inline T sigmoid_two_u(T x, T& clamped) {
   // Past the exponent range sigmoid(2u) is below 2^-126 (fp32): 0, not the clamped 2^-126, so
   // that gelu and its derivative there are 0 rather than x times the floor.
   if (t >= C::exp2_limit) return T(0);
-  t = t < -C::exp2_limit ? -C::exp2_limit : t;
+  t = t > -C::exp2_limit ? t : -C::exp2_limit;  // NaN -> the limit: defined bits (x carries NaN)
   return T(1) / (T(1) + cpu::exp2_bounded(t));
 }
 
@@ -95,59 +99,94 @@ at::Tensor run_backward(const at::Tensor& grad_in, const at::Tensor& x) {
   return out;
 }
 
-// gelu(h + b) over rows of `features`: the biased input is written to `pre` (what backward
-// reads) and the activation to `y`, in one pass.
+// gelu(h + b) over a row of `features`, in one pass.
 template <typename T>
 LOOM_CPU_CLONES void bias_gelu_forward_row(const T* __restrict h, const T* __restrict b,
-                                           T* __restrict pre, T* __restrict y, int64_t features) {
+                                           T* __restrict y, int64_t features) {
   for (int64_t j = 0; j < features; ++j) {
     const T x = h[j] + b[j];
     T clamped;
-    pre[j] = x;
     y[j] = x * sigmoid_two_u(x, clamped);
   }
 }
 
-std::vector<at::Tensor> run_bias_forward(const at::Tensor& h, const at::Tensor& bias) {
+// Its gradient with respect to h (= with respect to h + b), h + b recomputed on the way.
+template <typename T>
+LOOM_CPU_CLONES void bias_gelu_backward_row(const T* __restrict grad, const T* __restrict h,
+                                            const T* __restrict b, T* __restrict out,
+                                            int64_t features) {
+  using C = GeluConstants<T>;
+  for (int64_t j = 0; j < features; ++j) {
+    T c;
+    const T s = sigmoid_two_u(h[j] + b[j], c);
+    const T du = T(2) * C::k0 * (T(1) + T(3) * C::k1 * c * c);
+    out[j] = grad[j] * (s + c * du * s * (T(1) - s));
+  }
+}
+
+// Runs `row(r)` for every row of an [rows, features] problem on the intra-op threads.
+template <typename F>
+void for_each_row(int64_t rows, int64_t features, const F& row) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / features), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row(r);
+  });
+}
+
+at::Tensor run_bias_forward(const at::Tensor& h, const at::Tensor& bias) {
   RECORD_FUNCTION("loom::bias_gelu_tanh", std::vector<c10::IValue>({h, bias}));
-  auto pre = at::empty_like(h, at::MemoryFormat::Contiguous);
   auto y = at::empty_like(h, at::MemoryFormat::Contiguous);
   const int64_t features = bias.numel(), rows = h.numel() / features;
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "loom::bias_gelu_tanh", [&] {
     const auto* in = h.const_data_ptr<scalar_t>();
     const auto* b = bias.const_data_ptr<scalar_t>();
-    auto* p = pre.mutable_data_ptr<scalar_t>();
-    auto* o = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / features), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        bias_gelu_forward_row<scalar_t>(in + r * features, b, p + r * features, o + r * features,
-                                        features);
+    auto* out = y.mutable_data_ptr<scalar_t>();
+    for_each_row(rows, features, [&](int64_t r) {
+      bias_gelu_forward_row<scalar_t>(in + r * features, b, out + r * features, features);
     });
   });
-  return {y, pre};
+  return y;
 }
 
+at::Tensor run_bias_backward(const at::Tensor& grad_in, const at::Tensor& h,
+                             const at::Tensor& bias) {
+  RECORD_FUNCTION("loom::bias_gelu_tanh_backward", std::vector<c10::IValue>({grad_in, h}));
+  const auto grad = grad_in.contiguous();
+  auto out = at::empty_like(h, at::MemoryFormat::Contiguous);
+  const int64_t features = bias.numel(), rows = h.numel() / features;
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "loom::bias_gelu_tanh_backward", [&] {
+    const auto* g = grad.const_data_ptr<scalar_t>();
+    const auto* in = h.const_data_ptr<scalar_t>();
+    const auto* b = bias.const_data_ptr<scalar_t>();
+    auto* o = out.mutable_data_ptr<scalar_t>();
+    for_each_row(rows, features, [&](int64_t r) {
+      const int64_t at = r * features;
+      bias_gelu_backward_row<scalar_t>(g + at, in + at, b, o + at, features);
+    });
+  });
+  return out;
+}
+
+// Saves h and the bias (not h + b): the forward pass writes only the activation, and a second
+// derivative can go through h + b as ATen ops.
 struct BiasGeluTanhFunction : public torch::autograd::Function<BiasGeluTanhFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
                             const at::Tensor& bias) {
-    auto outputs = run_bias_forward(h, bias);
-    ctx->save_for_backward({outputs[1], bias});
-    return outputs[0];
+    ctx->save_for_backward({h, bias});
+    return run_bias_forward(h, bias);
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& pre = saved[0];
-    if (at::GradMode::is_enabled()) {  // twice differentiable through ATen's formula
-      auto g = at::gelu_backward(grads[0], pre, "tanh");
-      return {g, g.reshape({-1, saved[1].numel()}).sum(0)};
-    }
-    // The bias gradient is ATen's column sum, as at::linear's backward takes it: a sum fused
+    const auto& h = saved[0];
+    const auto& bias = saved[1];
+    // The bias gradient is ATen's column sum, as at::linear's backward takes it (a sum fused
     // into this pass had to split columns among threads to stay independent of their number,
-    // and ran at half the speed of the row-split pass plus ATen's sum.
-    auto grad_pre = run_backward(grads[0], pre);
-    auto grad_bias = grad_pre.reshape({-1, saved[1].numel()}).sum(0);
-    return {grad_pre, grad_bias};
+    // and ran at half the speed of the row-split pass plus ATen's sum).
+    auto grad_h = at::GradMode::is_enabled()
+                      ? at::gelu_backward(grads[0], h + bias, "tanh")  // twice differentiable
+                      : run_bias_backward(grads[0], h, bias);
+    auto grad_bias = grad_h.reshape({-1, bias.numel()}).sum(0);
+    return {grad_h, grad_bias};
   }
 };
 
@@ -167,6 +206,16 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 
 }  // namespace
 
+int cpu_kernel_threads(int64_t work) {
+  std::mutex mutex;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, work, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.insert(std::this_thread::get_id());
+  });
+  return static_cast<int>(seen.size());
+}
+
 bool gelu_tanh_uses_loom_kernel(const at::Tensor& x) {
   return cpu::kernels_enabled() && x.device().is_cpu() && x.layout() == at::kStrided &&
          x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
@@ -177,13 +226,20 @@ at::Tensor gelu_tanh(const at::Tensor& x) {
   return GeluTanhFunction::apply(x);
 }
 
+bool bias_gelu_tanh_applies(const at::Tensor& input, const at::Tensor& bias) {
+  return cpu::kernels_enabled() && input.device().is_cpu() && bias.device().is_cpu() &&
+         !at::autocast::is_autocast_enabled(at::kCPU) && bias.dim() == 1 && bias.numel() > 0 &&
+         bias.is_contiguous() &&
+         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+         bias.scalar_type() == input.scalar_type();
+}
+
 at::Tensor bias_gelu_tanh(const at::Tensor& h, const at::Tensor& bias) {
   LOOM_CHECK(bias.dim() == 1 && h.dim() >= 1 && h.size(-1) == bias.size(0),
              "bias_gelu_tanh: bias {} must be 1-D and match the last dimension of the input {}",
              bias.sizes(), h.sizes());
-  if (!gelu_tanh_uses_loom_kernel(h) || !bias.is_contiguous() ||
-      bias.scalar_type() != h.scalar_type() || bias.device() != h.device())
-    return at::gelu(h + bias.to(h.scalar_type()), "tanh");  // bf16 under autocast stays bf16
+  if (!bias_gelu_tanh_applies(h, bias) || !gelu_tanh_uses_loom_kernel(h) || h.numel() == 0)
+    return at::gelu(h + bias.to(h.scalar_type()), "tanh");
   return BiasGeluTanhFunction::apply(h, bias);
 }
 

@@ -82,6 +82,9 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
                         T(-lr / bias1));
       });
     });
+    // Written through raw pointers: bump the versions as ATen's in-place ops would, so that a
+    // graph still holding one of these tensors fails loudly instead of reading new values.
+    for (const auto* t : {&weight, &exp_avg, &exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
     return;
   }
   // Elsewhere (CUDA) the same formulas as ATen ops.

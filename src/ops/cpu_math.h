@@ -1,7 +1,6 @@
 #pragma once
 // Scalar math for loom's vectorised CPU kernels (src/ops/activation.cpp): written as plain
-// arithmetic on bits so that the loops calling it vectorise at every LOOM_CPU_CLONES level, and
-// rounded as written (-ffp-contract=off).
+// arithmetic on bits so that the loops calling it vectorise at every LOOM_CPU_CLONES level.
 #include <cstdint>
 #include <cstring>
 

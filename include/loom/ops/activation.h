@@ -12,20 +12,31 @@
 // bound).
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+
 namespace loom::ops {
 
 // gelu(x, tanh approximation), differentiable.
 at::Tensor gelu_tanh(const at::Tensor& x);
 
-// gelu(h + bias), differentiable in both: the bias add and the activation in one pass (so a
-// linear layer's output is not first filled with its bias, as at::linear does), the saved sum
-// h + bias read by backward's single pass, where the kernels apply (h as for gelu_tanh, bias
-// 1-D of h's last size, same dtype); else at::gelu(h + bias, "tanh"), with the bias cast to h's
-// dtype (bf16 under autocast stays bf16, as at::linear's bias would). For a linear layer
-// followed by GELU: the matmul without its bias, then this.
+// gelu(h + bias), differentiable in both (twice, through ATen's formula), for a linear layer's
+// output computed without its bias: at::linear fills its output with the bias before the GEMM,
+// a full pass this op folds into the activation's. Runs loom's kernels when
+// bias_gelu_tanh_applies; otherwise at::gelu(h + bias, "tanh"), bias cast to h's dtype.
+// Backward recomputes h + bias from the saved h and bias.
 at::Tensor bias_gelu_tanh(const at::Tensor& h, const at::Tensor& bias);
+
+// Whether to split a linear layer's bias off into bias_gelu_tanh, decided before its matmul from
+// the layer's input: CPU, fp32 or fp64 (input and bias alike), no autocast, kernels on. Where it
+// is false (CUDA, bf16 autocast), at::linear with the bias in the GEMM is the better path.
+bool bias_gelu_tanh_applies(const at::Tensor& input, const at::Tensor& bias);
 
 // True when gelu_tanh(x) runs loom's CPU kernels for `x` (else ATen's gelu).
 bool gelu_tanh_uses_loom_kernel(const at::Tensor& x);
+
+// The number of distinct threads an at::parallel_for over `work` items runs on when called from
+// loom's kernel sources: at::parallel_for is inline OpenMP code, so it is 1 if those sources are
+// built without OpenMP (a regression tests/test_cpu_kernels.cpp checks), else the intra-op count.
+int cpu_kernel_threads(int64_t work);
 
 }  // namespace loom::ops
