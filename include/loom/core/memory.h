@@ -37,9 +37,10 @@ void reset_peak_memory(const at::Device& device = at::kCPU);
 // Keeps freed host memory for reuse instead of returning it to the OS after every step: glibc
 // trims the top of the heap (and unmaps large blocks) as soon as they are free, so a training loop
 // that frees and reallocates its activations each step takes thousands of page faults per step,
-// each page zeroed by the kernel again (docs/benchmarks.md: 3500-9200 faults per step down to
-// 0, about 4% of a small CPU step; peak RSS unchanged, since the memory is reused, not added). Sets glibc's trim threshold to the maximum and its mmap threshold to 32 MiB, glibc's
-// largest (both fixed, no longer adapted): blocks above 32 MiB are still mapped and unmapped per
+// each page zeroed by the kernel again (docs/benchmarks.md: 3500-9200 faults per step down to 0,
+// about 4% of a small CPU step; peak RSS unchanged, since the memory is reused, not added).
+// Sets glibc's trim threshold to the maximum and its mmap threshold to 32 MiB, glibc's largest
+// (both fixed, no longer adapted): blocks above 32 MiB are still mapped and unmapped per
 // allocation. Every loom tool calls it at start (apps::run_tool); a program linking loom may.
 // No-op where the C library is not glibc, or when LOOM_HOST_MALLOC_TUNING=0. Returns whether it
 // applied.
