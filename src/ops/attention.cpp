@@ -4,8 +4,10 @@
 
 #include <cmath>
 
+#include "cpu_vectorize.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/cpu_attention.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/ops/precision.h"
 
@@ -78,6 +80,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       if (!options.dropout_mask.defined() && q.is_cuda() &&
           !flash_attention_unsupported(q, k, v, options.dropout))
         return flash_attention(q, k, v, options.causal, scale);
+      if (!options.dropout_mask.defined() && q.device().is_cpu() && cpu::kernels_enabled() &&
+          !cpu_attention_unsupported(q, k, v, options.dropout))
+        return cpu_attention(q, k, v, options.causal, scale);
       break;
     case AttentionBackend::kSdpa:
       break;

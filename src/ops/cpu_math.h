@@ -1,12 +1,26 @@
 #pragma once
-// Scalar math for loom's vectorised CPU kernels (src/ops/activation.cpp): written as plain
-// arithmetic on bits so that the loops calling it vectorise at every LOOM_CPU_CLONES level.
+// Scalar math for loom's vectorised CPU kernels (src/ops/activation.cpp, cpu_attention_kernel.h):
+// written as plain arithmetic on bits so that the loops calling it vectorise at every
+// LOOM_CPU_CLONES level.
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_vectorize.h"
 
 namespace loom::ops::cpu {
+
+// 2^f for |f| <= 0.5, fp32: the Taylor coefficients (ln 2)^k / k!, k = 7 down to 0. A template
+// so that a scalar and a GCC vector of floats (src/ops/cpu_attention_kernel.h) share it.
+template <typename F>
+inline F exp2_fraction_fp32(F f) {
+  F p = f * 1.5252734e-5f + 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  return p * f + 1.0f;
+}
 
 // 2^t for t in [-126, 126]: round t to n (the add/subtract of 1.5 * 2^23 rounds to nearest in
 // fp32 and fp64 alike at these magnitudes), 2^(t - n) by a polynomial on [-0.5, 0.5], 2^n by
@@ -15,16 +29,7 @@ namespace loom::ops::cpu {
 inline float exp2_bounded(float t) {
   const float rounder = 12582912.0f;  // 1.5 * 2^23
   const float n = (t + rounder) - rounder;
-  const float f = t - n;
-  // Taylor coefficients of 2^f = e^(f ln 2): (ln 2)^k / k!, k = 7 down to 1.
-  float p = 1.5252734e-5f;
-  p = p * f + 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_fraction_fp32(t - n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

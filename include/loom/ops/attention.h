@@ -11,7 +11,8 @@ namespace loom::ops {
 
 // Which implementation computes attention.
 enum class AttentionBackend {
-  kAuto,   // the fused kernel where it applies (flash_attention_unsupported), else kSdpa
+  kAuto,   // the fused kernel where it applies (flash_attention_unsupported); for CPU tensors
+           // loom's CPU kernel (cpu_attention.h) where it applies; else kSdpa
   kFused,  // loom's FlashAttention-2 kernel (ops/flash_attention.h); other inputs: an error
   kSdpa,   // at::scaled_dot_product_attention (PyTorch's fused kernels)
   kMath,   // attention_reference: the plain math, T x T scores and all

@@ -1,0 +1,315 @@
+#include "loom/ops/cpu_attention.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+
+#include <vector>
+
+#include "cpu_attention_kernel.h"
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+
+namespace loom::ops {
+
+namespace {
+
+namespace kernel = cpu::attention;
+
+// A [B, H, rows, D] tensor's data and strides (its last dimension contiguous).
+struct Strided {
+  float* data;
+  int64_t batch, head, row;
+  float* at(int64_t b, int64_t h) const { return data + b * batch + h * head; }
+};
+Strided strided(const at::Tensor& x) {
+  return {x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2)};
+}
+
+struct Problem {
+  int64_t batch, heads, kv_heads;
+  kernel::Head head;
+  int64_t group() const { return heads / kv_heads; }
+};
+
+struct ForwardArgs {
+  Problem p;
+  Strided q, k, v, o;
+  float* lse;  // [B, H, T]
+};
+
+struct BackwardArgs {
+  Problem p;
+  Strided q, k, v, o, d_o, dq, dk, dv;
+  const float* lse;
+};
+
+// Over (batch, query head) indices [begin, end): one thread's share, with its own buffers.
+template <int R, int NVMax>
+LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_t end) {
+  const auto& h = a.p.head;
+  const int64_t d = h.d;
+  std::vector<float> buffer(h.tp * d + 2 * h.sp * d + R * h.sp + R * d);
+  float* next = buffer.data();
+  auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
+  const kernel::ForwardScratch w{take(h.tp * d), take(d * h.sp), take(h.sp * d), take(R * h.sp),
+                                 take(R * d)};
+  for (int64_t index = begin; index < end; ++index) {
+    const int64_t b = index / a.p.heads, hq = index % a.p.heads, hk = hq / a.p.group();
+    kernel::forward_head<R, NVMax>(h, a.q.at(b, hq), a.q.row, a.k.at(b, hk), a.k.row, a.v.at(b, hk),
+                                   a.v.row, a.o.at(b, hq), a.o.row, a.lse + index * h.t, w);
+  }
+}
+
+// Over (batch, key/value head) indices: the group's query heads one after another, so dk and dv
+// are summed in one thread's buffers.
+template <int R, int NVMax>
+LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int64_t end) {
+  const auto& h = a.p.head;
+  const int64_t d = h.d, sp = h.sp, tp = h.tp;
+  std::vector<float> buffer(2 * tp * d + 5 * sp * d + 2 * kernel::kBlock * sp + R * d + tp);
+  float* next = buffer.data();
+  auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
+  const kernel::BackwardScratch w{take(tp * d),
+                                  take(tp * d),
+                                  take(sp * d),
+                                  take(d * sp),
+                                  take(d * sp),
+                                  take(sp * d),
+                                  take(sp * d),
+                                  take(kernel::kBlock * sp),
+                                  take(kernel::kBlock * sp),
+                                  take(R * d),
+                                  take(tp)};
+  for (int64_t index = begin; index < end; ++index) {
+    const int64_t b = index / a.p.kv_heads, hk = index % a.p.kv_heads;
+    kernel::begin_kv_head(h, a.k.at(b, hk), a.k.row, a.v.at(b, hk), a.v.row, w);
+    for (int64_t hq = hk * a.p.group(); hq < (hk + 1) * a.p.group(); ++hq)
+      kernel::backward_query_head<R, NVMax>(
+          h, a.q.at(b, hq), a.q.row, a.o.at(b, hq), a.o.row, a.d_o.at(b, hq), a.d_o.row,
+          a.lse + (b * a.p.heads + hq) * h.t, a.dq.at(b, hq), a.dq.row, w);
+    for (int64_t j = 0; j < h.s; ++j) {
+      std::memcpy(a.dk.at(b, hk) + j * a.dk.row, w.dk + j * d, d * sizeof(float));
+      std::memcpy(a.dv.at(b, hk) + j * a.dv.row, w.dv + j * d, d * sizeof(float));
+    }
+  }
+}
+
+// One entry point per level: the force-inlined kernels take the instructions of the function
+// they land in. Register tiles: R rows x NVMax 16-float vectors of accumulators, sized to the
+// level's register file (32 zmm; 16 ymm holding a 16-float vector in two; 16 xmm in four).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LOOM_HAS_X86_LEVELS 1
+__attribute__((target("avx512f,fma"))) void forward_avx512(const ForwardArgs& a, int64_t b,
+                                                           int64_t e) {
+  forward_range<4, 4>(a, b, e);
+}
+__attribute__((target("avx2,fma"))) void forward_avx2(const ForwardArgs& a, int64_t b, int64_t e) {
+  forward_range<2, 2>(a, b, e);
+}
+__attribute__((target("avx512f,fma"))) void backward_avx512(const BackwardArgs& a, int64_t b,
+                                                            int64_t e) {
+  backward_range<4, 4>(a, b, e);
+}
+__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs& a, int64_t b,
+                                                       int64_t e) {
+  backward_range<2, 2>(a, b, e);
+}
+#endif
+void forward_baseline(const ForwardArgs& a, int64_t b, int64_t e) {
+  forward_range<2, 1>(a, b, e);
+}
+void backward_baseline(const BackwardArgs& a, int64_t b, int64_t e) {
+  backward_range<2, 1>(a, b, e);
+}
+
+void check_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto why = cpu_attention_unsupported(q, k, v, 0.0);
+  LOOM_CHECK(!why, "CPU attention kernel cannot take these inputs: {}", *why);
+}
+
+Problem problem_of(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  const int64_t t = q.size(2), s = k.size(2), d = q.size(3);
+  return {q.size(0), q.size(1), k.size(1),
+          kernel::Head{t, s, d, kernel::round_up(t, kernel::kLanes),
+                       kernel::round_up(s, kernel::kLanes), causal, static_cast<float>(scale)}};
+}
+
+// [B, H, rows, D] as a transposed view of fresh [B, rows, H, D] storage.
+at::Tensor empty_bthd(const at::Tensor& like) {
+  return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options())
+      .transpose(1, 2);
+}
+// Rows contiguous in their last dimension, which is all the kernel asks.
+at::Tensor unit_stride(const at::Tensor& x) {
+  return x.stride(3) == 1 ? x : x.contiguous();
+}
+
+// Heads per parallel_for chunk: one is already ~10^5 multiply-adds at T = 64.
+constexpr int64_t kGrain = 1;
+
+struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [o, lse] = cpu_attention_forward(q, k, v, causal, scale, best_cpu_isa());
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return o;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dq, dk, dv] = cpu_attention_backward(grads[0], saved[0], saved[1], saved[2], saved[3],
+                                               saved[4], ctx->saved_data["causal"].toBool(),
+                                               ctx->saved_data["scale"].toDouble(), best_cpu_isa());
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::string to_string(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kBaseline:
+      return "baseline";
+  }
+  return "?";
+}
+
+bool cpu_isa_available(CpuIsa isa) {
+#ifdef LOOM_HAS_X86_LEVELS
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::kBaseline:
+      return true;
+  }
+  return false;
+#else
+  return isa == CpuIsa::kBaseline;
+#endif
+}
+
+std::vector<CpuIsa> available_cpu_isas() {
+  std::vector<CpuIsa> out;
+  for (auto isa : {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kBaseline})
+    if (cpu_isa_available(isa)) out.push_back(isa);
+  return out;
+}
+
+CpuIsa best_cpu_isa() {
+  static const CpuIsa best = available_cpu_isas().front();
+  return best;
+}
+
+std::optional<std::string> cpu_attention_unsupported(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, double dropout) {
+  for (const auto* x : {&q, &k, &v}) {
+    if (!x->defined() || x->dim() != 4)
+      return "q, k and v must be defined [batch, heads, seq, head_dim] tensors";
+    if (!x->device().is_cpu())
+      return fmt::format("it takes CPU tensors, not {}", x->device().str());
+    if (x->scalar_type() != at::kFloat)
+      return fmt::format("it takes fp32 tensors, not {}", c10::toString(x->scalar_type()));
+  }
+  if (k.sizes() != v.sizes())
+    return fmt::format("k {} and v {} differ in shape", k.sizes(), v.sizes());
+  if (q.size(0) != k.size(0) || q.size(3) != k.size(3))
+    return fmt::format("q {} and k {} differ in batch or head_dim", q.sizes(), k.sizes());
+  if (k.size(1) == 0 || q.size(1) % k.size(1) != 0)
+    return fmt::format("{} query heads are not a multiple of {} key/value heads", q.size(1),
+                       k.size(1));
+  if (q.size(3) == 0 || q.size(3) % kernel::kLanes != 0)
+    return fmt::format("head_dim {} is not a positive multiple of {}", q.size(3), kernel::kLanes);
+  if (k.size(2) == 0) return std::string("there are no keys");
+  if (dropout != 0) return fmt::format("it has no attention dropout (asked for {})", dropout);
+  return std::nullopt;
+}
+
+at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                         double scale) {
+  check_supported(q, k, v);
+  return AttentionFunction::apply(q, k, v, causal, scale);
+}
+
+std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q_in,
+                                                        const at::Tensor& k_in,
+                                                        const at::Tensor& v_in, bool causal,
+                                                        double scale, CpuIsa isa) {
+  RECORD_FUNCTION("loom::cpu_attention", std::vector<c10::IValue>({q_in}));
+  check_supported(q_in, k_in, v_in);
+  LOOM_CHECK(!causal || q_in.size(2) == k_in.size(2),
+             "causal attention needs as many keys as queries; got {} and {}", q_in.size(2),
+             k_in.size(2));
+  LOOM_CHECK(cpu_isa_available(isa), "this CPU cannot run the {} kernel", to_string(isa));
+  const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
+  auto o = empty_bthd(q);
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const ForwardArgs args{problem_of(q, k, causal, scale),
+                         strided(q),
+                         strided(k),
+                         strided(v),
+                         strided(o),
+                         lse.data_ptr<float>()};
+  auto run = forward_baseline;
+#ifdef LOOM_HAS_X86_LEVELS
+  if (isa == CpuIsa::kAvx512) run = forward_avx512;
+  if (isa == CpuIsa::kAvx2) run = forward_avx2;
+#endif
+  if (q.size(2) > 0)
+    at::parallel_for(0, args.p.batch * args.p.heads, kGrain,
+                     [&](int64_t begin, int64_t end) { run(args, begin, end); });
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale,
+    CpuIsa isa) {
+  RECORD_FUNCTION("loom::cpu_attention_backward", std::vector<c10::IValue>({grad_out}));
+  check_supported(q_in, k_in, v_in);
+  LOOM_CHECK(cpu_isa_available(isa), "this CPU cannot run the {} kernel", to_string(isa));
+  LOOM_CHECK(grad_out.sizes() == q_in.sizes() && out.sizes() == q_in.sizes() &&
+                 grad_out.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+             "attention backward: grad {} and output {} must be fp32 of q's shape {}",
+             grad_out.sizes(), out.sizes(), q_in.sizes());
+  LOOM_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
+                 lse.sizes() == q_in.sizes().slice(0, 3),
+             "attention backward: log-sum-exp {} must be contiguous fp32 [B, H, T] of q {}",
+             lse.sizes(), q_in.sizes());
+  const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
+  const auto o = unit_stride(out), d_o = unit_stride(grad_out);
+  auto dq = empty_bthd(q), dk = empty_bthd(k), dv = empty_bthd(v);
+  const BackwardArgs args{problem_of(q, k, causal, scale),
+                          strided(q),
+                          strided(k),
+                          strided(v),
+                          strided(o),
+                          strided(d_o),
+                          strided(dq),
+                          strided(dk),
+                          strided(dv),
+                          lse.data_ptr<float>()};
+  auto run = backward_baseline;
+#ifdef LOOM_HAS_X86_LEVELS
+  if (isa == CpuIsa::kAvx512) run = backward_avx512;
+  if (isa == CpuIsa::kAvx2) run = backward_avx2;
+#endif
+  if (q.size(2) > 0)
+    at::parallel_for(0, args.p.batch * args.p.kv_heads, kGrain,
+                     [&](int64_t begin, int64_t end) { run(args, begin, end); });
+  else
+    dk.zero_(), dv.zero_();
+  return {dq, dk, dv};
+}
+
+}  // namespace loom::ops

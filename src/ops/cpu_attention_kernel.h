@@ -1,0 +1,274 @@
+#pragma once
+// The arithmetic of loom's CPU attention (ops/cpu_attention.h) for one (batch, head): small
+// matrix products on register tiles, the softmax and its backward, written with GCC vector
+// extensions (16 floats) and compiled inside one entry point per x86 level in cpu_attention.cpp
+// (every function here is force-inlined into it, so each level gets its own instructions).
+//
+// Why not at::bmm / PyTorch's CPU flash kernel: at sequence lengths of a few hundred the
+// products are 64 x 128 x 64 and smaller, where a BLAS call's set-up costs as much as its
+// arithmetic; a whole head's keys and values fit in L2, so the head is done in one visit with
+// the full softmax row in hand (no online rescaling), and causal attention skips every tile
+// above the diagonal.
+//
+// Layout per head (all padded with zeros to a multiple of 16 rows or columns):
+//   qp [tp x d] queries, kt [d x sp] keys transposed (the B operand of S = q k^T), vp / kp [sp x d]
+//   values / keys, vt [d x sp] values transposed (dP = dO v^T).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_math.h"
+
+#define LOOM_FORCE_INLINE inline __attribute__((always_inline))
+
+namespace loom::ops::cpu::attention {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16Unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t I16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+// Query rows per backward block: the block's probabilities and their gradients, [kBlock x sp],
+// are read again (transposed) for dK and dV.
+constexpr int64_t kBlock = 64;
+
+inline int64_t round_up(int64_t n, int64_t m) {
+  return (n + m - 1) / m * m;
+}
+
+LOOM_FORCE_INLINE V16 load(const float* p) {
+  return *reinterpret_cast<const V16Unaligned*>(p);
+}
+LOOM_FORCE_INLINE void store(float* p, V16 v) {
+  *reinterpret_cast<V16Unaligned*>(p) = v;
+}
+LOOM_FORCE_INLINE V16 splat(float x) {
+  return V16{} + x;
+}
+LOOM_FORCE_INLINE I16 lanes_from(int64_t first) {
+  const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return lane + static_cast<int32_t>(first);
+}
+LOOM_FORCE_INLINE float sum_lanes(V16 v) {
+  float s = 0;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+LOOM_FORCE_INLINE float max_lanes(V16 v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// 2^t for t <= 0 (exp2_bounded's algorithm, 16 lanes): below -126 the result is 2^-126, which
+// the softmax rows it feeds (whose largest term is 1) cannot tell from 0.
+LOOM_FORCE_INLINE V16 exp2_nonpositive(V16 t) {
+  t = t < -126.0f ? splat(-126.0f) : t;
+  const float rounder = 12582912.0f;  // 1.5 * 2^23
+  const V16 n = (t + rounder) - rounder;
+  const V16 p = exp2_fraction_fp32(t - n);
+  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
+  return p * (V16)bits;
+}
+
+// A matrix operand read element by element: A[r, k] = data[r * row + k * col]. Transposed
+// operands (P^T, dS^T in backward) are the same memory with the strides swapped.
+struct Operand {
+  const float* data;
+  int64_t row, col = 1;
+};
+
+// C[R x 16 NV] = (or += with Accumulate) sum over k in [k0, k1) of A[r, k] * B[k, :].
+// The R x NV accumulators stay in registers: 16 zmm at R = NV = 4.
+template <int R, int NV, bool Accumulate>
+LOOM_FORCE_INLINE void tile(Operand a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                            int64_t k0, int64_t k1) {
+  V16 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? load(c + r * ldc + kLanes * v) : V16{};
+  for (int64_t k = k0; k < k1; ++k) {
+    V16 row[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) row[v] = load(b + k * ldb + kLanes * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float x = a.data[r * a.row + k * a.col];
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * row[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + kLanes * v, acc[r][v]);
+}
+
+// R rows of C[:, 0..n) (n a multiple of 16) = A B over k in [k0, k1), in column chunks of up
+// to 16 NVMax.
+template <int R, int NVMax, bool Accumulate>
+LOOM_FORCE_INLINE void row_tile(Operand a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                int64_t n, int64_t k0, int64_t k1) {
+  constexpr int64_t wide = kLanes * NVMax;
+  int64_t j = 0;
+  for (; j + wide <= n; j += wide) tile<R, NVMax, Accumulate>(a, b + j, ldb, c + j, ldc, k0, k1);
+  if constexpr (NVMax > 2)
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes)
+      tile<R, 2, Accumulate>(a, b + j, ldb, c + j, ldc, k0, k1);
+  for (; j < n; j += kLanes) tile<R, 1, Accumulate>(a, b + j, ldb, c + j, ldc, k0, k1);
+}
+
+// One head's sizes: t queries, s keys, head_dim d (a multiple of 16); tp, sp padded to 16.
+struct Head {
+  int64_t t, s, d, tp, sp;
+  bool causal;
+  float scale;
+  // Keys query row i attends to: [0, valid(i)); none for the padding rows.
+  int64_t valid(int64_t i) const { return i >= t ? 0 : (causal ? std::min(s, i + 1) : s); }
+  // Columns of the score tile of rows [r0, r1): the keys any of them attends to, padded.
+  int64_t columns(int64_t r1) const { return causal ? std::min(sp, round_up(r1, kLanes)) : sp; }
+};
+
+// rows x d from a strided source into a dense [rows_padded x d] buffer, zeros below.
+inline void pack_rows(const float* src, int64_t stride, int64_t rows, int64_t rows_padded,
+                      int64_t d, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * d, src + i * stride, d * sizeof(float));
+  std::fill(dst + rows * d, dst + rows_padded * d, 0.0f);
+}
+// The transpose: dst [d x rows_padded], zeros right of rows.
+inline void pack_transposed(const float* src, int64_t stride, int64_t rows, int64_t rows_padded,
+                            int64_t d, float* dst) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < d; ++c) dst[c * rows_padded + i] = src[i * stride + c];
+  for (int64_t c = 0; c < d; ++c)
+    std::fill(dst + c * rows_padded + rows, dst + (c + 1) * rows_padded, 0.0f);
+}
+
+// Row i of the scores (n columns, scaled by `scale` here) -> its softmax probabilities in
+// place, zeros past valid; returns the log-sum-exp (natural log) of the scaled scores.
+LOOM_FORCE_INLINE float softmax_row(float* row, int64_t n, int64_t valid, float scale) {
+  constexpr float kLog2e = 1.44269504088896340736f;
+  if (valid == 0) {
+    std::fill(row, row + n, 0.0f);
+    return 0.0f;
+  }
+  V16 max = splat(-INFINITY);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const V16 x = lanes_from(j) < static_cast<int32_t>(valid) ? load(row + j) : splat(-INFINITY);
+    max = x > max ? x : max;
+  }
+  const float m = max_lanes(max), c = scale * kLog2e, mc = m * c;
+  V16 sum{};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    V16 e = exp2_nonpositive(load(row + j) * c - mc);
+    e = lanes_from(j) < static_cast<int32_t>(valid) ? e : V16{};
+    store(row + j, e);
+    sum += e;
+  }
+  const float total = sum_lanes(sum), inverse = 1.0f / total;
+  for (int64_t j = 0; j < n; j += kLanes) store(row + j, load(row + j) * inverse);
+  return m * scale + std::log(total);
+}
+
+struct ForwardScratch {
+  float *qp, *kt, *vp, *scores, *out;  // [tp x d], [d x sp], [sp x d], [R x sp], [R x d]
+};
+
+// Output rows (stride o_stride) and the log-sum-exp of one head. q/k/v rows at the strides
+// given, contiguous within a row.
+template <int R, int NVMax>
+LOOM_FORCE_INLINE void forward_head(const Head& h, const float* q, int64_t q_stride, const float* k,
+                                    int64_t k_stride, const float* v, int64_t v_stride, float* o,
+                                    int64_t o_stride, float* lse, const ForwardScratch& w) {
+  const int64_t d = h.d;
+  pack_rows(q, q_stride, h.t, h.tp, d, w.qp);
+  pack_transposed(k, k_stride, h.s, h.sp, d, w.kt);
+  pack_rows(v, v_stride, h.s, h.sp, d, w.vp);
+  for (int64_t r0 = 0; r0 < h.tp && r0 < h.t; r0 += R) {
+    const int64_t n = h.columns(r0 + R);
+    row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt, h.sp, w.scores, h.sp, n, 0, d);
+    for (int r = 0; r < R; ++r) {
+      const float row_lse = softmax_row(w.scores + r * h.sp, n, h.valid(r0 + r), h.scale);
+      if (r0 + r < h.t) lse[r0 + r] = row_lse;
+    }
+    row_tile<R, NVMax, false>({w.scores, h.sp}, w.vp, d, w.out, d, d, 0, n);
+    for (int r = 0; r < R && r0 + r < h.t; ++r)
+      std::memcpy(o + (r0 + r) * o_stride, w.out + r * d, d * sizeof(float));
+  }
+}
+
+struct BackwardScratch {
+  float *qp, *dop;      // [tp x d] this query head's queries and output gradient
+  float *kp, *kt, *vt;  // [sp x d], [d x sp], [d x sp]
+  float *dk, *dv;       // [sp x d] accumulated over the group's query heads
+  float *p, *ds;        // [kBlock x sp] probabilities and score gradients of a block
+  float *dq, *delta;    // [R x d], [tp] rowsum(dO * O)
+};
+
+// Packs a key/value head for backward and clears its gradient accumulators.
+inline void begin_kv_head(const Head& h, const float* k, int64_t k_stride, const float* v,
+                          int64_t v_stride, const BackwardScratch& w) {
+  pack_rows(k, k_stride, h.s, h.sp, h.d, w.kp);
+  pack_transposed(k, k_stride, h.s, h.sp, h.d, w.kt);
+  pack_transposed(v, v_stride, h.s, h.sp, h.d, w.vt);
+  std::fill(w.dk, w.dk + h.sp * h.d, 0.0f);
+  std::fill(w.dv, w.dv + h.sp * h.d, 0.0f);
+}
+
+// One query head's share of the backward: its dq rows (written at dq_stride) and its terms of
+// dk and dv (accumulated in the scratch). With P = softmax(scale q k^T):
+//   dP = dO v^T, dS = P * (dP - rowsum(dO * O)) * scale, dq = dS k, dk += dS^T q, dv += P^T dO.
+template <int R, int NVMax>
+LOOM_FORCE_INLINE void backward_query_head(const Head& h, const float* q, int64_t q_stride,
+                                           const float* o, int64_t o_stride, const float* d_o,
+                                           int64_t do_stride, const float* lse, float* dq,
+                                           int64_t dq_stride, const BackwardScratch& w) {
+  constexpr float kLog2e = 1.44269504088896340736f;
+  const int64_t d = h.d, sp = h.sp;
+  const float c = h.scale * kLog2e;
+  pack_rows(q, q_stride, h.t, h.tp, d, w.qp);
+  pack_rows(d_o, do_stride, h.t, h.tp, d, w.dop);
+  for (int64_t i = 0; i < h.tp; ++i) {
+    V16 acc{};
+    if (i < h.t)
+      for (int64_t x = 0; x < d; x += kLanes)
+        acc += load(w.dop + i * d + x) * load(o + i * o_stride + x);
+    w.delta[i] = sum_lanes(acc);
+  }
+  for (int64_t i0 = 0; i0 < h.t; i0 += kBlock) {
+    const int64_t rows = std::min(kBlock, h.tp - i0), n_block = h.columns(i0 + rows);
+    for (int64_t r0 = i0; r0 < i0 + rows; r0 += R) {
+      const int64_t n = h.columns(r0 + R);
+      float* p = w.p + (r0 - i0) * sp;
+      float* ds = w.ds + (r0 - i0) * sp;
+      row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt, sp, p, sp, n, 0, d);
+      row_tile<R, NVMax, false>({w.dop + r0 * d, d}, w.vt, sp, ds, sp, n, 0, d);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r0 + r, valid = h.valid(i);
+        const float shift = i < h.t ? lse[i] * kLog2e : 0.0f, delta = w.delta[i];
+        float *p_row = p + r * sp, *ds_row = ds + r * sp;
+        for (int64_t j = 0; j < n; j += kLanes) {
+          V16 prob = exp2_nonpositive(load(p_row + j) * c - shift);
+          prob = lanes_from(j) < static_cast<int32_t>(valid) ? prob : V16{};
+          store(p_row + j, prob);
+          store(ds_row + j, prob * (load(ds_row + j) - delta) * h.scale);
+        }
+        std::fill(p_row + n, p_row + n_block, 0.0f);
+        std::fill(ds_row + n, ds_row + n_block, 0.0f);
+      }
+      row_tile<R, NVMax, false>({ds, sp}, w.kp, d, w.dq, d, d, 0, n);
+      for (int r = 0; r < R && r0 + r < h.t; ++r)
+        std::memcpy(dq + (r0 + r) * dq_stride, w.dq + r * d, d * sizeof(float));
+    }
+    for (int64_t j0 = 0; j0 < n_block; j0 += R) {
+      // Causal: key j has weight only from queries i >= j.
+      const int64_t k0 = h.causal ? std::clamp(j0 - i0, int64_t{0}, rows) : 0;
+      // P^T and dS^T: row r of the tile is column j0 + r of the block.
+      row_tile<R, NVMax, true>({w.p + j0, 1, sp}, w.dop + i0 * d, d, w.dv + j0 * d, d, d, k0, rows);
+      row_tile<R, NVMax, true>({w.ds + j0, 1, sp}, w.qp + i0 * d, d, w.dk + j0 * d, d, d, k0, rows);
+    }
+  }
+}
+
+}  // namespace loom::ops::cpu::attention

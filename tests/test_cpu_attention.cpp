@@ -1,0 +1,204 @@
+// loom's CPU attention kernel (src/ops/cpu_attention.cpp) at every x86 level this machine has,
+// against an fp64 run of the plain math (ops::attention_reference and its autograd), with a
+// bound from a rounding-error estimate built from the same fp64 run (below); and the properties
+// the layouts rely on: the same bits at any thread count, grouped-query heads, any strides.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "loom/core/rng.h"
+#include "loom/ops/attention.h"
+#include "loom/ops/cpu_attention.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace loom;
+using namespace loom::testing;
+
+constexpr double kEps32 = std::numeric_limits<float>::epsilon();  // 2^-23
+
+struct Shape {
+  int64_t b, h, h_kv, t, s, d;
+  bool causal;
+  bool packed;  // q, k, v as strided views of one [B, T, 3, H, D] buffer (GPT-2's layout)
+};
+
+// Short and long rows, lengths that are not multiples of the 16-wide tiles or of the 64-row
+// backward blocks, grouped-query heads, cross attention with S != T, head_dim 16 to 128.
+const Shape kShapes[] = {
+    {2, 4, 4, 128, 128, 64, true, true},   {1, 3, 3, 37, 37, 32, true, false},
+    {2, 4, 2, 70, 70, 16, true, false},    {2, 2, 1, 19, 50, 48, false, false},
+    {1, 2, 2, 150, 150, 128, true, false}, {1, 1, 1, 1, 1, 16, true, false},
+    {1, 2, 2, 300, 300, 32, false, true},
+};
+
+struct Inputs {
+  at::Tensor q, k, v, d_o;
+};
+
+Inputs make_inputs(const Shape& s, uint64_t seed) {
+  auto gen = core::make_generator(seed);
+  Inputs in;
+  if (s.packed) {
+    auto qkv = at::randn({s.b, s.t, 3, s.h, s.d}, gen, at::kFloat).permute({2, 0, 3, 1, 4});
+    in.q = qkv[0], in.k = qkv[1], in.v = qkv[2];
+  } else {
+    in.q = at::randn({s.b, s.h, s.t, s.d}, gen, at::kFloat);
+    in.k = at::randn({s.b, s.h_kv, s.s, s.d}, gen, at::kFloat) * 1.5;
+    in.v = at::randn({s.b, s.h_kv, s.s, s.d}, gen, at::kFloat);
+  }
+  in.d_o = at::randn({s.b, s.h, s.t, s.d}, gen, at::kFloat);
+  return in;
+}
+
+at::Tensor expand_kv(const at::Tensor& x, int64_t group) {
+  return group > 1 ? x.repeat_interleave(group, 1) : x;
+}
+
+// The fp64 reference and the error bound of each result. Each fp32 dot product or sum of n
+// terms errs by at most n eps times the sum of its terms' magnitudes (the classic gamma_n
+// bound), so with A = max_ij sum_d |q_id k_jd|:
+//   a score errs by <= d eps scale A; a probability, relatively, by
+//   e_p = (2 d scale A + s + 8) eps (its score and the row maximum, the exp polynomial and
+//   scaling, the row sum's s terms, the reciprocal);
+//   o = P v errs by <= (e_p + s eps) (|P| |v|); dv = P^T dO by <= (e_p + t eps) (|P|^T |dO|);
+//   dS = P (dP - delta) with dP and delta dot products of d terms: |dS| errs by
+//   <= (e_p + 2 d eps) |P| (|dO| |v|^T + |dO . O|) =: E; dq = scale dS k by
+//   <= scale ((e_p + (2 d + s) eps) E' |k|), dk likewise with |q| and t; E' the magnitude above.
+// Twice these, for the second-order terms the first-order estimate leaves out.
+struct Reference {
+  at::Tensor o, lse, dq, dk, dv;
+  at::Tensor bound_o, bound_lse, bound_dq, bound_dk, bound_dv;
+};
+
+Reference reference(const Shape& s, const Inputs& in) {
+  const int64_t group = s.h / s.h_kv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+  auto q = in.q.to(at::kDouble).detach().requires_grad_(true);
+  auto k = in.k.to(at::kDouble).detach().requires_grad_(true);
+  auto v = in.v.to(at::kDouble).detach().requires_grad_(true);
+  const auto d_o = in.d_o.to(at::kDouble);
+  Reference r;
+  r.o = ops::attention_reference(q, k, v, {.causal = s.causal});
+  auto grads = torch::autograd::grad({r.o}, {q, k, v}, {d_o});
+  r.dq = grads[0], r.dk = grads[1], r.dv = grads[2];
+  torch::NoGradGuard no_grad;
+  const auto kk = expand_kv(k, group), vv = expand_kv(v, group);
+  auto scores = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  if (s.causal) scores.masked_fill_(at::ones({s.t, s.s}, at::kBool).triu(1), -INFINITY);
+  r.lse = at::logsumexp(scores, -1);
+  const auto p = at::softmax(scores, -1);
+  const double a = at::matmul(q.abs(), kk.abs().transpose(-2, -1)).max().item<double>();
+  const double e_p = (2 * s.d * scale * a + s.s + 8) * kEps32;
+  r.bound_o = 2 * (e_p + s.s * kEps32) * at::matmul(p, vv.abs());
+  r.bound_lse = at::full_like(r.lse, 2 * (s.d * scale * a + s.s + 4) * kEps32);
+  const auto dv_terms = at::matmul(p.transpose(-2, -1), d_o.abs());
+  r.bound_dv = 2 * (e_p + s.t * kEps32) * dv_terms.unflatten(1, {s.h_kv, group}).sum(2);
+  const auto o_abs = at::matmul(p, vv);
+  const auto ds_terms =
+      p * (at::matmul(d_o.abs(), vv.abs().transpose(-2, -1)) + (d_o * o_abs).abs().sum(-1, true));
+  const double e_ds = e_p + 2 * s.d * kEps32;
+  r.bound_dq = 2 * scale * (e_ds + s.s * kEps32) * at::matmul(ds_terms, kk.abs());
+  const auto dk_terms = at::matmul(ds_terms.transpose(-2, -1), q.abs());
+  r.bound_dk = 2 * scale * (e_ds + s.t * kEps32) * dk_terms.unflatten(1, {s.h_kv, group}).sum(2);
+  return r;
+}
+
+// max over elements of |got - want| / bound (<= 1 passes).
+double worst(const at::Tensor& got, const at::Tensor& want, const at::Tensor& bound) {
+  return ((got.to(at::kDouble) - want).abs() / (bound + 1e-300)).max().item<double>();
+}
+
+std::string name(const Shape& s) {
+  return fmt::format("B{} H{}/{} T{} S{} D{}{}{}", s.b, s.h, s.h_kv, s.t, s.s, s.d,
+                     s.causal ? " causal" : "", s.packed ? " packed" : "");
+}
+
+TEST(CpuAttention, ForwardAndBackwardTrackFp64AtEveryLevel) {
+  for (const auto& shape : kShapes) {
+    const auto in = make_inputs(shape, 11);
+    const auto ref = reference(shape, in);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(shape.d));
+    for (auto isa : ops::available_cpu_isas()) {
+      SCOPED_TRACE(name(shape) + " " + ops::to_string(isa));
+      auto [o, lse] = ops::cpu_attention_forward(in.q, in.k, in.v, shape.causal, scale, isa);
+      auto [dq, dk, dv] =
+          ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, shape.causal, scale, isa);
+      const double w[] = {worst(o, ref.o, ref.bound_o), worst(lse, ref.lse, ref.bound_lse),
+                          worst(dq, ref.dq, ref.bound_dq), worst(dk, ref.dk, ref.bound_dk),
+                          worst(dv, ref.dv, ref.bound_dv)};
+      std::printf("%-34s %-8s max |err| / bound: o %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
+                  name(shape).c_str(), ops::to_string(isa).c_str(), w[0], w[1], w[2], w[3], w[4]);
+      for (double x : w) EXPECT_LE(x, 1.0);
+    }
+  }
+}
+
+// Every head is one thread's, computed in a fixed order: the thread count changes no bit.
+TEST(CpuAttention, ThreadCountChangesNoBit) {
+  const Shape shape{2, 4, 2, 100, 100, 32, true, false};
+  const auto in = make_inputs(shape, 3);
+  const int threads = at::get_num_threads();
+  auto run = [&] {
+    auto [o, lse] = ops::cpu_attention_forward(in.q, in.k, in.v, true, 0.2, ops::best_cpu_isa());
+    auto [dq, dk, dv] = ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, true, 0.2,
+                                                    ops::best_cpu_isa());
+    return std::vector<at::Tensor>{o, lse, dq, dk, dv};
+  };
+  at::set_num_threads(1);
+  const auto one = run();
+  at::set_num_threads(3);
+  const auto three = run();
+  at::set_num_threads(threads);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(at::equal(one[i], three[i])) << i;
+}
+
+// ops::attention picks the kernel for fp32 CPU inputs (auto), and autograd reaches its backward.
+TEST(CpuAttention, AutoBackendRunsItWithAutograd) {
+  const Shape shape{1, 2, 2, 40, 40, 32, true, false};
+  const auto in = make_inputs(shape, 5);
+  auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
+       v = in.v.clone().requires_grad_(true);
+  auto o = ops::attention(q, k, v, {.causal = true});
+  o.backward(in.d_o);
+  const double scale = 1.0 / std::sqrt(32.0);
+  auto [o_direct, lse] =
+      ops::cpu_attention_forward(in.q, in.k, in.v, true, scale, ops::best_cpu_isa());
+  auto [dq, dk, dv] = ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o_direct, lse, true,
+                                                  scale, ops::best_cpu_isa());
+  EXPECT_TRUE(at::equal(o, o_direct));
+  EXPECT_TRUE(at::equal(q.grad(), dq));
+  EXPECT_TRUE(at::equal(k.grad(), dk));
+  EXPECT_TRUE(at::equal(v.grad(), dv));
+  // The output is a transposed view of [B, T, H, D]: the models' reshape after it is free.
+  EXPECT_TRUE(o.transpose(1, 2).is_contiguous());
+}
+
+TEST(CpuAttention, RefusesWhatItCannotTakeWithTheReason) {
+  auto q = at::randn({1, 2, 8, 32});
+  auto why = [](const at::Tensor& a, const at::Tensor& b, double p = 0.0) {
+    auto r = ops::cpu_attention_unsupported(a, b, b, p);
+    return r ? *r : std::string("(supported)");
+  };
+  EXPECT_TRUE(contains(why(q.to(at::kDouble), q.to(at::kDouble)), "fp32")) << why(q, q);
+  EXPECT_TRUE(contains(why(at::randn({1, 2, 8, 20}), at::randn({1, 2, 8, 20})), "multiple of 16"));
+  EXPECT_TRUE(contains(why(q, at::randn({1, 3, 8, 32})), "not a multiple of 3"));
+  EXPECT_TRUE(contains(why(q, at::randn({1, 2, 0, 32})), "no keys"));
+  EXPECT_TRUE(contains(why(q, q, 0.1), "dropout"));
+  EXPECT_EQ(why(q, q), "(supported)");
+  const auto msg = error_of([&] { ops::cpu_attention(q.to(at::kDouble), q, q, true, 0.1); });
+  EXPECT_TRUE(contains(msg, "CPU attention kernel cannot take these inputs")) << msg;
+  // What it does not take, auto hands to PyTorch's SDPA.
+  const auto d = q.to(at::kDouble);
+  const auto sdpa = ops::attention(d, d, d, {.causal = true});
+  EXPECT_LE((sdpa - ops::attention_reference(d, d, d, {.causal = true})).abs().max().item<double>(),
+            1e-12);
+}
+
+}  // namespace
