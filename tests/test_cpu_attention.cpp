@@ -180,6 +180,38 @@ TEST(CpuAttention, AutoBackendRunsItWithAutograd) {
   EXPECT_TRUE(o.transpose(1, 2).is_contiguous());
 }
 
+// GPT-2's path: q, k, v packed as c_attn writes them. The gradient arrives in one packed tensor
+// with the same bits as the three separate ones; other backends take the heads apart.
+TEST(CpuAttention, PackedProjectionGivesTheSameBitsAndOnePackedGradient) {
+  auto gen = core::make_generator(9);
+  const auto base = at::randn({2, 50, 3, 4, 32}, gen, at::kFloat);
+  const auto d_o = at::randn({2, 4, 50, 32}, gen, at::kFloat);
+  auto qkv = base.clone().requires_grad_(true);
+  auto o = ops::attention_packed(qkv, {.causal = true});
+  o.backward(d_o);
+  auto split = base.clone().requires_grad_(true);
+  const auto heads = split.permute({2, 0, 3, 1, 4}).unbind(0);
+  auto o_split = ops::attention(heads[0], heads[1], heads[2], {.causal = true});
+  o_split.backward(d_o);
+  EXPECT_TRUE(at::equal(o, o_split));
+  EXPECT_TRUE(at::equal(qkv.grad(), split.grad()));
+  EXPECT_TRUE(qkv.grad().is_contiguous());
+  auto sdpa_in = base.clone().requires_grad_(true);
+  auto o_sdpa =
+      ops::attention_packed(sdpa_in, {.causal = true, .backend = ops::AttentionBackend::kSdpa});
+  o_sdpa.backward(d_o);
+  // The fallback is held to the same fp64 bound (the estimate holds for any summation order).
+  const Shape shape{2, 4, 4, 50, 50, 32, true, true};
+  const auto ref = reference(shape, {heads[0], heads[1], heads[2], d_o});
+  const auto grads = sdpa_in.grad().permute({2, 0, 3, 1, 4});
+  EXPECT_LE(worst(o_sdpa, ref.o, ref.bound_o), 1.0);
+  EXPECT_LE(worst(grads[0], ref.dq, ref.bound_dq), 1.0);
+  EXPECT_LE(worst(grads[1], ref.dk, ref.bound_dk), 1.0);
+  EXPECT_LE(worst(grads[2], ref.dv, ref.bound_dv), 1.0);
+  const auto msg = error_of([&] { ops::attention_packed(at::randn({2, 5, 2, 4, 16})); });
+  EXPECT_TRUE(contains(msg, "[batch, seq, 3, heads, head_dim]")) << msg;
+}
+
 TEST(CpuAttention, RefusesWhatItCannotTakeWithTheReason) {
   auto q = at::randn({1, 2, 8, 32});
   auto why = [](const at::Tensor& a, const at::Tensor& b, double p = 0.0) {

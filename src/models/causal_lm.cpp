@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <array>
+
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/core/rng.h"
@@ -239,26 +241,51 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
              tokens.size(1), tp_->size());
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
-                            const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
+namespace {
+
+// What both entries share: the options (attention dropout drawn over all heads from tp's
+// generator, then sliced) and the recomputation in backward under kSelective. `attend` gets the
+// options and the inputs; `shape` is the probabilities' [B, h, T, T].
+template <typename Attend>
+at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4> shape, double p,
+                          const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
+                          Attend attend) {
   // Holds the group by value: with kSelective this runs again in backward.
   const auto backend = execution ? execution->attention : ops::AttentionBackend::kAuto;
-  auto attend = [p, tp, backend](const std::vector<at::Tensor>& qkv) {
-    const auto& query = qkv[0];
-    const int64_t b = query.size(0), h = query.size(1), t = query.size(2);
-    const auto mask_options = query.options().dtype(ops::accumulation_dtype(query.scalar_type()));
-    return ops::attention(
-        query, qkv[1], qkv[2],
-        {.causal = true,
-         .dropout = p,
-         .dropout_mask = pt::sharded_dropout_mask({b, h, t, t}, mask_options, p, *tp, 1),
-         .backend = backend});
+  auto run = [p, tp, backend, shape, attend](const std::vector<at::Tensor>& in) {
+    const auto mask_options = in[0].options().dtype(ops::accumulation_dtype(in[0].scalar_type()));
+    return attend(in, ops::AttentionOptions{
+                          .causal = true,
+                          .dropout = p,
+                          .dropout_mask = pt::sharded_dropout_mask(
+                              {shape[0], shape[1], shape[2], shape[3]}, mask_options, p, *tp, 1),
+                          .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
-    return attend({q, k, v});
+    return run(inputs);
   parallel::memory::CheckpointOptions options;
   if (p > 0) options.generators.push_back(tp->generator());
-  return parallel::memory::checkpoint(attend, {q, k, v}, options);
+  return parallel::memory::checkpoint(run, std::move(inputs), options);
+}
+
+}  // namespace
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
+                            const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
+  const int64_t t = q.size(2);
+  return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution,
+                        [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
+                          return ops::attention(in[0], in[1], in[2], o);
+                        });
+}
+
+at::Tensor causal_attention_packed(const at::Tensor& qkv, double p, const pt::TpGroupPtr& tp,
+                                   const BlockExecutionPtr& execution) {
+  const int64_t t = qkv.size(1);
+  return attention_core({qkv}, {qkv.size(0), qkv.size(3), t, t}, p, tp, execution,
+                        [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
+                          return ops::attention_packed(in[0], o);
+                        });
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part) {

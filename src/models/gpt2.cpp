@@ -43,12 +43,9 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   const int64_t seq_dim = tp.sequence_parallel() ? 1 : -1;  // what residual dropout slices
   auto a = pt::enter_tp_region(ln_1_->forward(x), tp, 1);   // [B, T, D], the whole sequence
   const int64_t b = a.size(0), t = a.size(1);
-  // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> three [B, h, T, hd]
-  auto qkv = c_attn_->forward(a).view({b, t, 3, h, hd}).permute({2, 0, 3, 1, 4});
-  // unbind, not qkv[0..2]: the backward of three selects zero-fills and adds three full-size
-  // buffers, unbind's stacks the three gradients once.
-  const auto heads = qkv.unbind(0);
-  auto y = causal_attention(heads[0], heads[1], heads[2], p, tp_, execution_);
+  // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> [B, T, 3, h, hd]
+  auto qkv = c_attn_->forward(a).view({b, t, 3, h, hd});
+  auto y = causal_attention_packed(qkv, p, tp_, execution_);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);

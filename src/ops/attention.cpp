@@ -96,6 +96,22 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                           options.causal, scale, gqa);
 }
 
+at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options) {
+  LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
+             "attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
+             qkv.sizes());
+  if (options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
+      qkv.device().is_cpu() && cpu::kernels_enabled() &&
+      !cpu_attention_packed_unsupported(qkv, options.dropout))
+    return cpu_attention_packed(
+        qkv, options.causal,
+        options.scale.value_or(1.0 / std::sqrt(static_cast<double>(qkv.size(4)))));
+  // unbind, not [0..2]: the backward of three selects zero-fills and adds three full-size
+  // buffers, unbind's stacks the three gradients once.
+  const auto heads = qkv.permute({2, 0, 3, 1, 4}).unbind(0);
+  return attention(heads[0], heads[1], heads[2], options);
+}
+
 at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionOptions& options) {
   check_shapes(q, k, v, options.causal);

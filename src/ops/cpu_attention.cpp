@@ -5,6 +5,7 @@
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
+#include <array>
 #include <vector>
 
 #include "cpu_attention_kernel.h"
@@ -33,6 +34,17 @@ struct Problem {
   int64_t group() const { return heads / kv_heads; }
 };
 
+// Row tiles have at most this many rows (the entry points below).
+constexpr int64_t kMaxRows = 8;
+
+// Floats of scratch one thread needs (the kernel's buffers, ForwardScratch / BackwardScratch).
+int64_t forward_scratch(const kernel::Head& h) {
+  return h.tp * h.d + 2 * h.sp * h.d + kMaxRows * (h.sp + h.d);
+}
+int64_t backward_scratch(const kernel::Head& h) {
+  return 2 * h.tp * h.d + 5 * h.sp * h.d + 2 * kernel::kBlock * h.sp + kMaxRows * h.d + h.tp;
+}
+
 struct ForwardArgs {
   Problem p;
   Strided q, k, v, o;
@@ -47,11 +59,12 @@ struct BackwardArgs {
 
 // Over (batch, query head) indices [begin, end): one thread's share, with its own buffers.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_t end) {
+LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_t end,
+                                     float* scratch) {
+  static_assert(R <= kMaxRows);
   const auto& h = a.p.head;
   const int64_t d = h.d;
-  std::vector<float> buffer(h.tp * d + 2 * h.sp * d + R * h.sp + R * d);
-  float* next = buffer.data();
+  float* next = scratch;
   auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
   const kernel::ForwardScratch w{take(h.tp * d), take(d * h.sp), take(h.sp * d), take(R * h.sp),
                                  take(R * d)};
@@ -65,11 +78,12 @@ LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_
 // Over (batch, key/value head) indices: the group's query heads one after another, so dk and dv
 // are summed in one thread's buffers.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int64_t end) {
+LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int64_t end,
+                                      float* scratch) {
+  static_assert(R <= kMaxRows);
   const auto& h = a.p.head;
   const int64_t d = h.d, sp = h.sp, tp = h.tp;
-  std::vector<float> buffer(2 * tp * d + 5 * sp * d + 2 * kernel::kBlock * sp + R * d + tp);
-  float* next = buffer.data();
+  float* next = scratch;
   auto take = [&next](int64_t n) { return std::exchange(next, next + n); };
   const kernel::BackwardScratch w{take(tp * d),
                                   take(tp * d),
@@ -98,30 +112,44 @@ LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int6
 
 // One entry point per level: the force-inlined kernels take the instructions of the function
 // they land in. Register tiles: R rows x NVMax 16-float vectors of accumulators, sized to the
-// level's register file (32 zmm; 16 ymm holding a 16-float vector in two; 16 xmm in four).
+// level's register file (32 zmm; 16 ymm holding a 16-float vector in two; 16 xmm in four), with
+// more rows when the head is too narrow (head_dim < 16 NVMax) to fill the vectors.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LOOM_HAS_X86_LEVELS 1
 __attribute__((target("avx512f,fma"))) void forward_avx512(const ForwardArgs& a, int64_t b,
-                                                           int64_t e) {
-  forward_range<4, 4>(a, b, e);
+                                                           int64_t e, float* w) {
+  if (a.p.head.d >= 64)
+    forward_range<4, 4>(a, b, e, w);
+  else
+    forward_range<8, 2>(a, b, e, w);
 }
-__attribute__((target("avx2,fma"))) void forward_avx2(const ForwardArgs& a, int64_t b, int64_t e) {
-  forward_range<2, 2>(a, b, e);
+__attribute__((target("avx2,fma"))) void forward_avx2(const ForwardArgs& a, int64_t b, int64_t e,
+                                                      float* w) {
+  if (a.p.head.d >= 32)
+    forward_range<2, 2>(a, b, e, w);
+  else
+    forward_range<4, 1>(a, b, e, w);
 }
 __attribute__((target("avx512f,fma"))) void backward_avx512(const BackwardArgs& a, int64_t b,
-                                                            int64_t e) {
-  backward_range<4, 4>(a, b, e);
+                                                            int64_t e, float* w) {
+  if (a.p.head.d >= 64)
+    backward_range<4, 4>(a, b, e, w);
+  else
+    backward_range<8, 2>(a, b, e, w);
 }
-__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs& a, int64_t b,
-                                                       int64_t e) {
-  backward_range<2, 2>(a, b, e);
+__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs& a, int64_t b, int64_t e,
+                                                       float* w) {
+  if (a.p.head.d >= 32)
+    backward_range<2, 2>(a, b, e, w);
+  else
+    backward_range<4, 1>(a, b, e, w);
 }
 #endif
-void forward_baseline(const ForwardArgs& a, int64_t b, int64_t e) {
-  forward_range<2, 1>(a, b, e);
+void forward_baseline(const ForwardArgs& a, int64_t b, int64_t e, float* w) {
+  forward_range<2, 1>(a, b, e, w);
 }
-void backward_baseline(const BackwardArgs& a, int64_t b, int64_t e) {
-  backward_range<2, 1>(a, b, e);
+void backward_baseline(const BackwardArgs& a, int64_t b, int64_t e, float* w) {
+  backward_range<2, 1>(a, b, e, w);
 }
 
 void check_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -149,6 +177,73 @@ at::Tensor unit_stride(const at::Tensor& x) {
 // Heads per parallel_for chunk: one is already ~10^5 multiply-adds at T = 64.
 constexpr int64_t kGrain = 1;
 
+// Runs `run` over [0, n) on ATen's threads, each with its slice of one scratch buffer allocated
+// here, on the calling thread (so the memory comes from, and returns to, its heap).
+template <typename Run>
+void for_each_head(int64_t n, int64_t scratch_per_thread, const Run& run) {
+  if (n == 0) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  auto scratch = at::empty({threads * scratch_per_thread}, at::kFloat);
+  float* base = scratch.data_ptr<float>();
+  if (threads == 1) return run(int64_t{0}, n, base);
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    run(begin, end, base + at::get_thread_num() * scratch_per_thread);
+  });
+}
+
+void check_isa(CpuIsa isa) {
+  LOOM_CHECK(cpu_isa_available(isa), "this CPU cannot run the {} kernel", to_string(isa));
+}
+
+// Forward into o ([B, H, T, D], unit last stride) and lse ([B, H, T], contiguous).
+void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                  double scale, CpuIsa isa, const at::Tensor& o, const at::Tensor& lse) {
+  RECORD_FUNCTION("loom::cpu_attention", std::vector<c10::IValue>({q}));
+  const ForwardArgs args{problem_of(q, k, causal, scale),
+                         strided(q),
+                         strided(k),
+                         strided(v),
+                         strided(o),
+                         lse.data_ptr<float>()};
+  auto run = forward_baseline;
+#ifdef LOOM_HAS_X86_LEVELS
+  if (isa == CpuIsa::kAvx512) run = forward_avx512;
+  if (isa == CpuIsa::kAvx2) run = forward_avx2;
+#endif
+  if (q.size(2) == 0) return;
+  for_each_head(args.p.batch * args.p.heads, forward_scratch(args.p.head),
+                [&](int64_t begin, int64_t end, float* w) { run(args, begin, end, w); });
+}
+
+// Backward into dq, dk, dv (unit last stride; every element written).
+void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, bool causal,
+                   double scale, CpuIsa isa, const at::Tensor& dq, const at::Tensor& dk,
+                   const at::Tensor& dv) {
+  RECORD_FUNCTION("loom::cpu_attention_backward", std::vector<c10::IValue>({d_o}));
+  if (q.size(2) == 0) {
+    dk.zero_(), dv.zero_();
+    return;
+  }
+  const BackwardArgs args{problem_of(q, k, causal, scale),
+                          strided(q),
+                          strided(k),
+                          strided(v),
+                          strided(o),
+                          strided(d_o),
+                          strided(dq),
+                          strided(dk),
+                          strided(dv),
+                          lse.data_ptr<float>()};
+  auto run = backward_baseline;
+#ifdef LOOM_HAS_X86_LEVELS
+  if (isa == CpuIsa::kAvx512) run = backward_avx512;
+  if (isa == CpuIsa::kAvx2) run = backward_avx2;
+#endif
+  for_each_head(args.p.batch * args.p.kv_heads, backward_scratch(args.p.head),
+                [&](int64_t begin, int64_t end, float* w) { run(args, begin, end, w); });
+}
+
 struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
@@ -166,6 +261,42 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
                                                saved[4], ctx->saved_data["causal"].toBool(),
                                                ctx->saved_data["scale"].toDouble(), best_cpu_isa());
     return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+
+// q, k, v heads of a packed [B, T, 3, H, D] tensor, each [B, H, T, D].
+std::array<at::Tensor, 3> unpack(const at::Tensor& qkv) {
+  const auto heads = qkv.permute({2, 0, 3, 1, 4});
+  return {heads[0], heads[1], heads[2]};
+}
+
+// Attention of a packed projection output, whose gradient is written straight into one packed
+// [B, T, 3, H, D] tensor: no stacking of three gradients, no copy back to the projection's
+// layout (what q, k, v taken apart by unbind cost in backward).
+struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv_in,
+                            bool causal, double scale) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const auto qkv = qkv_in.stride(4) == 1 ? qkv_in : qkv_in.contiguous();
+    const auto [q, k, v] = unpack(qkv);
+    auto o = empty_bthd(q);
+    auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+    forward_into(q, k, v, causal, scale, best_cpu_isa(), o, lse);
+    ctx->save_for_backward({qkv, o, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return o;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto [q, k, v] = unpack(saved[0]);
+    auto grad = at::empty(saved[0].sizes(), saved[0].options());
+    const auto [dq, dk, dv] = unpack(grad);
+    backward_into(unit_stride(grads[0]), q, k, v, saved[1], saved[2],
+                  ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble(),
+                  best_cpu_isa(), dq, dk, dv);
+    return {grad, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -241,33 +372,32 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return AttentionFunction::apply(q, k, v, causal, scale);
 }
 
+std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout) {
+  if (!qkv.defined() || qkv.dim() != 5 || qkv.size(2) != 3)
+    return std::string("the packed projection must be a [batch, seq, 3, heads, head_dim] tensor");
+  const auto [q, k, v] = unpack(qkv);
+  return cpu_attention_unsupported(q, k, v, dropout);
+}
+
+at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale) {
+  const auto why = cpu_attention_packed_unsupported(qkv, 0.0);
+  LOOM_CHECK(!why, "CPU attention kernel cannot take these inputs: {}", *why);
+  return PackedAttentionFunction::apply(qkv, causal, scale);
+}
+
 std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q_in,
                                                         const at::Tensor& k_in,
                                                         const at::Tensor& v_in, bool causal,
                                                         double scale, CpuIsa isa) {
-  RECORD_FUNCTION("loom::cpu_attention", std::vector<c10::IValue>({q_in}));
   check_supported(q_in, k_in, v_in);
   LOOM_CHECK(!causal || q_in.size(2) == k_in.size(2),
              "causal attention needs as many keys as queries; got {} and {}", q_in.size(2),
              k_in.size(2));
-  LOOM_CHECK(cpu_isa_available(isa), "this CPU cannot run the {} kernel", to_string(isa));
+  check_isa(isa);
   const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
   auto o = empty_bthd(q);
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const ForwardArgs args{problem_of(q, k, causal, scale),
-                         strided(q),
-                         strided(k),
-                         strided(v),
-                         strided(o),
-                         lse.data_ptr<float>()};
-  auto run = forward_baseline;
-#ifdef LOOM_HAS_X86_LEVELS
-  if (isa == CpuIsa::kAvx512) run = forward_avx512;
-  if (isa == CpuIsa::kAvx2) run = forward_avx2;
-#endif
-  if (q.size(2) > 0)
-    at::parallel_for(0, args.p.batch * args.p.heads, kGrain,
-                     [&](int64_t begin, int64_t end) { run(args, begin, end); });
+  forward_into(q, k, v, causal, scale, isa, o, lse);
   return {o, lse};
 }
 
@@ -275,9 +405,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale,
     CpuIsa isa) {
-  RECORD_FUNCTION("loom::cpu_attention_backward", std::vector<c10::IValue>({grad_out}));
   check_supported(q_in, k_in, v_in);
-  LOOM_CHECK(cpu_isa_available(isa), "this CPU cannot run the {} kernel", to_string(isa));
+  check_isa(isa);
   LOOM_CHECK(grad_out.sizes() == q_in.sizes() && out.sizes() == q_in.sizes() &&
                  grad_out.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
              "attention backward: grad {} and output {} must be fp32 of q's shape {}",
@@ -287,28 +416,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
              "attention backward: log-sum-exp {} must be contiguous fp32 [B, H, T] of q {}",
              lse.sizes(), q_in.sizes());
   const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
-  const auto o = unit_stride(out), d_o = unit_stride(grad_out);
   auto dq = empty_bthd(q), dk = empty_bthd(k), dv = empty_bthd(v);
-  const BackwardArgs args{problem_of(q, k, causal, scale),
-                          strided(q),
-                          strided(k),
-                          strided(v),
-                          strided(o),
-                          strided(d_o),
-                          strided(dq),
-                          strided(dk),
-                          strided(dv),
-                          lse.data_ptr<float>()};
-  auto run = backward_baseline;
-#ifdef LOOM_HAS_X86_LEVELS
-  if (isa == CpuIsa::kAvx512) run = backward_avx512;
-  if (isa == CpuIsa::kAvx2) run = backward_avx2;
-#endif
-  if (q.size(2) > 0)
-    at::parallel_for(0, args.p.batch * args.p.kv_heads, kGrain,
-                     [&](int64_t begin, int64_t end) { run(args, begin, end); });
-  else
-    dk.zero_(), dv.zero_();
+  backward_into(unit_stride(grad_out), q, k, v, unit_stride(out), lse, causal, scale, isa, dq, dk,
+                dv);
   return {dq, dk, dv};
 }
 

@@ -191,6 +191,10 @@ class CausalLM : public torch::nn::Module {
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const parallel::tensor::TpGroupPtr& tp,
                             const BlockExecutionPtr& execution);
+// The same for one projection's packed output qkv [B, T, 3, h, hd] (ops::attention_packed).
+at::Tensor causal_attention_packed(const at::Tensor& qkv, double p,
+                                   const parallel::tensor::TpGroupPtr& tp,
+                                   const BlockExecutionPtr& execution);
 
 // GPT-2 or Llama, by config.family, sharded over `tp` (null: one process), holding `part` of
 // the model (default: all of it). Parameters are not initialized: call init_parameters for

@@ -42,6 +42,12 @@ struct AttentionOptions {
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options = {});
 
+// Attention of a packed projection output qkv [B, T, 3, H, D] (q, k, v heads as one linear layer
+// writes them). Returns [B, H, T, D]. For CPU inputs loom's kernel takes (backend kAuto, no
+// dropout), its gradient reaches qkv without being stacked and copied; otherwise the heads are
+// taken apart and passed to attention().
+at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options = {});
+
 // The plain math (scores = q k^T * scale, causal mask, softmax in fp32, times v), kept as the
 // reference the fast paths are tested against.
 at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

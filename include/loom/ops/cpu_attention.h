@@ -43,6 +43,12 @@ std::optional<std::string> cpu_attention_unsupported(const at::Tensor& q, const 
 at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                          double scale);
 
+// The same for q, k, v packed as one projection's output, qkv [B, T, 3, H, D] (GPT-2's c_attn
+// viewed so): differentiable in qkv, its gradient written straight into one [B, T, 3, H, D]
+// tensor (no stacking of three gradients and copy back, which q, k, v taken apart cost).
+std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout);
+at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale);
+
 // The two passes, for tests and benchmarks, at a chosen level (an error if unavailable).
 // Forward: the output and the log-sum-exp [B, H, T] (fp32, natural log) of the scaled scores.
 std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q, const at::Tensor& k,
