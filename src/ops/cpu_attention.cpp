@@ -103,10 +103,8 @@ LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int6
       kernel::backward_query_head<R, NVMax>(
           h, a.q.at(b, hq), a.q.row, a.o.at(b, hq), a.o.row, a.d_o.at(b, hq), a.d_o.row,
           a.lse + (b * a.p.heads + hq) * h.t, a.dq.at(b, hq), a.dq.row, w);
-    for (int64_t j = 0; j < h.s; ++j) {
-      std::memcpy(a.dk.at(b, hk) + j * a.dk.row, w.dk + j * d, d * sizeof(float));
-      std::memcpy(a.dv.at(b, hk) + j * a.dv.row, w.dv + j * d, d * sizeof(float));
-    }
+    kernel::copy_rows(a.dk.at(b, hk), a.dk.row, w.dk, d, h.s, d);
+    kernel::copy_rows(a.dv.at(b, hk), a.dv.row, w.dv, d, h.s, d);
   }
 }
 

@@ -130,6 +130,17 @@ struct Head {
   int64_t columns(int64_t r1) const { return causal ? std::min(sp, round_up(r1, kLanes)) : sp; }
 };
 
+// One row of d floats (a multiple of 16): inline vector moves, where a memcpy call per row of
+// 32 floats cost more than the copy.
+LOOM_FORCE_INLINE void copy_row(float* dst, const float* src, int64_t d) {
+  for (int64_t x = 0; x < d; x += kLanes) store(dst + x, load(src + x));
+}
+// Rows of d floats between two strides.
+LOOM_FORCE_INLINE void copy_rows(float* dst, int64_t dst_stride, const float* src,
+                                 int64_t src_stride, int64_t rows, int64_t d) {
+  for (int64_t i = 0; i < rows; ++i) copy_row(dst + i * dst_stride, src + i * src_stride, d);
+}
+
 // rows x d from a strided source into a dense [rows_padded x d] buffer, zeros below.
 inline void pack_rows(const float* src, int64_t stride, int64_t rows, int64_t rows_padded,
                       int64_t d, float* dst) {
@@ -137,8 +148,8 @@ inline void pack_rows(const float* src, int64_t stride, int64_t rows, int64_t ro
   std::fill(dst + rows * d, dst + rows_padded * d, 0.0f);
 }
 // The transpose: dst [d x rows_padded], zeros right of rows.
-inline void pack_transposed(const float* src, int64_t stride, int64_t rows, int64_t rows_padded,
-                            int64_t d, float* dst) {
+LOOM_FORCE_INLINE void pack_transposed(const float* src, int64_t stride, int64_t rows,
+                                       int64_t rows_padded, int64_t d, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < d; ++c) dst[c * rows_padded + i] = src[i * stride + c];
   for (int64_t c = 0; c < d; ++c)
@@ -193,8 +204,7 @@ LOOM_FORCE_INLINE void forward_head(const Head& h, const float* q, int64_t q_str
       if (r0 + r < h.t) lse[r0 + r] = row_lse;
     }
     row_tile<R, NVMax, false>({w.scores, h.sp}, w.vp, d, w.out, d, d, 0, n);
-    for (int r = 0; r < R && r0 + r < h.t; ++r)
-      std::memcpy(o + (r0 + r) * o_stride, w.out + r * d, d * sizeof(float));
+    copy_rows(o + r0 * o_stride, o_stride, w.out, d, std::min<int64_t>(R, h.t - r0), d);
   }
 }
 
@@ -207,8 +217,8 @@ struct BackwardScratch {
 };
 
 // Packs a key/value head for backward and clears its gradient accumulators.
-inline void begin_kv_head(const Head& h, const float* k, int64_t k_stride, const float* v,
-                          int64_t v_stride, const BackwardScratch& w) {
+LOOM_FORCE_INLINE void begin_kv_head(const Head& h, const float* k, int64_t k_stride,
+                                     const float* v, int64_t v_stride, const BackwardScratch& w) {
   pack_rows(k, k_stride, h.s, h.sp, h.d, w.kp);
   pack_transposed(k, k_stride, h.s, h.sp, h.d, w.kt);
   pack_transposed(v, v_stride, h.s, h.sp, h.d, w.vt);
@@ -258,8 +268,7 @@ LOOM_FORCE_INLINE void backward_query_head(const Head& h, const float* q, int64_
         std::fill(ds_row + n, ds_row + n_block, 0.0f);
       }
       row_tile<R, NVMax, false>({ds, sp}, w.kp, d, w.dq, d, d, 0, n);
-      for (int r = 0; r < R && r0 + r < h.t; ++r)
-        std::memcpy(dq + (r0 + r) * dq_stride, w.dq + r * d, d * sizeof(float));
+      copy_rows(dq + r0 * dq_stride, dq_stride, w.dq, d, std::min<int64_t>(R, h.t - r0), d);
     }
     for (int64_t j0 = 0; j0 < n_block; j0 += R) {
       // Causal: key j has weight only from queries i >= j.
