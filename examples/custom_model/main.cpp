@@ -23,17 +23,29 @@ namespace {
 
 namespace F = torch::nn::functional;
 
-// A residual MLP block that also mixes in the previous position (causal token shift).
+// A residual block: causal self-attention through loom's attention entry point (q, k, v packed
+// as one projection writes them: ops::attention_packed), then an MLP that also mixes in the
+// previous position (causal token shift).
 struct BlockImpl : torch::nn::Module {
-  torch::nn::LayerNorm norm{nullptr};
-  torch::nn::Linear shift{nullptr}, up{nullptr}, down{nullptr};
+  static constexpr int64_t kHeads = 2;
+  torch::nn::LayerNorm attn_norm{nullptr}, norm{nullptr};
+  torch::nn::Linear qkv{nullptr}, attn_out{nullptr}, shift{nullptr}, up{nullptr}, down{nullptr};
   explicit BlockImpl(int64_t d) {
+    attn_norm =
+        register_module("attn_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
+    attn_out = register_module("attn_out", torch::nn::Linear(d, d));
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
     shift = register_module("shift", torch::nn::Linear(d, d));
     up = register_module("up", torch::nn::Linear(d, 4 * d));
     down = register_module("down", torch::nn::Linear(4 * d, d));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+    // [B, T, 3d] -> [B, T, 3, heads, d / heads] -> attention [B, heads, T, d / heads]
+    auto y = loom::ops::attention_packed(qkv(attn_norm(x)).view({b, t, 3, kHeads, d / kHeads}),
+                                         {.causal = true});
+    x = x + attn_out(y.transpose(1, 2).reshape({b, t, d}));
     auto h = norm(x);
     // Position t sees position t - 1 (zeros before the first): nothing from the future.
     auto previous = F::pad(h, F::PadFuncOptions({0, 0, 1, 0})).slice(1, 0, h.size(1));
