@@ -80,7 +80,9 @@ int pretrain_main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--attention", c.attention,
                  "auto | fused | sdpa | math: auto runs loom's fused FlashAttention-2 kernel on "
-                 "CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), else PyTorch's SDPA")
+                 "CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), loom's CPU kernel "
+                 "on fp32 CPU tensors (head dim a multiple of 16, no attention dropout), else "
+                 "PyTorch's SDPA")
       ->capture_default_str();
   app.add_option("--peak-tflops", c.peak_tflops,
                  "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "
