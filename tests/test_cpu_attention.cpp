@@ -212,6 +212,54 @@ TEST(CpuAttention, PackedProjectionGivesTheSameBitsAndOnePackedGradient) {
   EXPECT_TRUE(contains(msg, "[batch, seq, 3, heads, head_dim]")) << msg;
 }
 
+// GPT-2's c_attn bias, left out of the GEMM and added by the kernel as it packs q, k, v: the
+// same bits as adding it first, and its gradient (summed over batch and positions in the kernel)
+// within the fp32 summation bound of the fp64 sum, the same at any thread count.
+TEST(CpuAttention, PackedProjectionBiasIsAddedAndDifferentiatedInTheKernel) {
+  auto gen = core::make_generator(13);
+  const auto base = at::randn({3, 45, 3, 2, 48}, gen, at::kFloat);
+  const auto bias0 = at::randn({3 * 2 * 48}, gen, at::kFloat);
+  const auto d_o = at::randn({3, 2, 45, 48}, gen, at::kFloat);
+  const int threads = at::get_num_threads();
+  auto run = [&](int n_threads) {
+    at::set_num_threads(n_threads);
+    auto qkv = base.clone().requires_grad_(true), bias = bias0.clone().requires_grad_(true);
+    auto o = ops::attention_packed(qkv, {.causal = true}, bias);
+    o.backward(d_o);
+    at::set_num_threads(threads);
+    return std::vector<at::Tensor>{o.detach(), qkv.grad(), bias.grad()};
+  };
+  const auto one = run(1), three = run(3);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(at::equal(one[i], three[i])) << i;
+  auto added = (base + bias0.view({3, 2, 48})).requires_grad_(true);
+  auto o_added = ops::attention_packed(added, {.causal = true});
+  o_added.backward(d_o);
+  EXPECT_TRUE(at::equal(one[0], o_added));
+  EXPECT_TRUE(at::equal(one[1], added.grad()));
+  const auto rows = added.grad().to(at::kDouble).reshape({-1, 3 * 2 * 48});
+  const double bound = rows.size(0) * kEps32 * rows.abs().sum(0).max().item<double>();
+  const double err = (one[2].to(at::kDouble) - rows.sum(0)).abs().max().item<double>();
+  std::printf("bias gradient: max |err| %.3g, bound %.3g\n", err, bound);
+  EXPECT_LE(err, bound);
+  // Other backends add the bias before taking the heads apart.
+  auto sdpa_in = base.clone().requires_grad_(true), sdpa_bias = bias0.clone().requires_grad_(true);
+  auto o_sdpa = ops::attention_packed(
+      sdpa_in, {.causal = true, .backend = ops::AttentionBackend::kSdpa}, sdpa_bias);
+  o_sdpa.backward(d_o);
+  const auto heads = added.detach().permute({2, 0, 3, 1, 4});
+  const auto ref = reference({3, 2, 2, 45, 45, 48, true, true}, {heads[0], heads[1], heads[2], d_o});
+  EXPECT_LE(worst(o_sdpa, ref.o, ref.bound_o), 1.0);
+  // Its bias gradient: SDPA's dq, dk, dv errors (their bounds) summed over batch and positions,
+  // plus the sum's own rounding.
+  const auto grad_bounds =
+      at::stack({ref.bound_dq, ref.bound_dk, ref.bound_dv}).sum({1, 3}).reshape({-1});
+  EXPECT_LE(((sdpa_bias.grad().to(at::kDouble) - rows.sum(0)).abs() / (grad_bounds + bound)).max()
+                .item<double>(),
+            1.0);
+  const auto msg = error_of([&] { ops::attention_packed(base, {}, at::randn({5})); });
+  EXPECT_TRUE(contains(msg, "bias has 5 values")) << msg;
+}
+
 TEST(CpuAttention, RefusesWhatItCannotTakeWithTheReason) {
   auto q = at::randn({1, 2, 8, 32});
   auto why = [](const at::Tensor& a, const at::Tensor& b, double p = 0.0) {

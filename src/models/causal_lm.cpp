@@ -279,13 +279,23 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                         });
 }
 
-at::Tensor causal_attention_packed(const at::Tensor& qkv, double p, const pt::TpGroupPtr& tp,
-                                   const BlockExecutionPtr& execution) {
+at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
+                                   const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
   const int64_t t = qkv.size(1);
-  return attention_core({qkv}, {qkv.size(0), qkv.size(3), t, t}, p, tp, execution,
+  std::vector<at::Tensor> inputs{qkv};
+  if (bias.defined()) inputs.push_back(bias);
+  return attention_core(std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution,
                         [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
-                          return ops::attention_packed(in[0], o);
+                          return ops::attention_packed(in[0], o,
+                                                       in.size() > 1 ? in[1] : at::Tensor());
                         });
+}
+
+bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,
+                                     const BlockExecutionPtr& execution) {
+  return ops::attention_packed_takes_bias(
+      input, head_dim,
+      {.dropout = p, .backend = execution ? execution->attention : ops::AttentionBackend::kAuto});
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part) {

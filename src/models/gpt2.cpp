@@ -43,9 +43,15 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   const int64_t seq_dim = tp.sequence_parallel() ? 1 : -1;  // what residual dropout slices
   auto a = pt::enter_tp_region(ln_1_->forward(x), tp, 1);   // [B, T, D], the whole sequence
   const int64_t b = a.size(0), t = a.size(1);
-  // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> [B, T, 3, h, hd]
-  auto qkv = c_attn_->forward(a).view({b, t, 3, h, hd});
-  auto y = causal_attention_packed(qkv, p, tp_, execution_);
+  // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> [B, T, 3, h, hd]. Where
+  // loom's CPU attention kernel runs, it adds the bias as it reads q, k, v (at::linear would
+  // fill the GEMM's output with it first: one pass more each way).
+  const bool bias_in_attention =
+      c_attn_->bias.defined() && attention_takes_projection_bias(a, hd, p, execution_);
+  auto qkv = (bias_in_attention ? c_attn_->forward_without_bias(a) : c_attn_->forward(a))
+                 .view({b, t, 3, h, hd});
+  auto y = causal_attention_packed(qkv, bias_in_attention ? c_attn_->bias : at::Tensor(), p, tp_,
+                                   execution_);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);

@@ -1,6 +1,7 @@
 #include "loom/ops/attention.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <cmath>
 
@@ -96,19 +97,34 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                           options.causal, scale, gqa);
 }
 
-at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options) {
+bool attention_packed_takes_bias(const at::Tensor& input, int64_t head_dim,
+                                 const AttentionOptions& options) {
+  return options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
+         options.dropout == 0 && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
+         !at::autocast::is_autocast_enabled(at::kCPU) && cpu::kernels_enabled() && head_dim > 0 &&
+         head_dim % 16 == 0;
+}
+
+at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options,
+                            const at::Tensor& bias) {
   LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
              "attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
              qkv.sizes());
+  LOOM_CHECK(!bias.defined() || bias.numel() == 3 * qkv.size(3) * qkv.size(4),
+             "attention: the packed projection's bias has {} values; [3 * heads * head_dim] = {} "
+             "expected",
+             bias.defined() ? bias.numel() : 0, 3 * qkv.size(3) * qkv.size(4));
   if (options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
       qkv.device().is_cpu() && cpu::kernels_enabled() &&
-      !cpu_attention_packed_unsupported(qkv, options.dropout))
+      !cpu_attention_packed_unsupported(qkv, options.dropout, bias))
     return cpu_attention_packed(
         qkv, options.causal,
-        options.scale.value_or(1.0 / std::sqrt(static_cast<double>(qkv.size(4)))));
+        options.scale.value_or(1.0 / std::sqrt(static_cast<double>(qkv.size(4)))), bias);
+  const auto biased =
+      bias.defined() ? qkv + bias.view({3, qkv.size(3), qkv.size(4)}).to(qkv.scalar_type()) : qkv;
   // unbind, not [0..2]: the backward of three selects zero-fills and adds three full-size
   // buffers, unbind's stacks the three gradients once.
-  const auto heads = qkv.permute({2, 0, 3, 1, 4}).unbind(0);
+  const auto heads = biased.permute({2, 0, 3, 1, 4}).unbind(0);
   return attention(heads[0], heads[1], heads[2], options);
 }
 

@@ -34,6 +34,18 @@ struct Problem {
   int64_t group() const { return heads / kv_heads; }
 };
 
+// A bias added to q, k and v as they are packed: [H * D] for q, [Hkv * D] for k and v (null:
+// none), and where backward writes its gradient: per batch row, [B, (H + 2 Hkv) D] partial sums
+// summed over the batch afterwards in order (the same bits at any thread count).
+struct Bias {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  float* grad_partial = nullptr;
+  bool defined() const { return q != nullptr; }
+  static const float* head(const float* b, int64_t h, int64_t d) {
+    return b == nullptr ? nullptr : b + h * d;
+  }
+};
+
 // Row tiles have at most this many rows (the entry points below).
 constexpr int64_t kMaxRows = 8;
 
@@ -49,12 +61,14 @@ struct ForwardArgs {
   Problem p;
   Strided q, k, v, o;
   float* lse;  // [B, H, T]
+  Bias bias;
 };
 
 struct BackwardArgs {
   Problem p;
   Strided q, k, v, o, d_o, dq, dk, dv;
   const float* lse;
+  Bias bias;
 };
 
 // Over (batch, query head) indices [begin, end): one thread's share, with its own buffers.
@@ -70,8 +84,10 @@ LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_
                                  take(R * d)};
   for (int64_t index = begin; index < end; ++index) {
     const int64_t b = index / a.p.heads, hq = index % a.p.heads, hk = hq / a.p.group();
-    kernel::forward_head<R, NVMax>(h, a.q.at(b, hq), a.q.row, a.k.at(b, hk), a.k.row, a.v.at(b, hk),
-                                   a.v.row, a.o.at(b, hq), a.o.row, a.lse + index * h.t, w);
+    kernel::forward_head<R, NVMax>(h, {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)},
+                                   {a.k.at(b, hk), a.k.row, Bias::head(a.bias.k, hk, d)},
+                                   {a.v.at(b, hk), a.v.row, Bias::head(a.bias.v, hk, d)},
+                                   a.o.at(b, hq), a.o.row, a.lse + index * h.t, w);
   }
 }
 
@@ -96,15 +112,24 @@ LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int6
                                   take(kernel::kBlock * sp),
                                   take(R * d),
                                   take(tp)};
+  // This batch row's bias gradient: q heads, then k heads, then v heads (zeroed by the caller).
+  const int64_t bias_width = (a.p.heads + 2 * a.p.kv_heads) * d;
   for (int64_t index = begin; index < end; ++index) {
     const int64_t b = index / a.p.kv_heads, hk = index % a.p.kv_heads;
-    kernel::begin_kv_head(h, a.k.at(b, hk), a.k.row, a.v.at(b, hk), a.v.row, w);
+    float* grad = a.bias.grad_partial == nullptr ? nullptr : a.bias.grad_partial + b * bias_width;
+    kernel::begin_kv_head(h, {a.k.at(b, hk), a.k.row, Bias::head(a.bias.k, hk, d)},
+                          {a.v.at(b, hk), a.v.row, Bias::head(a.bias.v, hk, d)}, w);
     for (int64_t hq = hk * a.p.group(); hq < (hk + 1) * a.p.group(); ++hq)
       kernel::backward_query_head<R, NVMax>(
-          h, a.q.at(b, hq), a.q.row, a.o.at(b, hq), a.o.row, a.d_o.at(b, hq), a.d_o.row,
-          a.lse + (b * a.p.heads + hq) * h.t, a.dq.at(b, hq), a.dq.row, w);
+          h, {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)}, a.o.at(b, hq), a.o.row,
+          {a.d_o.at(b, hq), a.d_o.row}, a.lse + (b * a.p.heads + hq) * h.t, a.dq.at(b, hq),
+          a.dq.row, grad == nullptr ? nullptr : grad + hq * d, w);
     kernel::copy_rows(a.dk.at(b, hk), a.dk.row, w.dk, d, h.s, d);
     kernel::copy_rows(a.dv.at(b, hk), a.dv.row, w.dv, d, h.s, d);
+    if (grad != nullptr) {
+      kernel::add_column_sums(w.dk, h.s, d, grad + (a.p.heads + hk) * d);
+      kernel::add_column_sums(w.dv, h.s, d, grad + (a.p.heads + a.p.kv_heads + hk) * d);
+    }
   }
 }
 
@@ -195,14 +220,12 @@ void check_isa(CpuIsa isa) {
 
 // Forward into o ([B, H, T, D], unit last stride) and lse ([B, H, T], contiguous).
 void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                  double scale, CpuIsa isa, const at::Tensor& o, const at::Tensor& lse) {
+                  double scale, CpuIsa isa, const at::Tensor& o, const at::Tensor& lse,
+                  const Bias& bias = {}) {
   RECORD_FUNCTION("loom::cpu_attention", std::vector<c10::IValue>({q}));
-  const ForwardArgs args{problem_of(q, k, causal, scale),
-                         strided(q),
-                         strided(k),
-                         strided(v),
-                         strided(o),
-                         lse.data_ptr<float>()};
+  const ForwardArgs args{
+      problem_of(q, k, causal, scale), strided(q), strided(k), strided(v), strided(o),
+      lse.data_ptr<float>(),           bias};
   auto run = forward_baseline;
 #ifdef LOOM_HAS_X86_LEVELS
   if (isa == CpuIsa::kAvx512) run = forward_avx512;
@@ -217,7 +240,7 @@ void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, bool causal,
                    double scale, CpuIsa isa, const at::Tensor& dq, const at::Tensor& dk,
-                   const at::Tensor& dv) {
+                   const at::Tensor& dv, const Bias& bias = {}) {
   RECORD_FUNCTION("loom::cpu_attention_backward", std::vector<c10::IValue>({d_o}));
   if (q.size(2) == 0) {
     dk.zero_(), dv.zero_();
@@ -232,7 +255,8 @@ void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor&
                           strided(dq),
                           strided(dk),
                           strided(dv),
-                          lse.data_ptr<float>()};
+                          lse.data_ptr<float>(),
+                          bias};
   auto run = backward_baseline;
 #ifdef LOOM_HAS_X86_LEVELS
   if (isa == CpuIsa::kAvx512) run = backward_avx512;
@@ -268,19 +292,29 @@ std::array<at::Tensor, 3> unpack(const at::Tensor& qkv) {
   return {heads[0], heads[1], heads[2]};
 }
 
+// A packed projection's bias [3 H D] (q heads, k heads, v heads), or none.
+Bias packed_bias(const at::Tensor& bias, int64_t heads, int64_t d) {
+  if (!bias.defined()) return {};
+  const float* b = bias.data_ptr<float>();
+  return {b, b + heads * d, b + 2 * heads * d};
+}
+
 // Attention of a packed projection output, whose gradient is written straight into one packed
 // [B, T, 3, H, D] tensor: no stacking of three gradients, no copy back to the projection's
-// layout (what q, k, v taken apart by unbind cost in backward).
-struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
+// layout (what q, k, v taken apart by unbind cost in backward). With a bias, the projection's
+// GEMM left it out: it is added as the kernel packs q, k, v, and its gradient summed there.
+struct PackedAttention {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv_in,
-                            bool causal, double scale) {
+                            const at::Tensor& bias_in, bool causal, double scale) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto qkv = qkv_in.stride(4) == 1 ? qkv_in : qkv_in.contiguous();
+    const auto bias = bias_in.defined() ? bias_in.contiguous() : bias_in;
     const auto [q, k, v] = unpack(qkv);
     auto o = empty_bthd(q);
     auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    forward_into(q, k, v, causal, scale, best_cpu_isa(), o, lse);
-    ctx->save_for_backward({qkv, o, lse});
+    forward_into(q, k, v, causal, scale, best_cpu_isa(), o, lse,
+                 packed_bias(bias, q.size(1), q.size(3)));
+    ctx->save_for_backward({qkv, bias, o, lse});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     return o;
@@ -288,13 +322,50 @@ struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto [q, k, v] = unpack(saved[0]);
-    auto grad = at::empty(saved[0].sizes(), saved[0].options());
+    const auto &qkv = saved[0], &bias = saved[1];
+    const auto [q, k, v] = unpack(qkv);
+    const int64_t batch = q.size(0), heads = q.size(1), d = q.size(3);
+    auto grad = at::empty(qkv.sizes(), qkv.options());
     const auto [dq, dk, dv] = unpack(grad);
-    backward_into(unit_stride(grads[0]), q, k, v, saved[1], saved[2],
+    Bias b = packed_bias(bias, heads, d);
+    at::Tensor partial, grad_bias;
+    if (b.defined()) {
+      partial = at::zeros({batch, 3 * heads * d}, qkv.options());
+      b.grad_partial = partial.data_ptr<float>();
+    }
+    backward_into(unit_stride(grads[0]), q, k, v, saved[2], saved[3],
                   ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble(),
-                  best_cpu_isa(), dq, dk, dv);
-    return {grad, at::Tensor(), at::Tensor()};
+                  best_cpu_isa(), dq, dk, dv, b);
+    if (b.defined()) {
+      // Over the batch in order: the same bits at any thread count.
+      grad_bias = partial[0].clone();
+      for (int64_t i = 1; i < batch; ++i) grad_bias.add_(partial[i]);
+      grad_bias = grad_bias.to(bias.scalar_type());
+    }
+    return {grad, grad_bias};
+  }
+};
+
+// The autograd functions, without and with the bias (autograd takes no undefined input).
+struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
+                            bool causal, double scale) {
+    return PackedAttention::forward(ctx, qkv, at::Tensor(), causal, scale);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {PackedAttention::backward(ctx, std::move(grads))[0], at::Tensor(), at::Tensor()};
+  }
+};
+struct PackedBiasedAttentionFunction : torch::autograd::Function<PackedBiasedAttentionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
+                            const at::Tensor& bias, bool causal, double scale) {
+    return PackedAttention::forward(ctx, qkv, bias, causal, scale);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto g = PackedAttention::backward(ctx, std::move(grads));
+    return {g[0], g[1], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -370,17 +441,25 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return AttentionFunction::apply(q, k, v, causal, scale);
 }
 
-std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout) {
+std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout,
+                                                            const at::Tensor& bias) {
   if (!qkv.defined() || qkv.dim() != 5 || qkv.size(2) != 3)
     return std::string("the packed projection must be a [batch, seq, 3, heads, head_dim] tensor");
+  if (bias.defined() && (bias.dim() != 1 || bias.numel() != 3 * qkv.size(3) * qkv.size(4) ||
+                         bias.scalar_type() != at::kFloat || !bias.device().is_cpu()))
+    return fmt::format(
+        "the bias must be an fp32 CPU vector of 3 * heads * head_dim = {} values; got {} {}",
+        3 * qkv.size(3) * qkv.size(4), c10::toString(bias.scalar_type()), bias.sizes());
   const auto [q, k, v] = unpack(qkv);
   return cpu_attention_unsupported(q, k, v, dropout);
 }
 
-at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale) {
-  const auto why = cpu_attention_packed_unsupported(qkv, 0.0);
+at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale,
+                                const at::Tensor& bias) {
+  const auto why = cpu_attention_packed_unsupported(qkv, 0.0, bias);
   LOOM_CHECK(!why, "CPU attention kernel cannot take these inputs: {}", *why);
-  return PackedAttentionFunction::apply(qkv, causal, scale);
+  return bias.defined() ? PackedBiasedAttentionFunction::apply(qkv, bias, causal, scale)
+                        : PackedAttentionFunction::apply(qkv, causal, scale);
 }
 
 std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q_in,

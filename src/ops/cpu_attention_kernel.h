@@ -141,19 +141,43 @@ LOOM_FORCE_INLINE void copy_rows(float* dst, int64_t dst_stride, const float* sr
   for (int64_t i = 0; i < rows; ++i) copy_row(dst + i * dst_stride, src + i * src_stride, d);
 }
 
+// One head's rows of q, k or v: row i at data + i * stride, contiguous within the row, plus a
+// bias added to every row (the projection's, when its GEMM left it out) or none.
+struct Rows {
+  const float* data;
+  int64_t stride;
+  const float* bias = nullptr;
+};
+
 // rows x d from a strided source into a dense [rows_padded x d] buffer, zeros below.
-inline void pack_rows(const float* src, int64_t stride, int64_t rows, int64_t rows_padded,
-                      int64_t d, float* dst) {
-  for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * d, src + i * stride, d * sizeof(float));
+LOOM_FORCE_INLINE void pack_rows(Rows src, int64_t rows, int64_t rows_padded, int64_t d,
+                                 float* dst) {
+  if (src.bias == nullptr) {
+    copy_rows(dst, d, src.data, src.stride, rows, d);
+  } else {
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t x = 0; x < d; x += kLanes)
+        store(dst + i * d + x, load(src.data + i * src.stride + x) + load(src.bias + x));
+  }
   std::fill(dst + rows * d, dst + rows_padded * d, 0.0f);
 }
 // The transpose: dst [d x rows_padded], zeros right of rows.
-LOOM_FORCE_INLINE void pack_transposed(const float* src, int64_t stride, int64_t rows,
-                                       int64_t rows_padded, int64_t d, float* dst) {
+LOOM_FORCE_INLINE void pack_transposed(Rows src, int64_t rows, int64_t rows_padded, int64_t d,
+                                       float* dst) {
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t c = 0; c < d; ++c) dst[c * rows_padded + i] = src[i * stride + c];
+    for (int64_t c = 0; c < d; ++c)
+      dst[c * rows_padded + i] = src.bias == nullptr ? src.data[i * src.stride + c]
+                                                     : src.data[i * src.stride + c] + src.bias[c];
   for (int64_t c = 0; c < d; ++c)
     std::fill(dst + c * rows_padded + rows, dst + (c + 1) * rows_padded, 0.0f);
+}
+// Adds the column sums of rows x d (dense) to sums[d]: a bias's gradient, rows in order.
+LOOM_FORCE_INLINE void add_column_sums(const float* src, int64_t rows, int64_t d, float* sums) {
+  for (int64_t x = 0; x < d; x += kLanes) {
+    V16 acc = load(sums + x);
+    for (int64_t i = 0; i < rows; ++i) acc += load(src + i * d + x);
+    store(sums + x, acc);
+  }
 }
 
 // Row i of the scores (n columns, scaled by `scale` here) -> its softmax probabilities in
@@ -186,16 +210,14 @@ struct ForwardScratch {
   float *qp, *kt, *vp, *scores, *out;  // [tp x d], [d x sp], [sp x d], [R x sp], [R x d]
 };
 
-// Output rows (stride o_stride) and the log-sum-exp of one head. q/k/v rows at the strides
-// given, contiguous within a row.
+// Output rows (stride o_stride) and the log-sum-exp of one head.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void forward_head(const Head& h, const float* q, int64_t q_stride, const float* k,
-                                    int64_t k_stride, const float* v, int64_t v_stride, float* o,
+LOOM_FORCE_INLINE void forward_head(const Head& h, Rows q, Rows k, Rows v, float* o,
                                     int64_t o_stride, float* lse, const ForwardScratch& w) {
   const int64_t d = h.d;
-  pack_rows(q, q_stride, h.t, h.tp, d, w.qp);
-  pack_transposed(k, k_stride, h.s, h.sp, d, w.kt);
-  pack_rows(v, v_stride, h.s, h.sp, d, w.vp);
+  pack_rows(q, h.t, h.tp, d, w.qp);
+  pack_transposed(k, h.s, h.sp, d, w.kt);
+  pack_rows(v, h.s, h.sp, d, w.vp);
   for (int64_t r0 = 0; r0 < h.tp && r0 < h.t; r0 += R) {
     const int64_t n = h.columns(r0 + R);
     row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt, h.sp, w.scores, h.sp, n, 0, d);
@@ -217,28 +239,27 @@ struct BackwardScratch {
 };
 
 // Packs a key/value head for backward and clears its gradient accumulators.
-LOOM_FORCE_INLINE void begin_kv_head(const Head& h, const float* k, int64_t k_stride,
-                                     const float* v, int64_t v_stride, const BackwardScratch& w) {
-  pack_rows(k, k_stride, h.s, h.sp, h.d, w.kp);
-  pack_transposed(k, k_stride, h.s, h.sp, h.d, w.kt);
-  pack_transposed(v, v_stride, h.s, h.sp, h.d, w.vt);
+LOOM_FORCE_INLINE void begin_kv_head(const Head& h, Rows k, Rows v, const BackwardScratch& w) {
+  pack_rows(k, h.s, h.sp, h.d, w.kp);
+  pack_transposed(k, h.s, h.sp, h.d, w.kt);
+  pack_transposed(v, h.s, h.sp, h.d, w.vt);
   std::fill(w.dk, w.dk + h.sp * h.d, 0.0f);
   std::fill(w.dv, w.dv + h.sp * h.d, 0.0f);
 }
 
-// One query head's share of the backward: its dq rows (written at dq_stride) and its terms of
-// dk and dv (accumulated in the scratch). With P = softmax(scale q k^T):
+// One query head's share of the backward: its dq rows (written at dq_stride; their column sums
+// added to dq_sum unless null) and its terms of dk and dv (accumulated in the scratch). With
+// P = softmax(scale q k^T):
 //   dP = dO v^T, dS = P * (dP - rowsum(dO * O)) * scale, dq = dS k, dk += dS^T q, dv += P^T dO.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void backward_query_head(const Head& h, const float* q, int64_t q_stride,
-                                           const float* o, int64_t o_stride, const float* d_o,
-                                           int64_t do_stride, const float* lse, float* dq,
-                                           int64_t dq_stride, const BackwardScratch& w) {
+LOOM_FORCE_INLINE void backward_query_head(const Head& h, Rows q, const float* o, int64_t o_stride,
+                                           Rows d_o, const float* lse, float* dq, int64_t dq_stride,
+                                           float* dq_sum, const BackwardScratch& w) {
   constexpr float kLog2e = 1.44269504088896340736f;
   const int64_t d = h.d, sp = h.sp;
   const float c = h.scale * kLog2e;
-  pack_rows(q, q_stride, h.t, h.tp, d, w.qp);
-  pack_rows(d_o, do_stride, h.t, h.tp, d, w.dop);
+  pack_rows(q, h.t, h.tp, d, w.qp);
+  pack_rows(d_o, h.t, h.tp, d, w.dop);
   for (int64_t i = 0; i < h.tp; ++i) {
     V16 acc{};
     if (i < h.t)
@@ -268,7 +289,9 @@ LOOM_FORCE_INLINE void backward_query_head(const Head& h, const float* q, int64_
         std::fill(ds_row + n, ds_row + n_block, 0.0f);
       }
       row_tile<R, NVMax, false>({ds, sp}, w.kp, d, w.dq, d, d, 0, n);
-      copy_rows(dq + r0 * dq_stride, dq_stride, w.dq, d, std::min<int64_t>(R, h.t - r0), d);
+      const int64_t valid_rows = std::min<int64_t>(R, h.t - r0);
+      copy_rows(dq + r0 * dq_stride, dq_stride, w.dq, d, valid_rows, d);
+      if (dq_sum != nullptr) add_column_sums(w.dq, valid_rows, d, dq_sum);
     }
     for (int64_t j0 = 0; j0 < n_block; j0 += R) {
       // Causal: key j has weight only from queries i >= j.

@@ -191,10 +191,15 @@ class CausalLM : public torch::nn::Module {
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const parallel::tensor::TpGroupPtr& tp,
                             const BlockExecutionPtr& execution);
-// The same for one projection's packed output qkv [B, T, 3, h, hd] (ops::attention_packed).
-at::Tensor causal_attention_packed(const at::Tensor& qkv, double p,
+// The same for one projection's packed output qkv [B, T, 3, h, hd] (ops::attention_packed), with
+// the projection's bias [3 h hd] when its GEMM left it out (undefined otherwise).
+at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
                                    const parallel::tensor::TpGroupPtr& tp,
                                    const BlockExecutionPtr& execution);
+// Whether causal_attention_packed takes the projection's bias itself for a block whose
+// projection input is `input` (ops::attention_packed_takes_bias with the block's settings).
+bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,
+                                     const BlockExecutionPtr& execution);
 
 // GPT-2 or Llama, by config.family, sharded over `tp` (null: one process), holding `part` of
 // the model (default: all of it). Parameters are not initialized: call init_parameters for

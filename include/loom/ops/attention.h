@@ -45,8 +45,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // Attention of a packed projection output qkv [B, T, 3, H, D] (q, k, v heads as one linear layer
 // writes them). Returns [B, H, T, D]. For CPU inputs loom's kernel takes (backend kAuto, no
 // dropout), its gradient reaches qkv without being stacked and copied; otherwise the heads are
-// taken apart and passed to attention().
-at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options = {});
+// taken apart and passed to attention(). `bias` (optional, [3 H D], differentiable): the
+// projection's bias when its GEMM left it out (attention_packed_takes_bias), added to qkv first
+// (by the kernel as it reads q, k, v, where it runs).
+at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options = {},
+                            const at::Tensor& bias = {});
+
+// Whether attention_packed runs loom's CPU kernel on the projection of `input`, decided before
+// the projection's GEMM so that the GEMM can leave its bias to the kernel: an fp32 CPU input
+// without autocast, head_dim a multiple of 16, backend kAuto, no dropout, CPU kernels on.
+bool attention_packed_takes_bias(const at::Tensor& input, int64_t head_dim,
+                                 const AttentionOptions& options);
 
 // The plain math (scores = q k^T * scale, causal mask, softmax in fp32, times v), kept as the
 // reference the fast paths are tested against.

@@ -46,8 +46,13 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // The same for q, k, v packed as one projection's output, qkv [B, T, 3, H, D] (GPT-2's c_attn
 // viewed so): differentiable in qkv, its gradient written straight into one [B, T, 3, H, D]
 // tensor (no stacking of three gradients and copy back, which q, k, v taken apart cost).
-std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout);
-at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale);
+// `bias` (optional, [3 H D] in qkv's column order, differentiable): the projection's bias, left
+// out of its GEMM (whose output at::linear would fill with it first) and added here as q, k, v
+// are packed; its gradient is summed in the same pass.
+std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout,
+                                                            const at::Tensor& bias = {});
+at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale,
+                                const at::Tensor& bias = {});
 
 // The two passes, for tests and benchmarks, at a chosen level (an error if unavailable).
 // Forward: the output and the log-sum-exp [B, H, T] (fp32, natural log) of the scaled scores.

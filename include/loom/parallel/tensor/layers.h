@@ -43,7 +43,8 @@ class ColumnParallelLinear : public torch::nn::Module, public ShardedModule {
                        const std::string& what);
   // x: [..., in], already inside the TP region. Returns [..., out / tp] (this rank's features).
   at::Tensor forward(const at::Tensor& x);
-  // x W^T without the bias, for a caller that adds `bias` in what follows (ops::bias_gelu_tanh).
+  // x W^T without the bias, for a caller that adds `bias` in what follows (ops::bias_gelu_tanh,
+  // ops::attention_packed).
   at::Tensor forward_without_bias(const at::Tensor& x);
   std::map<std::string, ShardSpec> shard_specs() const override;
 
