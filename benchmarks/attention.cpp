@@ -11,7 +11,9 @@
 // Each row also records the largest difference between the two outputs, so a fast wrong kernel
 // does not pass for a fast one.
 //
-// Prints one JSON object per row on stdout and a readable line on stderr. Needs a CUDA device.
+// Prints one JSON object per row on stdout and a readable line on stderr. Needs a CUDA device,
+// except with --device cpu: loom's CPU kernel (ops/cpu_attention.h) against PyTorch's CPU SDPA in
+// fp32, for example `--device cpu --tokens 2048 --width 256 --seq-lens 128 --head-dims 32 64`.
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -26,6 +28,7 @@
 
 #include "loom/apps/cli.h"
 #include "loom/loom.h"
+#include "loom/ops/cpu_attention.h"
 #include "loom/ops/flash_attention.h"
 
 namespace {
@@ -35,15 +38,19 @@ struct Options {
   std::vector<int64_t> head_dims{64, 128};
   int64_t tokens = 16384, width = 2048;
   std::string dtype = "bf16";
+  std::string device = "cuda";
   double min_ms = 100;
 };
 
-// Seconds per call of fn, over enough calls to fill min_ms.
-double seconds_per_call(const std::function<void()>& fn, double min_ms) {
+// Seconds per call of fn, over enough calls to fill min_ms (the device synchronized around it).
+double seconds_per_call(const std::function<void()>& fn, double min_ms, bool cuda) {
   using Clock = std::chrono::steady_clock;
+  auto synchronize = [cuda] {
+    if (cuda) torch::cuda::synchronize();
+  };
   fn();
   fn();
-  torch::cuda::synchronize();
+  synchronize();
   int64_t calls = 0;
   const auto start = Clock::now();
   double elapsed_ms = 0;
@@ -51,23 +58,30 @@ double seconds_per_call(const std::function<void()>& fn, double min_ms) {
     fn();
     ++calls;
     if (calls % 4 == 0 || elapsed_ms == 0) {
-      torch::cuda::synchronize();
+      synchronize();
       elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
     }
   }
-  torch::cuda::synchronize();
+  synchronize();
   elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return elapsed_ms / 1e3 / static_cast<double>(calls);
 }
 
 void run(const Options& o) {
-  LOOM_CHECK(loom::ops::cuda_device_count() > 0,
-             "loom-bench-attention needs a CUDA device (this machine has none{})",
+  LOOM_CHECK(o.device == "cuda" || o.device == "cpu", "--device '{}' must be cuda or cpu",
+             o.device);
+  const bool cuda = o.device == "cuda";
+  LOOM_CHECK(!cuda || loom::ops::cuda_device_count() > 0,
+             "loom-bench-attention needs a CUDA device (this machine has none{}); --device cpu "
+             "times the CPU kernel",
              loom::ops::built_with_cuda() ? "" : "; and this loom was built without CUDA");
-  LOOM_CHECK(o.dtype == "bf16" || o.dtype == "fp16", "--dtype '{}' must be bf16 or fp16", o.dtype);
-  const auto dtype = o.dtype == "bf16" ? at::kBFloat16 : at::kHalf;
-  const at::Device cuda(at::kCUDA, 0);
-  const auto device_name = loom::ops::cuda_device_name(0);
+  LOOM_CHECK(!cuda || o.dtype == "bf16" || o.dtype == "fp16", "--dtype '{}' must be bf16 or fp16",
+             o.dtype);
+  // The CPU kernel computes in fp32.
+  const auto dtype = !cuda ? at::kFloat : o.dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+  const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const auto device_name = cuda ? loom::ops::cuda_device_name(0)
+                                : "cpu (" + loom::ops::to_string(loom::ops::best_cpu_isa()) + ")";
   for (int64_t d : o.head_dims)
     for (int64_t s : o.seq_lens)
       LOOM_CHECK(s > 0 && d > 0 && o.tokens % s == 0 && o.width % d == 0,
@@ -78,14 +92,17 @@ void run(const Options& o) {
     for (int64_t s : o.seq_lens)
       for (bool causal : {false, true}) {
         const int64_t b = o.tokens / s, h = o.width / d;
-        const auto opts = at::TensorOptions(dtype).device(cuda);
+        const auto opts = at::TensorOptions(dtype).device(device);
         auto q = at::randn({b, h, s, d}, opts).requires_grad_();
         auto k = at::randn({b, h, s, d}, opts).requires_grad_();
         auto v = at::randn({b, h, s, d}, opts).requires_grad_();
         auto d_o = at::randn({b, h, s, d}, opts);
         const double scale = 1.0 / std::sqrt(static_cast<double>(d));
         using Attn = std::function<at::Tensor()>;
-        const Attn fused = [&] { return loom::ops::flash_attention(q, k, v, causal, scale); };
+        const Attn fused = [&] {
+          return cuda ? loom::ops::flash_attention(q, k, v, causal, scale)
+                      : loom::ops::cpu_attention(q, k, v, causal, scale);
+        };
         const Attn sdpa = [&] {
           return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, causal, scale);
         };
@@ -98,20 +115,20 @@ void run(const Options& o) {
         auto time = [&](const Attn& attn, bool backward) {
           if (!backward) {
             torch::NoGradGuard no_grad;
-            return seconds_per_call([&] { attn(); }, o.min_ms);
+            return seconds_per_call([&] { attn(); }, o.min_ms, cuda);
           }
           return seconds_per_call(
               [&] {
                 q.mutable_grad() = k.mutable_grad() = v.mutable_grad() = at::Tensor();
                 attn().backward(d_o);
               },
-              o.min_ms);
+              o.min_ms, cuda);
         };
         const double fused_fwd = time(fused, false), sdpa_fwd = time(sdpa, false);
         const double fused_all = time(fused, true), sdpa_all = time(sdpa, true);
         nlohmann::ordered_json row = {{"bench", "attention"},
                                       {"device", device_name},
-                                      {"dtype", o.dtype},
+                                      {"dtype", cuda ? o.dtype : "fp32"},
                                       {"batch", b},
                                       {"heads", h},
                                       {"seq_len", s},
@@ -126,14 +143,18 @@ void run(const Options& o) {
                                       {"max_abs_diff_vs_sdpa", max_diff}};
         std::printf("%s\n", row.dump().c_str());
         std::fflush(stdout);
-        std::fprintf(stderr,
-                     "d %3ld s %5ld %-6s fwd: fused %6.1f sdpa %6.1f TFLOP/s (x%.2f) | fwd+bwd: "
-                     "fused %6.1f sdpa %6.1f (x%.2f) | max diff %.3g%s\n",
-                     static_cast<long>(d), static_cast<long>(s), causal ? "causal" : "full",
-                     row["fused_fwd_tflops"].get<double>(), row["sdpa_fwd_tflops"].get<double>(),
-                     row["fwd_ratio"].get<double>(), row["fused_fwd_bwd_tflops"].get<double>(),
-                     row["sdpa_fwd_bwd_tflops"].get<double>(), row["fwd_bwd_ratio"].get<double>(),
-                     max_diff, max_diff > 0.05 ? "  <- SUSPECT: outputs disagree" : "");
+        // The readable line in TFLOP/s on a GPU, GFLOP/s on the CPU.
+        const double unit = cuda ? 1.0 : 1e3;
+        std::fprintf(
+            stderr,
+            "d %3ld s %5ld %-6s fwd: fused %6.1f sdpa %6.1f %s (x%.2f) | fwd+bwd: "
+            "fused %6.1f sdpa %6.1f (x%.2f) | max diff %.3g%s\n",
+            static_cast<long>(d), static_cast<long>(s), causal ? "causal" : "full",
+            unit * row["fused_fwd_tflops"].get<double>(),
+            unit * row["sdpa_fwd_tflops"].get<double>(), cuda ? "TFLOP/s" : "GFLOP/s",
+            row["fwd_ratio"].get<double>(), unit * row["fused_fwd_bwd_tflops"].get<double>(),
+            unit * row["sdpa_fwd_bwd_tflops"].get<double>(), row["fwd_bwd_ratio"].get<double>(),
+            max_diff, max_diff > 0.05 ? "  <- SUSPECT: outputs disagree" : "");
       }
 }
 
@@ -142,7 +163,7 @@ void run(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{
       "Fused attention vs at::scaled_dot_product_attention: TFLOP/s forward and "
-      "forward + backward (needs a CUDA device).",
+      "forward + backward (CUDA; --device cpu: loom's CPU kernel in fp32).",
       "loom-bench-attention"};
   Options o;
   app.add_option("--seq-lens", o.seq_lens, "Sequence lengths")->capture_default_str();
@@ -151,7 +172,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "batch x sequence length, held constant")
       ->capture_default_str();
   app.add_option("--width", o.width, "heads x head dim, held constant")->capture_default_str();
-  app.add_option("--dtype", o.dtype, "bf16 | fp16")->capture_default_str();
+  app.add_option("--dtype", o.dtype, "bf16 | fp16 (CUDA; the CPU kernel is fp32)")
+      ->capture_default_str();
+  app.add_option("--device", o.device, "cuda | cpu")->capture_default_str();
   app.add_option("--min-ms", o.min_ms, "Time each measurement at least this long")
       ->capture_default_str();
   return loom::apps::run_app(app, argc, argv, [&] { run(o); });
