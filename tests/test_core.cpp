@@ -3,12 +3,14 @@
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
 #include "loom/core/format.h"
 #include "loom/core/memory.h"
+#include "loom/core/preemption.h"
 #include "loom/core/rng.h"
 #include "loom/core/safetensors.h"
 #include "test_util.h"
@@ -322,4 +324,38 @@ TEST(MemoryReport, DescribeAndJsonNameEveryField) {
   EXPECT_EQ(json.at("peak_activations_bytes"), 3 * kMiB / 2);
   EXPECT_EQ(json.at("current_bytes"), 48 * kMiB);
   EXPECT_EQ(json.at("peak_bytes"), 50 * kMiB);
+}
+
+TEST(Preemption, SignalNamesParseAndBadOnesAreNamed) {
+  EXPECT_EQ(core::parse_preemption_signals("TERM,USR1"), (std::vector<int>{SIGTERM, SIGUSR1}));
+  EXPECT_EQ(core::parse_preemption_signals("sigusr1, term ,usr1"),
+            (std::vector<int>{SIGUSR1, SIGTERM}));
+  EXPECT_TRUE(core::parse_preemption_signals("none").empty());
+  EXPECT_TRUE(core::parse_preemption_signals("").empty());
+  EXPECT_EQ(core::signal_name(SIGUSR1), "SIGUSR1");
+  const auto msg = error_of([] { core::parse_preemption_signals("TERM,KILL"); });
+  EXPECT_TRUE(loom::testing::contains(msg, "preemption signal 'KILL' in 'TERM,KILL' is not known"))
+      << msg;
+  EXPECT_TRUE(loom::testing::contains(msg, "TERM, USR1")) << msg;
+}
+
+// The watch records the first signal instead of dying, and puts back the previous handlers.
+TEST(Preemption, WatchRecordsTheSignalAndRestoresThePreviousHandler) {
+  static volatile std::sig_atomic_t previous_ran = 0;
+  auto* const before = std::signal(SIGUSR2, [](int) { previous_ran = 1; });
+  {
+    core::PreemptionWatch watch({SIGUSR1, SIGUSR2});
+    EXPECT_EQ(watch.received(), 0);
+    std::raise(SIGUSR2);
+    std::raise(SIGUSR1);
+    EXPECT_EQ(watch.received(), SIGUSR2);  // the first one
+    EXPECT_EQ(previous_ran, 0);
+    const auto msg = error_of([] { core::PreemptionWatch second({SIGUSR1}); });
+    EXPECT_TRUE(loom::testing::contains(msg, "already installed")) << msg;
+  }
+  std::raise(SIGUSR2);
+  EXPECT_EQ(previous_ran, 1);
+  std::signal(SIGUSR2, before);
+  core::PreemptionWatch again({SIGUSR1});  // a new watch starts clear
+  EXPECT_EQ(again.received(), 0);
 }

@@ -91,6 +91,10 @@ int pretrain_main(int argc, char** argv) {
   app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
   app.add_option("--save-dir", c.save_dir, "Write checkpoints here");
+  app.add_option("--preempt-signal", c.preempt_signals,
+                 "Signals that ask for a checkpoint and a clean exit (status 75) after the step "
+                 "in flight, e.g. TERM,USR1 (Slurm: sbatch --signal=USR1@120), or none")
+      ->capture_default_str();
   app.add_option("--save-every", c.save_every, "Checkpoint every N steps (0: only at the end)")
       ->capture_default_str();
   app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
@@ -187,7 +191,8 @@ int pretrain_main(int argc, char** argv) {
   // destroying the trainer first could wait for collectives the other ranks never issue.
   std::optional<loom::dist::Runtime> runtime;
   std::unique_ptr<loom::train::Trainer> trainer;
-  return run_app(app, argc, argv, [&] {
+  int preempted = 0;
+  const int code = run_app(app, argc, argv, [&] {
     if (app.count("--micro-batches") > 0) {
       LOOM_CHECK(micro_batches > 0, "--micro-batches {} must be positive", micro_batches);
       LOOM_CHECK(app.count("--grad-accum") == 0 || c.grad_accum == micro_batches,
@@ -203,7 +208,9 @@ int pretrain_main(int argc, char** argv) {
     trainer = std::make_unique<loom::train::Trainer>(
         c, runtime->mesh({.dp = c.dp, .tp = c.tp, .pp = c.pp}));
     trainer->fit();
+    preempted = trainer->preempted_by();
   });
+  return code == 0 && preempted != 0 ? loom::train::kPreemptedExitCode : code;
 }
 
 }  // namespace loom::apps

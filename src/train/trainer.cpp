@@ -10,6 +10,7 @@
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/core/preemption.h"
 #include "loom/models/hf.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cuda.h"
@@ -257,6 +258,12 @@ StepResult Trainer::fit() {
   const int64_t first_step = step();
   StepResult last;
   last.step = step();
+  // Signals are only recorded while the loop runs; it looks at them between steps.
+  std::optional<core::PreemptionWatch> watch;
+  if (const auto signals = core::parse_preemption_signals(config_.preempt_signals);
+      !signals.empty())
+    watch.emplace(signals);
+  preempted_by_ = 0;
   while (step() < config_.steps) {
     last = train_step();
     const double elapsed =
@@ -288,12 +295,31 @@ StepResult Trainer::fit() {
     metrics_.write(record);
     if (step() % config_.log_every == 0 || final_step || step() == first_step + 1)
       log_progress(last, tokens_per_s, avg_step * static_cast<double>(config_.steps - step()));
-    if (!config_.save_dir.empty() &&
-        ((config_.save_every > 0 && step() % config_.save_every == 0) || final_step))
-      save_checkpoint();
+    const bool save = !config_.save_dir.empty() &&
+                      ((config_.save_every > 0 && step() % config_.save_every == 0) || final_step);
+    if (save) save_checkpoint();
+    if (watch && (preempted_by_ = agreed_preemption(watch->received())) != 0) {
+      if (!config_.save_dir.empty() && !save) save_checkpoint();
+      if (config_.save_dir.empty())
+        spdlog::warn("{} after step {}: stopping without a checkpoint (no --save-dir)",
+                     core::signal_name(preempted_by_), step());
+      else
+        spdlog::info(
+            "{} after step {}: checkpoint written to '{}'; stopping (resume with --resume)",
+            core::signal_name(preempted_by_), step(), config_.save_dir);
+      return last;
+    }
   }
   if (!config_.export_hf.empty()) export_hf();
   return last;
+}
+
+int Trainer::agreed_preemption(int received) {
+  // A signal may reach only some ranks (or reach them in different steps): the maximum over
+  // the world makes every rank stop after the same step.
+  auto signal = at::full({1}, received, at::kInt);
+  if (mesh_->world_size() > 1) mesh_->world().all_reduce(signal, dist::ReduceOp::Max);
+  return signal.item<int>();
 }
 
 }  // namespace loom::train

@@ -93,6 +93,8 @@ struct TrainConfig {
   int64_t log_every = 10;
   int64_t eval_every = 0;    // 0 = only at the end
   int64_t eval_batches = 8;  // validation batches of batch_size sequences
+  // Signals that ask for a checkpoint and a clean exit (core::parse_preemption_signals).
+  std::string preempt_signals = "TERM,USR1";
 
   // Throws loom::Error naming the field, its value and what would be valid.
   void validate() const;

@@ -31,6 +31,10 @@ class ZeroOptimizer;
 
 namespace loom::train {
 
+// loom-pretrain's exit status after a preemption signal stopped training: 75 (EX_TEMPFAIL from
+// sysexits.h, "try again later"), which a job script can tell from success and from failure.
+inline constexpr int kPreemptedExitCode = 75;
+
 class Trainer {
  public:
   // Everything that can be wrong with the configuration, the strategies' composition, the data
@@ -46,8 +50,13 @@ class Trainer {
   ~Trainer();  // puts back the memory cap that was there before --memory-cap-mb
 
   // Trains from the current step to config.steps, logging progress, evaluating and saving as
-  // configured. Returns the last step's result.
+  // configured. Returns the last step's result. While it runs, the signals of
+  // config.preempt_signals are caught: when one reaches any rank, every rank finishes the step
+  // in flight, the ranks agree on it, the checkpoint is written (with a save directory) and fit
+  // returns early, preempted_by() naming the signal.
   StepResult fit();
+  // The signal that stopped the last fit() (0: it ran to the end).
+  int preempted_by() const { return preempted_by_; }
   // One optimizer step over one global batch.
   StepResult train_step();
   // Mean next-token loss over the first `batches` x batch_size sequential windows of the
@@ -111,6 +120,8 @@ class Trainer {
   // failed throws its error, the others throw naming how many failed and `what` they could not
   // do, so none waits in a collective for a rank that gave up. Collective over the world.
   void share_outcome(const std::string& error, const std::string& what);
+  // The largest signal number any rank has received (0: none): one all-reduce over the world.
+  int agreed_preemption(int received);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
   data::Batch on_device(data::Batch batch) const;
   double elapsed_s() const;
@@ -137,6 +148,7 @@ class Trainer {
   at::Device device_{at::kCPU};
   double flops_per_token_ = 0;
   double peak_flops_ = 0;  // 0: unknown, no MFU
+  int preempted_by_ = 0;   // the signal that stopped the last fit(), or 0
 };
 
 // Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded, in the
