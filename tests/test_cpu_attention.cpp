@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "loom/core/rng.h"
+#include "loom/models/causal_lm.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cpu_attention.h"
 #include "test_util.h"
@@ -247,17 +248,80 @@ TEST(CpuAttention, PackedProjectionBiasIsAddedAndDifferentiatedInTheKernel) {
       sdpa_in, {.causal = true, .backend = ops::AttentionBackend::kSdpa}, sdpa_bias);
   o_sdpa.backward(d_o);
   const auto heads = added.detach().permute({2, 0, 3, 1, 4});
-  const auto ref = reference({3, 2, 2, 45, 45, 48, true, true}, {heads[0], heads[1], heads[2], d_o});
+  const auto ref =
+      reference({3, 2, 2, 45, 45, 48, true, true}, {heads[0], heads[1], heads[2], d_o});
   EXPECT_LE(worst(o_sdpa, ref.o, ref.bound_o), 1.0);
   // Its bias gradient: SDPA's dq, dk, dv errors (their bounds) summed over batch and positions,
   // plus the sum's own rounding.
   const auto grad_bounds =
       at::stack({ref.bound_dq, ref.bound_dk, ref.bound_dv}).sum({1, 3}).reshape({-1});
-  EXPECT_LE(((sdpa_bias.grad().to(at::kDouble) - rows.sum(0)).abs() / (grad_bounds + bound)).max()
+  EXPECT_LE(((sdpa_bias.grad().to(at::kDouble) - rows.sum(0)).abs() / (grad_bounds + bound))
+                .max()
                 .item<double>(),
             1.0);
   const auto msg = error_of([&] { ops::attention_packed(base, {}, at::randn({5})); });
   EXPECT_TRUE(contains(msg, "bias has 5 values")) << msg;
+}
+
+// The whole GPT-2 on the kernel (head dim 16: packed gradient, c_attn bias in the kernel), with
+// activation checkpointing, against an fp64 run of the same model (which takes SDPA): the
+// kernel path's errors are no larger than those of the same fp32 model on PyTorch's SDPA
+// (twice, plus a floor at fp32's resolution), and recomputing the attention core (selective) or
+// each block (full) changes no bit of the loss.
+TEST(CpuAttention, Gpt2OnTheKernelIsAsAccurateAsOnSdpaAndCheckpointsExactly) {
+  auto c = models::ModelConfig::preset("gpt2-tiny");
+  c.vocab_size = 61, c.d_model = 64, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 4;
+  c.d_ff = 256, c.max_seq_len = 32;
+  const auto tokens = at::randint(0, c.vocab_size, {4, 32}, core::make_generator(1));
+  const auto targets = at::randint(0, c.vocab_size, {4, 32}, core::make_generator(2));
+  struct Run {
+    at::Tensor loss;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](at::ScalarType dtype, ops::AttentionBackend backend,
+                 models::ActivationCheckpointing mode) {
+    auto m = models::make_model(c);
+    models::init_parameters(*m, 3);
+    m->to(dtype);
+    m->set_attention_backend(backend);
+    m->set_activation_checkpointing(mode);
+    Run r{m->loss(tokens, targets), {}};
+    r.loss.backward();
+    for (const auto& p : m->parameters()) r.grads.push_back(p.grad().to(at::kDouble));
+    return r;
+  };
+  using models::ActivationCheckpointing;
+  using ops::AttentionBackend;
+  const auto exact = run(at::kDouble, AttentionBackend::kAuto, ActivationCheckpointing::kNone);
+  const auto kernel = run(at::kFloat, AttentionBackend::kAuto, ActivationCheckpointing::kNone);
+  const auto sdpa = run(at::kFloat, AttentionBackend::kSdpa, ActivationCheckpointing::kNone);
+  // Largest gradient error relative to the largest gradient, over parameters.
+  auto error = [&](const Run& r) {
+    double worst = 0;
+    for (size_t i = 0; i < r.grads.size(); ++i)
+      worst = std::max(worst, ((r.grads[i] - exact.grads[i]).abs().max() /
+                               exact.grads[i].abs().max().clamp_min(1e-300))
+                                  .item<double>());
+    return worst;
+  };
+  const double loss_kernel = std::abs(kernel.loss.item<double>() - exact.loss.item<double>());
+  const double loss_sdpa = std::abs(sdpa.loss.item<double>() - exact.loss.item<double>());
+  std::printf(
+      "GPT-2 vs fp64: loss error kernel %.3g sdpa %.3g; gradient error kernel %.3g sdpa %.3g\n",
+      loss_kernel, loss_sdpa, error(kernel), error(sdpa));
+  const double floor = 16 * kEps32;
+  EXPECT_LE(loss_kernel, 2 * loss_sdpa + floor * exact.loss.item<double>());
+  EXPECT_LE(error(kernel), 2 * error(sdpa) + floor);
+  for (auto mode : {ActivationCheckpointing::kSelective, ActivationCheckpointing::kFull}) {
+    const auto r = run(at::kFloat, AttentionBackend::kAuto, mode);
+    EXPECT_TRUE(at::equal(r.loss, kernel.loss)) << models::to_string(mode);
+    for (size_t i = 0; i < r.grads.size(); ++i)
+      EXPECT_LE(((r.grads[i] - kernel.grads[i]).abs().max() /
+                 kernel.grads[i].abs().max().clamp_min(1e-30))
+                    .item<double>(),
+                1e-6)
+          << models::to_string(mode) << " parameter " << i;
+  }
 }
 
 TEST(CpuAttention, RefusesWhatItCannotTakeWithTheReason) {
