@@ -5,7 +5,8 @@
 #  1. one process, SIGUSR1;
 #  2. one process, SIGTERM; no --save-dir: status 75 and a warning; with --preempt-signal none
 #     SIGTERM kills as before; a bad signal name: status 2;
-#  3. 4 ranks as dp 2 x pp 2 under mpirun, SIGUSR1 sent to ONE rank only: all stop together.
+#  3. 4 ranks as dp 2 x pp 2 under mpirun, SIGUSR1 sent to ONE rank only: all stop together;
+#  4. 2 ranks, SIGUSR1 sent to mpirun, which forwards it.
 # Needs TOOLS (loom-pretrain, loom-prepare) and MPIEXEC.
 set -uo pipefail
 work=$(mktemp -d)
@@ -103,4 +104,7 @@ else say "ok: --preempt-signal USR1,USR3 refused with status 2"; fi
 
 launch=("$MPIEXEC" -np 4) extra=(--dp 2 --pp 2 --comm-timeout 30)
 check dp2_pp2_one_rank_signalled USR1 one_rank
+# Sent to mpirun itself, which forwards SIGUSR1 to every rank (docs/reliability.md).
+launch=("$MPIEXEC" -np 2) extra=(--comm-timeout 30)
+check dp2_signal_to_mpirun USR1 itself
 exit $fail
