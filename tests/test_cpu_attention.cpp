@@ -263,15 +263,18 @@ TEST(CpuAttention, PackedProjectionBiasIsAddedAndDifferentiatedInTheKernel) {
   EXPECT_TRUE(contains(msg, "bias has 5 values")) << msg;
 }
 
-// The whole GPT-2 on the kernel (head dim 16: packed gradient, c_attn bias in the kernel), with
-// activation checkpointing, against an fp64 run of the same model (which takes SDPA): the
-// kernel path's errors are no larger than those of the same fp32 model on PyTorch's SDPA
-// (twice, plus a floor at fp32's resolution), and recomputing the attention core (selective) or
-// each block (full) changes no bit of the loss.
-TEST(CpuAttention, Gpt2OnTheKernelIsAsAccurateAsOnSdpaAndCheckpointsExactly) {
-  auto c = models::ModelConfig::preset("gpt2-tiny");
-  c.vocab_size = 61, c.d_model = 64, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 4;
-  c.d_ff = 256, c.max_seq_len = 32;
+// A whole model on the kernel (head dim 16; GPT-2: packed gradient and c_attn bias in the
+// kernel; Llama: grouped-query heads, RoPE'd q and k), with activation checkpointing, against an
+// fp64 run of the same model (which takes SDPA): the kernel path's errors are no larger than
+// those of the same fp32 model on PyTorch's SDPA (twice, plus a floor at fp32's resolution), and
+// recomputing the attention core (selective) or each block (full) changes no bit of the loss.
+class ModelOnTheKernel : public ::testing::TestWithParam<models::Family> {};
+
+TEST_P(ModelOnTheKernel, IsAsAccurateAsOnSdpaAndCheckpointsExactly) {
+  const bool gpt2 = GetParam() == models::Family::kGpt2;
+  auto c = models::ModelConfig::preset(gpt2 ? "gpt2-tiny" : "llama-tiny");
+  c.vocab_size = 61, c.d_model = 64, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = gpt2 ? 4 : 2;
+  c.d_ff = gpt2 ? 256 : 176, c.max_seq_len = 32;
   const auto tokens = at::randint(0, c.vocab_size, {4, 32}, core::make_generator(1));
   const auto targets = at::randint(0, c.vocab_size, {4, 32}, core::make_generator(2));
   struct Run {
@@ -307,8 +310,8 @@ TEST(CpuAttention, Gpt2OnTheKernelIsAsAccurateAsOnSdpaAndCheckpointsExactly) {
   const double loss_kernel = std::abs(kernel.loss.item<double>() - exact.loss.item<double>());
   const double loss_sdpa = std::abs(sdpa.loss.item<double>() - exact.loss.item<double>());
   std::printf(
-      "GPT-2 vs fp64: loss error kernel %.3g sdpa %.3g; gradient error kernel %.3g sdpa %.3g\n",
-      loss_kernel, loss_sdpa, error(kernel), error(sdpa));
+      "%s vs fp64: loss error kernel %.3g sdpa %.3g; gradient error kernel %.3g sdpa %.3g\n",
+      gpt2 ? "GPT-2" : "Llama", loss_kernel, loss_sdpa, error(kernel), error(sdpa));
   const double floor = 16 * kEps32;
   EXPECT_LE(loss_kernel, 2 * loss_sdpa + floor * exact.loss.item<double>());
   EXPECT_LE(error(kernel), 2 * error(sdpa) + floor);
@@ -323,6 +326,10 @@ TEST(CpuAttention, Gpt2OnTheKernelIsAsAccurateAsOnSdpaAndCheckpointsExactly) {
           << models::to_string(mode) << " parameter " << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(CpuAttention, ModelOnTheKernel,
+                         ::testing::Values(models::Family::kGpt2, models::Family::kLlama),
+                         [](const auto& info) { return models::to_string(info.param); });
 
 TEST(CpuAttention, RefusesWhatItCannotTakeWithTheReason) {
   auto q = at::randn({1, 2, 8, 32});
