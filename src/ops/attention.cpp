@@ -32,6 +32,13 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              k.size(2));
 }
 
+// Whether loom's CPU kernel may take attention on `device` with these options (its own checks of
+// the tensors aside): backend auto, no dropout mask, a CPU device, CPU kernels on.
+bool cpu_kernel_allowed(const at::Device& device, const AttentionOptions& options) {
+  return options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
+         device.is_cpu() && cpu::kernels_enabled();
+}
+
 }  // namespace
 
 std::string to_string(AttentionBackend backend) {
@@ -81,7 +88,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       if (!options.dropout_mask.defined() && q.is_cuda() &&
           !flash_attention_unsupported(q, k, v, options.dropout))
         return flash_attention(q, k, v, options.causal, scale);
-      if (!options.dropout_mask.defined() && q.device().is_cpu() && cpu::kernels_enabled() &&
+      if (cpu_kernel_allowed(q.device(), options) &&
           !cpu_attention_unsupported(q, k, v, options.dropout))
         return cpu_attention(q, k, v, options.causal, scale);
       break;
@@ -99,10 +106,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 bool attention_packed_takes_bias(const at::Tensor& input, int64_t head_dim,
                                  const AttentionOptions& options) {
-  return options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
-         options.dropout == 0 && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
-         !at::autocast::is_autocast_enabled(at::kCPU) && cpu::kernels_enabled() && head_dim > 0 &&
-         head_dim % 16 == 0;
+  return cpu_kernel_allowed(input.device(), options) && options.dropout == 0 &&
+         input.scalar_type() == at::kFloat && !at::autocast::is_autocast_enabled(at::kCPU) &&
+         head_dim > 0 && head_dim % 16 == 0;
 }
 
 at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& options,
@@ -114,8 +120,7 @@ at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& optio
              "attention: the packed projection's bias has {} values; [3 * heads * head_dim] = {} "
              "expected",
              bias.defined() ? bias.numel() : 0, 3 * qkv.size(3) * qkv.size(4));
-  if (options.backend == AttentionBackend::kAuto && !options.dropout_mask.defined() &&
-      qkv.device().is_cpu() && cpu::kernels_enabled() &&
+  if (cpu_kernel_allowed(qkv.device(), options) &&
       !cpu_attention_packed_unsupported(qkv, options.dropout, bias))
     return cpu_attention_packed(
         qkv, options.causal,

@@ -73,8 +73,7 @@ struct BackwardArgs {
 
 // Over (batch, query head) indices [begin, end): one thread's share, with its own buffers.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_t end,
-                                     float* scratch) {
+LOOM_FORCE_INLINE void run_range(const ForwardArgs& a, int64_t begin, int64_t end, float* scratch) {
   static_assert(R <= kMaxRows);
   const auto& h = a.p.head;
   const int64_t d = h.d;
@@ -94,8 +93,8 @@ LOOM_FORCE_INLINE void forward_range(const ForwardArgs& a, int64_t begin, int64_
 // Over (batch, key/value head) indices: the group's query heads one after another, so dk and dv
 // are summed in one thread's buffers.
 template <int R, int NVMax>
-LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int64_t end,
-                                      float* scratch) {
+LOOM_FORCE_INLINE void run_range(const BackwardArgs& a, int64_t begin, int64_t end,
+                                 float* scratch) {
   static_assert(R <= kMaxRows);
   const auto& h = a.p.head;
   const int64_t d = h.d, sp = h.sp, tp = h.tp;
@@ -139,40 +138,25 @@ LOOM_FORCE_INLINE void backward_range(const BackwardArgs& a, int64_t begin, int6
 // more rows when the head is too narrow (head_dim < 16 NVMax) to fill the vectors.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LOOM_HAS_X86_LEVELS 1
-__attribute__((target("avx512f,fma"))) void forward_avx512(const ForwardArgs& a, int64_t b,
-                                                           int64_t e, float* w) {
-  if (a.p.head.d >= 64)
-    forward_range<4, 4>(a, b, e, w);
-  else
-    forward_range<8, 2>(a, b, e, w);
-}
-__attribute__((target("avx2,fma"))) void forward_avx2(const ForwardArgs& a, int64_t b, int64_t e,
-                                                      float* w) {
-  if (a.p.head.d >= 32)
-    forward_range<2, 2>(a, b, e, w);
-  else
-    forward_range<4, 1>(a, b, e, w);
-}
-__attribute__((target("avx512f,fma"))) void backward_avx512(const BackwardArgs& a, int64_t b,
-                                                            int64_t e, float* w) {
-  if (a.p.head.d >= 64)
-    backward_range<4, 4>(a, b, e, w);
-  else
-    backward_range<8, 2>(a, b, e, w);
-}
-__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs& a, int64_t b, int64_t e,
+template <typename Args>
+__attribute__((target("avx512f,fma"))) void run_avx512(const Args& a, int64_t b, int64_t e,
                                                        float* w) {
-  if (a.p.head.d >= 32)
-    backward_range<2, 2>(a, b, e, w);
+  if (a.p.head.d >= 64)
+    run_range<4, 4>(a, b, e, w);
   else
-    backward_range<4, 1>(a, b, e, w);
+    run_range<8, 2>(a, b, e, w);
+}
+template <typename Args>
+__attribute__((target("avx2,fma"))) void run_avx2(const Args& a, int64_t b, int64_t e, float* w) {
+  if (a.p.head.d >= 32)
+    run_range<2, 2>(a, b, e, w);
+  else
+    run_range<4, 1>(a, b, e, w);
 }
 #endif
-void forward_baseline(const ForwardArgs& a, int64_t b, int64_t e, float* w) {
-  forward_range<2, 1>(a, b, e, w);
-}
-void backward_baseline(const BackwardArgs& a, int64_t b, int64_t e, float* w) {
-  backward_range<2, 1>(a, b, e, w);
+template <typename Args>
+void run_baseline(const Args& a, int64_t b, int64_t e, float* w) {
+  run_range<2, 1>(a, b, e, w);
 }
 
 void check_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -200,17 +184,23 @@ at::Tensor unit_stride(const at::Tensor& x) {
 // Heads per parallel_for chunk: one is already ~10^5 multiply-adds at T = 64.
 constexpr int64_t kGrain = 1;
 
-// Runs `run` over [0, n) on ATen's threads, each with its slice of one scratch buffer allocated
-// here, on the calling thread (so the memory comes from, and returns to, its heap).
-template <typename Run>
-void for_each_head(int64_t n, int64_t scratch_per_thread, const Run& run) {
+// Runs the kernel of level `isa` over heads [0, n) of `args` on ATen's threads, each with its
+// slice of one scratch buffer allocated here, on the calling thread (so the memory comes from,
+// and returns to, its heap).
+template <typename Args>
+void run_heads(CpuIsa isa, const Args& args, int64_t n, int64_t scratch_per_thread) {
+  auto run = run_baseline<Args>;
+#ifdef LOOM_HAS_X86_LEVELS
+  if (isa == CpuIsa::kAvx512) run = run_avx512<Args>;
+  if (isa == CpuIsa::kAvx2) run = run_avx2<Args>;
+#endif
   if (n == 0) return;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   auto scratch = at::empty({threads * scratch_per_thread}, at::kFloat);
   float* base = scratch.data_ptr<float>();
-  if (threads == 1) return run(int64_t{0}, n, base);
+  if (threads == 1) return run(args, 0, n, base);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    run(begin, end, base + at::get_thread_num() * scratch_per_thread);
+    run(args, begin, end, base + at::get_thread_num() * scratch_per_thread);
   });
 }
 
@@ -226,14 +216,8 @@ void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const ForwardArgs args{
       problem_of(q, k, causal, scale), strided(q), strided(k), strided(v), strided(o),
       lse.data_ptr<float>(),           bias};
-  auto run = forward_baseline;
-#ifdef LOOM_HAS_X86_LEVELS
-  if (isa == CpuIsa::kAvx512) run = forward_avx512;
-  if (isa == CpuIsa::kAvx2) run = forward_avx2;
-#endif
-  if (q.size(2) == 0) return;
-  for_each_head(args.p.batch * args.p.heads, forward_scratch(args.p.head),
-                [&](int64_t begin, int64_t end, float* w) { run(args, begin, end, w); });
+  if (q.size(2) > 0)
+    run_heads(isa, args, args.p.batch * args.p.heads, forward_scratch(args.p.head));
 }
 
 // Backward into dq, dk, dv (unit last stride; every element written).
@@ -257,13 +241,7 @@ void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor&
                           strided(dv),
                           lse.data_ptr<float>(),
                           bias};
-  auto run = backward_baseline;
-#ifdef LOOM_HAS_X86_LEVELS
-  if (isa == CpuIsa::kAvx512) run = backward_avx512;
-  if (isa == CpuIsa::kAvx2) run = backward_avx2;
-#endif
-  for_each_head(args.p.batch * args.p.kv_heads, backward_scratch(args.p.head),
-                [&](int64_t begin, int64_t end, float* w) { run(args, begin, end, w); });
+  run_heads(isa, args, args.p.batch * args.p.kv_heads, backward_scratch(args.p.head));
 }
 
 struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
@@ -340,7 +318,6 @@ struct PackedAttention {
       // Over the batch in order: the same bits at any thread count.
       grad_bias = partial[0].clone();
       for (int64_t i = 1; i < batch; ++i) grad_bias.add_(partial[i]);
-      grad_bias = grad_bias.to(bias.scalar_type());
     }
     return {grad, grad_bias};
   }
