@@ -298,7 +298,9 @@ StepResult Trainer::fit() {
     const bool save = !config_.save_dir.empty() &&
                       ((config_.save_every > 0 && step() % config_.save_every == 0) || final_step);
     if (save) save_checkpoint();
-    if (watch && (preempted_by_ = agreed_preemption(watch->received())) != 0) {
+    // A signal may reach only some ranks, or reach them in different steps: the largest signal
+    // number any rank has seen makes every rank stop after the same step.
+    if (watch && (preempted_by_ = reduce_over_world(watch->received(), dist::ReduceOp::Max)) != 0) {
       if (!config_.save_dir.empty() && !save) save_checkpoint();
       if (config_.save_dir.empty())
         spdlog::warn("{} after step {}: stopping without a checkpoint (no --save-dir)",
@@ -314,12 +316,10 @@ StepResult Trainer::fit() {
   return last;
 }
 
-int Trainer::agreed_preemption(int received) {
-  // A signal may reach only some ranks (or reach them in different steps): the maximum over
-  // the world makes every rank stop after the same step.
-  auto signal = at::full({1}, received, at::kInt);
-  if (mesh_->world_size() > 1) mesh_->world().all_reduce(signal, dist::ReduceOp::Max);
-  return signal.item<int>();
+int Trainer::reduce_over_world(int value, dist::ReduceOp op) {
+  auto tensor = at::full({1}, value, at::kInt);
+  if (mesh_->world_size() > 1) mesh_->world().all_reduce(tensor, op);
+  return tensor.item<int>();
 }
 
 }  // namespace loom::train

@@ -444,11 +444,9 @@ fs::path Trainer::save_checkpoint() {
 }
 
 void Trainer::share_outcome(const std::string& error, const std::string& what) {
-  auto failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
-  if (mesh_->world_size() > 1) mesh_->world().all_reduce(failed, dist::ReduceOp::Sum);
+  const int failed = reduce_over_world(error.empty() ? 0 : 1, dist::ReduceOp::Sum);
   LOOM_CHECK(error.empty(), "{}", error);
-  LOOM_CHECK(failed.item<int>() == 0, "{} rank(s) could not {} (their errors say why)",
-             failed.item<int>(), what);
+  LOOM_CHECK(failed == 0, "{} rank(s) could not {} (their errors say why)", failed, what);
 }
 
 void Trainer::share_rank0_outcome(const std::exception_ptr& failure, const std::string& what) {

@@ -120,8 +120,8 @@ class Trainer {
   // failed throws its error, the others throw naming how many failed and `what` they could not
   // do, so none waits in a collective for a rank that gave up. Collective over the world.
   void share_outcome(const std::string& error, const std::string& what);
-  // The largest signal number any rank has received (0: none): one all-reduce over the world.
-  int agreed_preemption(int received);
+  // `value` reduced over every rank of the world (itself at one rank): one all-reduce.
+  int reduce_over_world(int value, dist::ReduceOp op);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
   data::Batch on_device(data::Batch batch) const;
   double elapsed_s() const;
