@@ -71,36 +71,7 @@ expect "does not exist" "$TOOLS/loom-eval" --checkpoint "$work/none" --data "$wo
 expect "missing.bin" "${run[@]}" --data "$work/missing.bin" --save-dir "$work/refused"
 if [ -e "$work/refused/latest" ]; then echo "FAIL: a refused run wrote a checkpoint"; fail=1; fi
 
-# kill -9 at random moments while a checkpoint is written every step: the save directory
-# always holds a loadable checkpoint, and the run resumes from it.
-kill_run=("$TOOLS/loom-pretrain" --model llama --preset llama-tiny --data "$work/data/train.bin"
-  --steps 1000000 --batch-size 4 --seq-len 32 --save-every 1 --save-dir "$work/killed" --log-level off)
-for i in 1 2 3 4 5; do
-  extra=()
-  [ -f "$work/killed/latest" ] && extra=(--resume "$work/killed")
-  before=$(cat "$work/killed/latest" 2> /dev/null)
-  "${kill_run[@]}" "${extra[@]}" &
-  pid=$!
-  # Until this run has written a checkpoint of its own (start-up is slow on a loaded machine;
-  # at most 60 s), then a random moment within the next second: mid-save or between saves.
-  for ((w = 0; w < 600; w++)); do
-    [ "$(cat "$work/killed/latest" 2> /dev/null)" != "$before" ] && break
-    kill -0 $pid 2> /dev/null || break
-    sleep 0.1
-  done
-  sleep "0.$((RANDOM % 10))"
-  kill -9 $pid 2> /dev/null
-  wait $pid 2> /dev/null
-  if [ -f "$work/killed/latest" ]; then
-    if ! "$TOOLS/loom-eval" --checkpoint "$work/killed" --data "$work/data/val.bin" --seq-len 32 \
-      --batches 1 > /dev/null 2>&1; then
-      echo "FAIL: kill $i left no loadable checkpoint ($(cat "$work/killed/latest"))"
-      fail=1
-    fi
-  fi
-done
-[ -f "$work/killed/latest" ] && echo "ok: 5 kills, checkpoint $(cat "$work/killed/latest") loads" \
-  || { echo "FAIL: no checkpoint after 5 runs"; fail=1; }
+# kill -9 at random moments: tests/kill_test.sh (ctest reliability.kill9).
 
 # The happy path through every tool: flags from a TOML config, checkpoint, resume, eval, sample.
 cat > "$work/train.toml" << TOML

@@ -1,5 +1,5 @@
-// loom-pretrain's command line (apps/pretrain.h): every flag maps to a TrainConfig field; the
-// Trainer does the rest.
+// loom-pretrain (apps/pretrain.h): the flags (pretrain_cli.h) become a TrainConfig; the Trainer
+// does the rest.
 #include "loom/apps/pretrain.h"
 
 #include <fmt/format.h>
@@ -17,6 +17,7 @@
 #include "loom/train/builtin_strategies.h"
 #include "loom/train/runtime.h"
 #include "loom/train/trainer.h"
+#include "pretrain_cli.h"
 
 namespace loom::apps {
 
@@ -25,188 +26,20 @@ int pretrain_main(int argc, char** argv) {
   // Named as invoked: a user's binary running this command line reports errors under its name.
   const std::string name =
       argc > 0 ? std::filesystem::path(argv[0]).filename().string() : "loom-pretrain";
-  CLI::App app{"Pretrain a GPT-2 or Llama model with loom.", name};
-  app.set_config("--config", "", "Read flags from a TOML/INI file (keys are flag names)");
-  loom::train::TrainConfig c;
-  int threads = 0;
-  double comm_timeout = 300;
-  std::string log_level = "info";
-  app.add_option("--model", c.model, "Model family: gpt2 | llama")->capture_default_str();
-  app.add_option("--preset", c.preset,
-                 "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b")
-      ->capture_default_str();
-  app.add_option("--init-from-hf", c.init_from_hf,
-                 "Start from a Hugging Face directory (config.json + model.safetensors); its "
-                 "config gives the model shape");
-  app.add_option("--layers", c.layers, "Transformer blocks (0: the preset's)")
-      ->capture_default_str();
-  app.add_option("--vocab-size", c.vocab_size,
-                 "Vocabulary size (0: from the data directory's meta.json, else 256)")
-      ->capture_default_str();
-  app.add_option("--data", c.data, "Training tokens: llm.c .bin shard or raw uint16 *.u16")
-      ->required();
-  app.add_option("--val-data", c.val_data, "Validation tokens (same formats)");
-  app.add_option("--steps", c.steps, "Optimizer steps to train to")->capture_default_str();
-  app.add_option("--batch-size", c.batch_size,
-                 "Global batch: sequences per optimizer step (before --grad-accum splits it)")
-      ->capture_default_str();
-  app.add_option("--seq-len", c.seq_len, "Tokens per sequence")->capture_default_str();
-  app.add_option("--grad-accum", c.grad_accum, "Micro-batches per optimizer step")
-      ->capture_default_str();
-  app.add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
-      ->capture_default_str();
-  app.add_option("--warmup-steps", c.warmup_steps, "Linear warmup steps")->capture_default_str();
-  app.add_option("--lr-decay-steps", c.lr_decay_steps,
-                 "Step at which the cosine decay reaches --min-lr (0: --steps); keep it fixed "
-                 "when a resumed run extends --steps")
-      ->capture_default_str();
-  app.add_option("--dropout", c.dropout, "Dropout probability (attention and residual)")
-      ->capture_default_str();
-  app.add_option("--weight-decay", c.weight_decay,
-                 "AdamW weight decay (matrices only; not norms, biases, embeddings)")
-      ->capture_default_str();
-  app.add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
-  app.add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
-  app.add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip (0: off)")
-      ->capture_default_str();
-  app.add_option(
-         "--precision", c.precision,
-         "fp32 | bf16 | fp64 (bf16: compute under autocast, fp32 master weights and gradients; "
-         "fp64: everything in fp64, for checking layouts against each other)")
-      ->capture_default_str();
-  app.add_option("--device", c.device,
-                 "cpu | cuda | cuda:N: where the model trains (CUDA: one process, one GPU)")
-      ->capture_default_str();
-  app.add_option("--attention", c.attention,
-                 "auto | fused | sdpa | math: auto runs loom's fused FlashAttention-2 kernel on "
-                 "CUDA (bf16/fp16, head dim 64 or 128, no attention dropout), loom's CPU kernel "
-                 "on fp32 CPU tensors (head dim a multiple of 16, no attention dropout), else "
-                 "PyTorch's SDPA")
-      ->capture_default_str();
-  app.add_option("--peak-tflops", c.peak_tflops,
-                 "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "
-                 "name (H100/H200 989, A100 312, ...)")
-      ->capture_default_str();
-  app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
-  app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
-  app.add_option("--save-dir", c.save_dir, "Write checkpoints here");
-  app.add_option("--preempt-signal", c.preempt_signals,
-                 "Signals that ask for a checkpoint and a clean exit (status 75) after the step "
-                 "in flight, e.g. TERM,USR1 (Slurm: sbatch --signal=USR1@120), or none")
-      ->capture_default_str();
-  app.add_option("--save-every", c.save_every, "Checkpoint every N steps (0: only at the end)")
-      ->capture_default_str();
-  app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
-  app.add_option("--export-hf", c.export_hf, "Write a Hugging Face directory at the end");
-  app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
-  app.add_option("--eval-every", c.eval_every, "Validation loss every N steps (0: only at the end)")
-      ->capture_default_str();
-  app.add_option("--eval-batches", c.eval_batches,
-                 "Validation batches (of --batch-size sequences, in file order) per evaluation")
-      ->capture_default_str();
-  app.add_option("--dp", c.dp,
-                 "Data-parallel size (0: the number of ranks mpirun started, divided by the "
-                 "other mesh dimensions)")
-      ->capture_default_str();
-  app.add_option("--bucket-mb", c.bucket_mb,
-                 "Gradient bucket size in MiB: each bucket's all-reduce starts during backward")
-      ->capture_default_str();
-  app.add_option("--comm-hook", c.comm_hook,
-                 "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
-                 "to bfloat16 on the wire)")
-      ->capture_default_str();
-  app.add_option("--tp", c.tp,
-                 "Tensor-parallel size: attention heads, MLP and vocabulary split across this "
-                 "many ranks (neighbouring ranks, ideally on one node)")
-      ->capture_default_str();
-  app.add_flag("--sequence-parallel", c.sequence_parallel,
-               "With --tp: norms, dropout and residuals on 1/tp of the sequence each, all-reduces "
-               "replaced by all-gather + reduce-scatter");
-  app.add_option("--pad-vocab-multiple", c.pad_vocab_multiple,
-                 "Pad the vocabulary to a multiple of this times --tp (padding is masked out of "
-                 "the loss and never exported)")
-      ->capture_default_str();
-  app.add_option("--pp", c.pp,
-                 "Pipeline-parallel size: the layers split into this many stages, one per rank "
-                 "(outermost mesh dimension)")
-      ->capture_default_str();
-  app.add_option("--schedule", c.schedule,
-                 "Pipeline schedule: gpipe | 1f1b | interleaved (or a registered custom one)")
-      ->capture_default_str();
-  app.add_option("--virtual-stages", c.virtual_stages,
-                 "Model chunks per pipeline rank, for --schedule interleaved")
-      ->capture_default_str();
-  int64_t micro_batches = 0;
-  app.add_option("--micro-batches", micro_batches,
-                 "Micro-batches per step on each data-parallel rank (the pipeline's m; the same "
-                 "as --grad-accum, which it sets)");
-  app.add_option("--pp-partition", c.pp_partition,
-                 "What balances the pipeline stages: uniform (equal layer counts) | params | "
-                 "flops | measured (timed at start-up)")
-      ->capture_default_str();
-  app.add_option("--pp-devices", c.pp_devices,
-                 "JSON file of the pipeline ranks' devices: {\"devices\": [{\"name\": ..., "
-                 "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers. "
-                 "'measured': each rank times a block at start-up");
-  app.add_option("--zero", c.zero,
-                 "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
-                 "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")
-      ->capture_default_str();
-  app.add_option("--zero3-reshard-after-forward", c.zero3_reshard_after_forward,
-                 "With --zero 3: release each block's gathered parameters after its forward and "
-                 "backward (true: least memory) or keep them until the step's last backward "
-                 "(false: one all-gather per block per step)")
-      ->capture_default_str();
-  app.add_option("--activation-checkpointing", c.activation_checkpointing,
-                 "none | full (recompute each block in backward) | selective (recompute the "
-                 "attention core only)")
-      ->capture_default_str();
-  app.add_flag("--offload-optimizer", c.offload_optimizer,
-               "With --zero: optimizer state and the AdamW step on the host (ZeRO-Offload)");
-  app.add_flag("--offload-activations", c.offload_activations,
-               "With --activation-checkpointing full: each block's saved input waits in host "
-               "memory (pinned, copied on a side stream on a GPU) until its recompute");
-  app.add_option("--memory-cap-mb", c.memory_cap_mb,
-                 "Fail any CPU allocation that would hold more than this many MiB on a rank "
-                 "(simulates a smaller device; 0: no cap)")
-      ->capture_default_str();
-  app.add_option("--strategy", c.strategies,
-                 "A registered strategy, NAME or NAME:key=value,... (repeatable; the binary "
-                 "must register it, see docs/strategies.md). Registered here: " +
-                     (loom::train::user_strategy_names().empty()
-                          ? std::string("none")
-                          : fmt::format("{}", fmt::join(loom::train::user_strategy_names(), ", "))))
-      ->allow_extra_args(false);
-  app.add_option("--comm-timeout", comm_timeout,
-                 "Seconds a collective may run before the watchdog aborts the job")
-      ->capture_default_str();
-  app.add_option("--threads", threads,
-                 "Intra-op threads per rank (0: OMP_NUM_THREADS if set, else cores / ranks on "
-                 "this node)")
-      ->capture_default_str();
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")
-      ->capture_default_str();
+  PretrainCommandLine cli(name);
   // Both outlive run_app's error handling, which aborts the whole job when one rank fails:
   // destroying the trainer first could wait for collectives the other ranks never issue.
   std::optional<loom::dist::Runtime> runtime;
   std::unique_ptr<loom::train::Trainer> trainer;
   int preempted = 0;
-  const int code = run_app(app, argc, argv, [&] {
-    if (app.count("--micro-batches") > 0) {
-      LOOM_CHECK(micro_batches > 0, "--micro-batches {} must be positive", micro_batches);
-      LOOM_CHECK(app.count("--grad-accum") == 0 || c.grad_accum == micro_batches,
-                 "--micro-batches {} and --grad-accum {} disagree: they are the same setting "
-                 "(micro-batches per step on each data-parallel rank); pass one",
-                 micro_batches, c.grad_accum);
-      c.grad_accum = micro_batches;
-    }
-    runtime.emplace(loom::dist::RuntimeOptions{loom::dist::Seconds(comm_timeout), threads});
+  const int code = run_app(cli.app, argc, argv, [&] {
+    cli.finish();
+    runtime.emplace(loom::dist::RuntimeOptions{loom::dist::Seconds(cli.comm_timeout), cli.threads});
     // Rank 0 tells the story; the others only warn.
-    const bool quiet = runtime->rank() != 0 && log_level != "error" && log_level != "off";
-    loom::core::setup_logging(quiet ? "warn" : log_level);
+    const bool quiet = runtime->rank() != 0 && cli.log_level != "error" && cli.log_level != "off";
+    loom::core::setup_logging(quiet ? "warn" : cli.log_level);
     trainer = std::make_unique<loom::train::Trainer>(
-        c, runtime->mesh({.dp = c.dp, .tp = c.tp, .pp = c.pp}));
+        cli.config, runtime->mesh({.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp}));
     trainer->fit();
     preempted = trainer->preempted_by();
   });

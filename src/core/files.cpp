@@ -4,9 +4,13 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "loom/core/error.h"
@@ -45,6 +49,68 @@ uint32_t file_crc32(const std::filesystem::path& path) {
   return crc;
 }
 
+namespace {
+
+struct WriteFault {
+  uint64_t after_bytes = 0;
+  int error = ENOSPC;
+  std::string text;  // the variable as given, for messages
+};
+
+// The rank this process has in an MPI job, from the launcher's environment (-1: none).
+int launcher_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"})
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  return -1;
+}
+
+std::optional<WriteFault> parse_write_fault() {
+  const char* env = std::getenv("LOOM_TEST_WRITE_FAULT");
+  if (!env || !*env) return std::nullopt;
+  WriteFault f;
+  f.text = env;
+  const std::string text = env;
+  const auto bad = [&] {
+    fail("LOOM_TEST_WRITE_FAULT='{}' is not BYTES[:ERRNO[:RANK]] (ERRNO: ENOSPC, EROFS or EIO)",
+         text);
+  };
+  const auto c1 = text.find(':');
+  const auto bytes = text.substr(0, c1);
+  if (bytes.empty() || bytes.find_first_not_of("0123456789") != std::string::npos) bad();
+  f.after_bytes = std::stoull(bytes);
+  if (c1 != std::string::npos) {
+    const auto c2 = text.find(':', c1 + 1);
+    const auto name =
+        text.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
+    if (name == "ENOSPC")
+      f.error = ENOSPC;
+    else if (name == "EROFS")
+      f.error = EROFS;
+    else if (name == "EIO")
+      f.error = EIO;
+    else
+      bad();
+    if (c2 != std::string::npos) {
+      const auto rank = text.substr(c2 + 1);
+      if (rank.empty() || rank.find_first_not_of("0123456789") != std::string::npos) bad();
+      if (std::stoi(rank) != launcher_rank()) return std::nullopt;
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+void account_write(const std::filesystem::path& path, uint64_t bytes) {
+  // Parsed once; the count is the one piece of process-wide state, and only tests read it.
+  static const std::optional<WriteFault> fault = parse_write_fault();
+  static std::atomic<uint64_t> written{0};
+  const uint64_t before = written.fetch_add(bytes);
+  if (fault && before + bytes > fault->after_bytes)
+    fail("writing '{}' failed: {} (injected: LOOM_TEST_WRITE_FAULT={})", path.string(),
+         std::strerror(fault->error), fault->text);
+}
+
 void fsync_path(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) return;
@@ -55,15 +121,19 @@ void fsync_path(const std::filesystem::path& path) {
 void write_file_atomic(const std::filesystem::path& path,
                        const std::function<void(std::ostream& out)>& write) {
   const auto tmp = std::filesystem::path(path.string() + ".tmp");
-  {
+  std::error_code ec;
+  try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     LOOM_CHECK(out.good(), "cannot write '{}': {}", tmp.string(), std::strerror(errno));
     write(out);
     out.flush();
     LOOM_CHECK(out.good(), "writing '{}' failed: {}", tmp.string(), std::strerror(errno));
+    account_write(tmp, static_cast<uint64_t>(out.tellp()));
+  } catch (...) {
+    std::filesystem::remove(tmp, ec);  // a full disk keeps no half-written leftovers
+    throw;
   }
   fsync_path(tmp);
-  std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
   fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
@@ -76,9 +146,16 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
 }
 
 std::string read_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  LOOM_CHECK(std::filesystem::is_regular_file(path, ec), "cannot read '{}': {}", path.string(),
+             ec ? ec.message() : "not a regular file");
   std::ifstream in(path, std::ios::binary);
   LOOM_CHECK(in.good(), "cannot open '{}': {}", path.string(), std::strerror(errno));
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  try {
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {
+    fail("reading '{}' failed: {}", path.string(), e.what());
+  }
 }
 
 void ensure_writable_dir(const std::filesystem::path& dir) {

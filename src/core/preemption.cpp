@@ -90,6 +90,10 @@ PreemptionWatch::~PreemptionWatch() {
   g_watch_alive = false;
 }
 
+int preemption_signal_pending() {
+  return g_watch_alive ? static_cast<int>(g_received) : 0;
+}
+
 int PreemptionWatch::received() const {
   return g_received;
 }

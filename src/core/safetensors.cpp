@@ -68,6 +68,14 @@ SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path,
   LOOM_CHECK(out_->good(), "cannot write '{}': {}", tmp_.string(), std::strerror(errno));
   char len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((header_len >> (8 * i)) & 0xFF);
+  try {
+    account_write(tmp_, 8 + text.size());
+  } catch (...) {
+    out_.reset();
+    std::error_code ec;
+    std::filesystem::remove(tmp_, ec);
+    throw;
+  }
   out_->write(len_bytes, 8);
   out_->write(text.data(), static_cast<std::streamsize>(text.size()));
 }
@@ -90,6 +98,7 @@ void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor)
              c10::toString(tensor.scalar_type()), tensor.sizes(), c10::toString(slot.dtype),
              at::IntArrayRef(slot.shape));
   const auto t = tensor.detach().to(at::kCPU).contiguous();
+  account_write(tmp_, slot.bytes);
   out_->seekp(static_cast<std::streamoff>(slot.begin));
   out_->write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(slot.bytes));
   LOOM_CHECK(out_->good(), "writing '{}' failed: {}", tmp_.string(), std::strerror(errno));
@@ -146,6 +155,8 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
   } catch (const nlohmann::json::exception& e) {
     fail("'{}': safetensors header is not valid JSON: {}", path.string(), e.what());
   }
+  LOOM_CHECK(header.is_object(), "'{}': safetensors header is JSON {}, not an object",
+             path.string(), header.type_name());
   const uint64_t data_start = 8 + header_len;
   const uint64_t data_size = file_size - data_start;
   for (const auto& [name, entry] : header.items()) {
@@ -161,12 +172,16 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
       LOOM_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_size,
                  "'{}': tensor '{}' has data offsets outside the file (truncated?)", path.string(),
                  name);
-      uint64_t numel = 1;
+      // In bytes, checked against the data actually present as it grows: a shape whose product
+      // overflows (or merely exceeds the file) is refused before anything is allocated.
+      uint64_t bytes = c10::elementSize(e.dtype);
       for (const auto d : e.shape) {
         LOOM_CHECK(d >= 0, "'{}': tensor '{}' has a negative dimension {}", path.string(), name, d);
-        numel *= static_cast<uint64_t>(d);
+        LOOM_CHECK(d == 0 || bytes <= data_size / static_cast<uint64_t>(d),
+                   "'{}': tensor '{}' has shape {} of more bytes than the file's {} of data",
+                   path.string(), name, entry.at("shape").dump(), data_size);
+        bytes *= static_cast<uint64_t>(d);
       }
-      const uint64_t bytes = numel * c10::elementSize(e.dtype);
       LOOM_CHECK(bytes == offsets[1] - offsets[0],
                  "'{}': tensor '{}' has {} bytes of data but its shape needs {}", path.string(),
                  name, offsets[1] - offsets[0], bytes);

@@ -5,8 +5,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+
 #include <cstdio>
 #include <cstdlib>
+#include "loom/core/preemption.h"
 
 namespace loom::dist {
 
@@ -41,6 +43,13 @@ std::string Watchdog::timeout_message(const OpInfo& info, Seconds running) {
       "collective, issued a different one, or died; LOOM_DIST_DEBUG=1 checks every collective "
       "across the group",
       info.describe(), running.count(), info.timeout.count());
+}
+
+std::string Watchdog::signal_message(const OpInfo& info, Seconds running, int signal) {
+  return fmt::format(
+      "loom watchdog: {} arrived while {} had waited {:.1f} s for its group: if the launcher is "
+      "ending the job, a rank of that group has probably died (the launcher's message names it)",
+      core::signal_name(signal), info.describe(), running.count());
 }
 
 void Watchdog::track(const WorkPtr& work) {
@@ -93,6 +102,18 @@ void Watchdog::run() {
       default_abort(message);
     }
     std::erase_if(works_, [](const WorkPtr& w) { return w->is_completed(); });
+    // Only a line: a preemption signal may arrive during a slow but healthy op.
+    if (const int signal = core::preemption_signal_pending(); signal != 0 && !signal_reported_) {
+      for (const auto& w : works_) {
+        const auto started = w->started_at();
+        if (!started || now - *started < kSignalReportAfter) continue;
+        const auto message = signal_message(w->info(), now - *started, signal);
+        std::fprintf(stderr, "%s\n", message.c_str());
+        std::fflush(stderr);
+        signal_reported_ = true;
+        break;
+      }
+    }
     for (const auto& w : works_) {
       const auto started = w->started_at();
       if (!started) continue;

@@ -1,11 +1,14 @@
 #include "loom/train/checkpoint.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
@@ -23,25 +26,92 @@ const char* kModelFile = "model.safetensors";
 const char* kOptimizerFile = "optimizer.safetensors";
 const char* kStateFile = "state.json";
 
+// "step-" and digits: nothing else is a checkpoint (not step-N.tmp, and no name read from a
+// hostile `latest` that holds a '/', a '.' or a NUL).
 bool is_checkpoint_name(const std::string& name) {
-  return name.rfind("step-", 0) == 0 && name.find('.') == std::string::npos;
+  return name.size() > 5 && name.size() < 32 && name.rfind("step-", 0) == 0 &&
+         name.find_first_not_of("0123456789", 5) == std::string::npos;
 }
 }  // namespace
 
 namespace {
 
-// "dim,full,padded,parts,units" (what the writer recorded) back into a ShardSpec.
+// A decimal integer in [lo, hi] from a checkpoint's own text (metadata, file names), or a
+// loom::Error naming `what` and `where`: the file may come from anyone.
+int64_t parse_int(const std::string& text, int64_t lo, int64_t hi, const std::string& what,
+                  const std::string& where) {
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::logic_error&) {
+    used = 0;
+  }
+  LOOM_CHECK(used == text.size() && used > 0 && value >= lo && value <= hi,
+             "{}: {} '{}' is not an integer in [{}, {}]", where, what, text, lo, hi);
+  return value;
+}
+
+// A file's metadata value `key` as an integer in [lo, hi]; a missing key is an error too.
+int64_t metadata_int(const std::map<std::string, std::string>& meta, const std::string& key,
+                     int64_t lo, int64_t hi, const std::filesystem::path& file) {
+  const auto it = meta.find(key);
+  LOOM_CHECK(it != meta.end(), "checkpoint shard '{}' lacks '{}' in its metadata", file.string(),
+             key);
+  return parse_int(it->second, lo, hi, "metadata '" + key + "'", file.string());
+}
+
+// JSON text in a file's metadata, or a loom::Error naming the file and key.
+nlohmann::json metadata_json(const std::map<std::string, std::string>& meta, const std::string& key,
+                             const std::filesystem::path& file) {
+  try {
+    return nlohmann::json::parse(meta.at(key));
+  } catch (const nlohmann::json::exception& e) {
+    fail("checkpoint shard '{}': metadata '{}' is not valid JSON: {}", file.string(), key,
+         e.what());
+  }
+}
+
+// A file of checkpoint `dir` that its state.json names (in `list`): a plain file name, so a
+// hostile state.json cannot point loom at files elsewhere.
+fs::path checkpoint_file(const fs::path& dir, const std::string& name, const char* list) {
+  LOOM_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                 name.find('\0') == std::string::npos,
+             "checkpoint '{}': {} lists '{}', which is not a file name in the checkpoint",
+             dir.string(), list, name);
+  return dir / name;
+}
+fs::path checkpoint_file(const fs::path& dir, const nlohmann::json& name, const char* list) {
+  LOOM_CHECK(name.is_string(), "checkpoint '{}': {} lists {}, which is not a file name",
+             dir.string(), list, name.dump());
+  return checkpoint_file(dir, name.get<std::string>(), list);
+}
+
+// No checkpoint holds more shards than this along one mesh dimension (a bound, so that a
+// corrupt count is refused instead of allocated).
+constexpr int64_t kMaxShards = int64_t{1} << 20;
+// Nor a parameter more elements than this (2^48: far past any model, far below overflow).
+constexpr int64_t kMaxElements = int64_t{1} << 48;
+
+// "dim,full,padded,parts,units" (what the writer recorded) back into a ShardSpec, checked for
+// what unshard() relies on.
 parallel::tensor::ShardSpec parse_spec(const std::string& text, const std::string& where) {
   parallel::tensor::ShardSpec spec;
   int64_t* fields[] = {&spec.dim, &spec.full, &spec.padded, &spec.parts, &spec.units};
+  const char* names[] = {"dim", "full", "padded", "parts", "units"};
   size_t pos = 0;
   for (size_t i = 0; i < 5; ++i) {
     const auto comma = text.find(',', pos);
     LOOM_CHECK(i == 4 ? comma == std::string::npos : comma != std::string::npos,
-               "{}: malformed shard spec '{}'", where, text);
-    *fields[i] = std::stoll(text.substr(pos, comma - pos));
+               "{}: malformed shard spec '{}' (dim,full,padded,parts,units)", where, text);
+    *fields[i] = parse_int(text.substr(pos, comma - pos), i == 0 ? -1 : 0,
+                           std::numeric_limits<int32_t>::max(),
+                           fmt::format("shard spec '{}' field {}", text, names[i]), where);
     pos = comma + 1;
   }
+  LOOM_CHECK(spec.parts >= 1 && (spec.padded == 0 || spec.padded >= spec.full),
+             "{}: shard spec '{}' has {} parts and padded size {} for size {}", where, text,
+             spec.parts, spec.padded, spec.full);
   return spec;
 }
 
@@ -78,18 +148,17 @@ void assemble_shards(CheckpointContents& out, const CheckpointSelection& select)
   };
   std::vector<core::SafetensorsReader> files;
   for (const auto& name : out.state.at("model_shards"))
-    files.emplace_back(out.dir / name.get<std::string>());
+    files.emplace_back(checkpoint_file(out.dir, name, "model_shards"));
   LOOM_CHECK(!files.empty(), "checkpoint '{}': state.json lists no model shard files",
              out.dir.string());
   std::map<std::string, Pieces> tensors;
   for (const auto& file : files) {
     const auto& meta = file.metadata();
-    LOOM_CHECK(meta.count("loom.tp_rank") && meta.count("loom.tp_size"),
-               "checkpoint shard '{}' lacks its tensor-parallel coordinates", file.path().string());
-    const auto rank = std::stoll(meta.at("loom.tp_rank"));
-    const auto size = std::stoll(meta.at("loom.tp_size"));
-    const auto first_size = std::stoll(files.front().metadata().at("loom.tp_size"));
-    LOOM_CHECK(size == first_size && rank >= 0 && rank < size,
+    const auto size = metadata_int(meta, "loom.tp_size", 1, kMaxShards, file.path());
+    const auto rank = metadata_int(meta, "loom.tp_rank", 0, size - 1, file.path());
+    const auto first_size =
+        metadata_int(files.front().metadata(), "loom.tp_size", 1, kMaxShards, files.front().path());
+    LOOM_CHECK(size == first_size,
                "checkpoint shard '{}' says it is tp rank {} of {}, but '{}' was written at tp {}",
                file.path().string(), rank, size, files.front().path().string(), first_size);
     for (const auto& key : file.names()) {
@@ -115,6 +184,8 @@ void assemble_shards(CheckpointContents& out, const CheckpointSelection& select)
                    "checkpoint '{}': tensor '{}' lacks the shard of tp rank {} (its other shards "
                    "are in '{}')",
                    out.dir.string(), key, r, p.sources.front().file->path().string());
+      p.spec->check(static_cast<int64_t>(by_rank.size()),
+                    fmt::format("checkpoint '{}': tensor '{}'", out.dir.string(), key));
       whole = p.spec->unshard(by_rank);
     } else {
       whole = p.sources.front().file->read(key);  // replicated: tp ranks hold equal copies
@@ -150,51 +221,60 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
   fs::create_directories(tmp_dir, ec);
   LOOM_CHECK(!ec, "cannot create '{}': {}", tmp_dir.string(), ec.message());
 
-  // A model file written elsewhere (ZeRO-3 writes it unit by unit) comes with the moved files.
-  const bool model_moved =
-      std::any_of(moved_files.begin(), moved_files.end(),
-                  [](const fs::path& f) { return f.filename() == kModelFile; });
-  if (!model_moved) core::save_safetensors(tmp_dir / kModelFile, model);
-  core::save_safetensors(tmp_dir / kOptimizerFile, optimizer);
-  json checksums = json::object();
-  if (!model_moved) checksums[kModelFile] = core::file_crc32(tmp_dir / kModelFile);
-  checksums[kOptimizerFile] = core::file_crc32(tmp_dir / kOptimizerFile);
-  for (const auto& file : extra_files) {
-    if (!fs::exists(file)) continue;
-    const auto target = tmp_dir / file.filename();
-    fs::copy_file(file, target, fs::copy_options::overwrite_existing, ec);
-    LOOM_CHECK(!ec, "cannot copy '{}' into the checkpoint: {}", file.string(), ec.message());
-    core::fsync_path(target);
-    checksums[file.filename().string()] = core::file_crc32(target);
-  }
-  for (const auto& file : moved_files) {
-    LOOM_CHECK(fs::exists(file), "cannot complete the checkpoint: '{}' was not written",
-               file.string());
-    const auto target = tmp_dir / file.filename();
-    fs::rename(file, target, ec);
-    LOOM_CHECK(!ec, "cannot move '{}' into the checkpoint: {}", file.string(), ec.message());
-    checksums[file.filename().string()] = core::file_crc32(target);
-  }
-  state["format_version"] = kFormatVersion;
-  state["step"] = step;
-  state["checksums"] = checksums;
-  core::write_file_atomic(tmp_dir / kStateFile, state.dump(2) + "\n");
-  core::fsync_path(tmp_dir);
-
-  // Re-saving a step that exists (a resumed run passing it again): move the old copy aside
-  // first, so a valid checkpoint exists under one of the two names at every moment.
+  // A failure anywhere below (a full or read-only disk) leaves what was there: no partial
+  // step-N.tmp, the previous copy of step N back under its name, `latest` untouched.
   const auto old_dir = dir / (name + ".old");
-  fs::remove_all(old_dir, ec);
-  if (fs::exists(final_dir)) {
-    fs::rename(final_dir, old_dir, ec);
-    LOOM_CHECK(!ec, "cannot move '{}' aside: {}", final_dir.string(), ec.message());
+  try {
+    // A model file written elsewhere (ZeRO-3 writes it unit by unit) comes with the moved files.
+    const bool model_moved =
+        std::any_of(moved_files.begin(), moved_files.end(),
+                    [](const fs::path& f) { return f.filename() == kModelFile; });
+    if (!model_moved) core::save_safetensors(tmp_dir / kModelFile, model);
+    core::save_safetensors(tmp_dir / kOptimizerFile, optimizer);
+    json checksums = json::object();
+    if (!model_moved) checksums[kModelFile] = core::file_crc32(tmp_dir / kModelFile);
+    checksums[kOptimizerFile] = core::file_crc32(tmp_dir / kOptimizerFile);
+    for (const auto& file : extra_files) {
+      if (!fs::exists(file)) continue;
+      const auto target = tmp_dir / file.filename();
+      core::account_write(target, fs::file_size(file));
+      fs::copy_file(file, target, fs::copy_options::overwrite_existing, ec);
+      LOOM_CHECK(!ec, "cannot copy '{}' into the checkpoint: {}", file.string(), ec.message());
+      core::fsync_path(target);
+      checksums[file.filename().string()] = core::file_crc32(target);
+    }
+    for (const auto& file : moved_files) {
+      LOOM_CHECK(fs::exists(file), "cannot complete the checkpoint: '{}' was not written",
+                 file.string());
+      const auto target = tmp_dir / file.filename();
+      fs::rename(file, target, ec);
+      LOOM_CHECK(!ec, "cannot move '{}' into the checkpoint: {}", file.string(), ec.message());
+      checksums[file.filename().string()] = core::file_crc32(target);
+    }
+    state["format_version"] = kFormatVersion;
+    state["step"] = step;
+    state["checksums"] = checksums;
+    core::write_file_atomic(tmp_dir / kStateFile, state.dump(2) + "\n");
+    core::fsync_path(tmp_dir);
+
+    // Re-saving a step that exists (a resumed run passing it again): move the old copy aside
+    // first, so a valid checkpoint exists under one of the two names at every moment.
+    fs::remove_all(old_dir, ec);
+    if (fs::exists(final_dir)) {
+      fs::rename(final_dir, old_dir, ec);
+      LOOM_CHECK(!ec, "cannot move '{}' aside: {}", final_dir.string(), ec.message());
+    }
+    fs::rename(tmp_dir, final_dir, ec);
+    LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_dir.string(), final_dir.string(),
+               ec.message());
+    core::fsync_path(dir);
+    core::write_file_atomic(dir / "latest", name + "\n");
+    fs::remove_all(old_dir, ec);
+  } catch (...) {
+    if (!fs::exists(final_dir, ec) && fs::exists(old_dir, ec)) fs::rename(old_dir, final_dir, ec);
+    fs::remove_all(tmp_dir, ec);
+    throw;
   }
-  fs::rename(tmp_dir, final_dir, ec);
-  LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_dir.string(), final_dir.string(),
-             ec.message());
-  core::fsync_path(dir);
-  core::write_file_atomic(dir / "latest", name + "\n");
-  fs::remove_all(old_dir, ec);
 
   if (keep_last > 0) {
     // Older steps of this run only, by number; never the one just written.
@@ -216,6 +296,10 @@ std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
   if (!fs::exists(pointer)) return std::nullopt;
   auto name = core::read_file(pointer);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  // Only ever a checkpoint of this directory: `latest` is a file anyone could have edited.
+  LOOM_CHECK(is_checkpoint_name(name),
+             "'{}' names '{}', which is not a checkpoint of this directory (step-NNNNNNNN)",
+             pointer.string(), name.substr(0, 64));
   return dir / name;
 }
 
@@ -238,23 +322,36 @@ CheckpointContents open_checkpoint(const fs::path& path) {
   } catch (const json::exception& e) {
     fail("checkpoint '{}': {} is not valid JSON: {}", ckpt.string(), kStateFile, e.what());
   }
-  LOOM_CHECK(out.state.value("format_version", 0) == kFormatVersion,
+  LOOM_CHECK(out.state.is_object(), "checkpoint '{}': {} holds JSON {}, not an object",
+             ckpt.string(), kStateFile, out.state.type_name());
+  const auto& version = out.state.value("format_version", json());
+  LOOM_CHECK(version.is_number_integer() && version.get<int64_t>() == kFormatVersion,
              "checkpoint '{}' has format_version {}; this loom reads version {}", ckpt.string(),
-             out.state.value("format_version", 0), kFormatVersion);
+             version.dump(), kFormatVersion);
   const auto& checksums = out.state.value("checksums", json::object());
+  const auto& step = out.state.value("step", json());
   LOOM_CHECK(checksums.is_object() && checksums.contains(kModelFile) &&
-                 checksums.contains(kOptimizerFile) && out.state.value("step", int64_t{-1}) >= 0,
+                 checksums.contains(kOptimizerFile) && step.is_number_integer() &&
+                 step.get<int64_t>() >= 0,
              "checkpoint '{}': {} lacks its step or checksums", ckpt.string(), kStateFile);
   for (const auto& [file, crc] : checksums.items()) {
-    LOOM_CHECK(fs::exists(ckpt / file), "checkpoint '{}' is incomplete: '{}' is missing",
+    const auto path = checkpoint_file(ckpt, file, "checksums");
+    LOOM_CHECK(fs::is_regular_file(path), "checkpoint '{}' is incomplete: '{}' is missing",
                ckpt.string(), file);
-    const auto actual = core::file_crc32(ckpt / file);
-    const auto expected = crc.is_number_unsigned() ? crc.get<uint32_t>() : ~actual;
+    const auto actual = core::file_crc32(path);
+    LOOM_CHECK(crc.is_number_unsigned() && crc.get<uint64_t>() <= 0xFFFFFFFFu,
+               "checkpoint '{}': the checksum of '{}' is {}, not a CRC-32", ckpt.string(), file,
+               crc.dump());
+    const auto expected = crc.get<uint32_t>();
     LOOM_CHECK(actual == expected,
-               "checkpoint file '{}' is corrupt: CRC-32 {:08x}, expected {:08x}",
-               (ckpt / file).string(), actual, expected);
+               "checkpoint file '{}' is corrupt: CRC-32 {:08x}, expected {:08x}", path.string(),
+               actual, expected);
   }
-  out.step = out.state.value("step", int64_t{0});
+  for (const char* list : {"model_shards", "zero_shards"})
+    LOOM_CHECK(!out.state.contains(list) || out.state[list].is_array(),
+               "checkpoint '{}': {} '{}' is not a list of file names", ckpt.string(), kStateFile,
+               list);
+  out.step = step.get<int64_t>();
   return out;
 }
 
@@ -291,7 +388,7 @@ void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& se
   std::map<std::pair<std::string, int64_t>, std::vector<std::unique_ptr<core::SafetensorsReader>>>
       engines;
   for (const auto& name : out.state.at("zero_shards")) {
-    const auto file = ckpt / name.get<std::string>();
+    const auto file = checkpoint_file(ckpt, name, "zero_shards");
     auto reader = std::make_unique<core::SafetensorsReader>(file);
     const auto& meta = reader->metadata();
     for (const char* key :
@@ -299,13 +396,28 @@ void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& se
       LOOM_CHECK(meta.count(key), "ZeRO shard '{}' lacks '{}' in its metadata", file.string(), key);
     // The specs of the engine's parameters (vocabulary padding exists even at tp 1).
     if (meta.count("loom.specs")) {
-      const auto listed = nlohmann::json::parse(meta.at("loom.specs"));  // outlives the loop
-      for (const auto& [param, text] : listed.items())
+      const auto listed = metadata_json(meta, "loom.specs", file);  // outlives the loop
+      LOOM_CHECK(listed.is_object(), "ZeRO shard '{}': 'loom.specs' is not a JSON object",
+                 file.string());
+      for (const auto& [param, text] : listed.items()) {
+        LOOM_CHECK(text.is_string(), "ZeRO shard '{}': the spec of '{}' is not a string",
+                   file.string(), param);
         specs.emplace(param, parse_spec(text.get<std::string>(), file.string()));
+      }
     }
-    auto& files = engines[{meta.at("loom.group"), std::stoll(meta.at("loom.tp_rank"))}];
-    files.resize(static_cast<size_t>(std::stoll(meta.at("dp_size"))));
-    files[static_cast<size_t>(std::stoll(meta.at("dp_rank")))] = std::move(reader);
+    const auto tp_size = metadata_int(meta, "loom.tp_size", 1, kMaxShards, file);
+    const auto tp_rank = metadata_int(meta, "loom.tp_rank", 0, tp_size - 1, file);
+    const auto dp_size = metadata_int(meta, "dp_size", 1, kMaxShards, file);
+    const auto dp_rank = metadata_int(meta, "dp_rank", 0, dp_size - 1, file);
+    auto& files = engines[{meta.at("loom.group"), tp_rank}];
+    LOOM_CHECK(files.empty() || static_cast<int64_t>(files.size()) == dp_size,
+               "ZeRO shard '{}' says dp size {}; another shard of its engine says {}",
+               file.string(), dp_size, files.size());
+    files.resize(static_cast<size_t>(dp_size));
+    LOOM_CHECK(files[static_cast<size_t>(dp_rank)] == nullptr,
+               "checkpoint '{}': two ZeRO shards claim dp rank {} of {} (tp rank {})",
+               ckpt.string(), dp_rank, meta.at("loom.group"), tp_rank);
+    files[static_cast<size_t>(dp_rank)] = std::move(reader);
   }
   for (auto& [engine, files] : engines) {
     const auto tp_rank = engine.second;
@@ -313,18 +425,32 @@ void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& se
       LOOM_CHECK(files[r] != nullptr,
                  "checkpoint '{}': the ZeRO shard of dp rank {} ({}, tp rank {}) is missing",
                  ckpt.string(), r, engine.first, tp_rank);
-    const auto tp_size = std::stoll(files.front()->metadata().at("loom.tp_size"));
-    const auto buckets = nlohmann::json::parse(files.front()->metadata().at("bucket_params"));
+    const auto& first = *files.front();
+    const auto tp_size =
+        metadata_int(first.metadata(), "loom.tp_size", 1, kMaxShards, first.path());
+    const auto buckets = metadata_json(first.metadata(), "bucket_params", first.path());
+    LOOM_CHECK(buckets.is_array(), "ZeRO shard '{}': 'bucket_params' is not a JSON array",
+               first.path().string());
     std::map<std::string, at::Tensor> flat;  // "<param>.<kind>" -> its elements
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       std::vector<std::string> names;
       std::vector<std::vector<int64_t>> shapes;
       std::vector<int64_t> numels;
       for (const auto& entry : buckets[bi]) {
-        names.push_back(entry.at(0).get<std::string>());
-        shapes.push_back(entry.at(1).get<std::vector<int64_t>>());
+        try {
+          names.push_back(entry.at(0).get<std::string>());
+          shapes.push_back(entry.at(1).get<std::vector<int64_t>>());
+        } catch (const nlohmann::json::exception& e) {
+          fail("ZeRO shard '{}': bucket {} entry {} is not [name, shape]: {}",
+               first.path().string(), bi, entry.dump(), e.what());
+        }
         int64_t n = 1;
-        for (auto d : shapes.back()) n *= d;
+        for (auto d : shapes.back()) {
+          LOOM_CHECK(d >= 0 && (d == 0 || n <= kMaxElements / d),
+                     "ZeRO shard '{}': parameter '{}' has shape {}, not one loom writes",
+                     first.path().string(), names.back(), entry.at(1).dump());
+          n *= d;
+        }
         numels.push_back(n);
       }
       const parallel::zero::FlatLayout layout(numels, static_cast<int64_t>(files.size()));
@@ -377,6 +503,8 @@ void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& se
       for (size_t t = 0; t < pieces.size(); ++t)
         LOOM_CHECK(pieces[t].defined(), "checkpoint '{}': '{}' lacks the ZeRO shards of tp rank {}",
                    ckpt.string(), entry, t);
+      spec->second.check(static_cast<int64_t>(pieces.size()),
+                         fmt::format("checkpoint '{}': '{}'", ckpt.string(), entry));
       whole = spec->second.unshard(pieces);
     } else {
       for (auto& t : pieces)

@@ -389,8 +389,14 @@ fs::path Trainer::save_checkpoint() {
       if (error.empty()) error = stage3_error;
       if (!sharded_files) shard_files.push_back(staging / "model.safetensors");
     }
-    share_outcome(error, fmt::format("write their checkpoint shards for step {} into '{}'",
-                                     run().step, staging.string()));
+    try {
+      share_outcome(error, fmt::format("write their checkpoint shards for step {} into '{}'",
+                                       run().step, staging.string()));
+    } catch (...) {
+      std::error_code ec;
+      if (is_rank0()) fs::remove_all(staging, ec);  // a full disk keeps no partial shards
+      throw;
+    }
     for (int64_t p = 0; p < mesh_->size(dist::Dim::pp); ++p)
       for (int64_t c = 0; c < static_cast<int64_t>(zero.size()); ++c)
         for (int64_t t = 0; t < mesh_->size(dist::Dim::tp); ++t)
@@ -436,6 +442,8 @@ fs::path Trainer::save_checkpoint() {
       spdlog::info("saved checkpoint {}", dir.string());
     } catch (...) {
       failure = std::current_exception();
+      std::error_code ec;
+      if (!shard_files.empty()) fs::remove_all(shard_files.front().parent_path(), ec);
     }
   }
   share_rank0_outcome(

@@ -30,4 +30,12 @@ void fsync_path(const std::filesystem::path& path);
 // Throws loom::Error naming the directory and the OS reason otherwise.
 void ensure_writable_dir(const std::filesystem::path& dir);
 
+// Test-only fault injection, so tests can prove what a full or read-only disk does to a
+// checkpoint (docs/reliability.md): with LOOM_TEST_WRITE_FAULT=BYTES[:ERRNO[:RANK]] set, every
+// write through loom's file writers fails as the OS would (ERRNO: ENOSPC, the default, EROFS or
+// EIO) once this process has written BYTES bytes; RANK limits it to one rank of an MPI job. Each
+// writer calls this before writing `bytes` to `path`; without the variable it only adds.
+// Throws loom::Error naming the path and the error, or a malformed variable.
+void account_write(const std::filesystem::path& path, uint64_t bytes);
+
 }  // namespace loom::core

@@ -18,6 +18,11 @@ std::vector<int> parse_preemption_signals(const std::string& spec);
 // "SIGUSR1" for SIGUSR1.
 std::string signal_name(int signal);
 
+// The signal a live watch has recorded, or 0 (also when no watch is installed): for code that
+// has no handle on the watch, such as the communication watchdog, which names the op a rank is
+// stuck in when the launcher starts tearing the job down.
+int preemption_signal_pending();
+
 class PreemptionWatch {
  public:
   // Installs a handler for each signal (restoring the previous ones on destruction) and clears

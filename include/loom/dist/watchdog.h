@@ -31,6 +31,13 @@ class Watchdog {
 
   // The message an expired op aborts with.
   static std::string timeout_message(const OpInfo& info, Seconds running);
+  // The line printed (once) when a termination signal arrives while `info` has been waiting for
+  // `running`: under mpirun or srun that signal is usually the launcher ending the job because
+  // a rank died, and this names what the survivors were waiting for.
+  static std::string signal_message(const OpInfo& info, Seconds running, int signal);
+  // How long an op must have waited when a signal arrives for signal_message to be printed
+  // (shorter than Open MPI's 1 s between its SIGTERM and SIGKILL; longer than a healthy op).
+  static constexpr Seconds kSignalReportAfter{0.25};
 
  private:
   Watchdog() = default;
@@ -42,6 +49,7 @@ class Watchdog {
   std::vector<WorkPtr> works_;
   std::thread thread_;
   bool stopping_ = false;
+  bool signal_reported_ = false;
   AbortHandler handler_;
 };
 

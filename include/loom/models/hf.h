@@ -6,12 +6,9 @@
 #include <memory>
 
 #include "loom/models/causal_lm.h"
+#include "loom/models/hf_config.h"
 
 namespace loom::models {
-
-// Reads config.json; throws loom::Error for a missing file, an unsupported model_type, or a
-// missing key (naming it).
-ModelConfig read_hf_config(const std::filesystem::path& dir);
 
 // Builds the model that config.json describes and loads model.safetensors into it. Every
 // parameter must be present with the right shape; extra tensors are an error too.

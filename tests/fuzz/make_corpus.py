@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Writes the fuzz targets' seed corpus (tests/fuzz/corpus/<target>/): small valid inputs of
+each format and a few near misses, so the fuzzer starts from the formats' real structure.
+Standard library only. Run from anywhere; rewrites the corpus folders."""
+import json
+import pathlib
+import shutil
+import struct
+import zlib
+
+HERE = pathlib.Path(__file__).resolve().parent / "corpus"
+SEP = b"\n#~#~#\n"  # fuzz_util.h's kFileSeparator
+
+
+def safetensors(tensors, metadata=None):
+    """tensors: {name: (dtype, shape, raw bytes)} -> the file's bytes."""
+    header, data = {}, b""
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def f32(*values):
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def write(target, name, data):
+    d = HERE / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data)
+
+
+def main():
+    for d in HERE.glob("*"):
+        shutil.rmtree(d)
+    # safetensors
+    write("safetensors", "two_tensors", safetensors(
+        {"w": ("F32", [2, 2], f32(1, 2, 3, 4)), "b": ("BF16", [2], b"\x80\x3f\x00\x40")},
+        {"format": "pt"}))
+    write("safetensors", "every_dtype", safetensors({
+        f"t_{d}": (d, [2], b"\x01" * (2 * s)) for d, s in
+        [("F64", 8), ("F32", 4), ("F16", 2), ("BF16", 2), ("I64", 8), ("I32", 4), ("I16", 2),
+         ("U8", 1), ("I8", 1), ("BOOL", 1)]}))
+    write("safetensors", "empty_and_scalar", safetensors(
+        {"e": ("F32", [0, 3], b""), "s": ("I64", [], struct.pack("<q", 7))}))
+    write("safetensors", "huge_claim", struct.pack("<Q", 1 << 40) + b"{}")
+    write("safetensors", "overflowing_shape", safetensors(
+        {"x": ("F32", [1 << 62, 4], b"")}))
+    # token shards: the first byte picks the extension (.bin, .u16, .raw, other)
+    tokens = struct.pack("<8H", 1, 2, 3, 50256, 0, 7, 7, 9)
+    header = struct.pack("<3i", 20240520, 1, 8) + b"\0" * (256 * 4 - 12)
+    write("token_shard", "llmc", b"\x00" + header + tokens)
+    write("token_shard", "llmc_truncated", b"\x00" + header + tokens[:6])
+    write("token_shard", "llmc_negative_count",
+          b"\x00" + struct.pack("<3i", 20240520, 1, -5) + b"\0" * (256 * 4 - 12))
+    write("token_shard", "raw_u16", b"\x01" + tokens)
+    write("token_shard", "raw_odd", b"\x02" + tokens + b"\x01")
+    # checkpoints: state.json, latest, model, optimizer, tp shards, ZeRO shards
+    model = safetensors({"wte.weight": ("F32", [2, 2], f32(1, 2, 3, 4))})
+    optim = safetensors({"step": ("I64", [], struct.pack("<q", 1)),
+                         "wte.weight.exp_avg": ("F32", [2, 2], f32(0, 0, 0, 0))})
+    state = {"format_version": 1, "step": 1,
+             "checksums": {"model.safetensors": zlib.crc32(model),
+                           "optimizer.safetensors": zlib.crc32(optim)}}
+    write("checkpoint", "plain", SEP.join(
+        [json.dumps(state).encode(), b"step-00000001\n", model, optim]))
+    shard = [safetensors({"model/wte.weight": ("F32", [1, 2], f32(r, r))},
+                         {"loom.tp_rank": str(r), "loom.tp_size": "2",
+                          "model/wte.weight": "0,2,0,1,0"}) for r in (0, 1)]
+    tp_state = dict(state, model_shards=["model-pp0-tp0.safetensors",
+                                         "model-pp0-tp1.safetensors"])
+    tp_state["checksums"] = dict(state["checksums"], **{
+        "model-pp0-tp0.safetensors": 0, "model-pp0-tp1.safetensors": 0})
+    write("checkpoint", "tensor_parallel", SEP.join(
+        [json.dumps(tp_state).encode(), b"step-00000001\n", safetensors({}), optim] + shard))
+    zero = [safetensors({f"zero.bucket0.{k}": ("F32", [2], f32(r, r)) for k in
+                         ("exp_avg", "exp_avg_sq", "master")},
+                        {"loom.group": "pp0", "loom.tp_rank": "0", "loom.tp_size": "1",
+                         "dp_rank": str(r), "dp_size": "2",
+                         "bucket_params": json.dumps([[["wte.weight", [2, 2]]]]),
+                         "loom.specs": json.dumps({"wte.weight": "-1,0,0,1,0"})})
+            for r in (0, 1)]
+    zero_state = dict(state, zero_shards=["zero-dp0.safetensors", "zero-dp1.safetensors"])
+    zero_state["checksums"] = dict(state["checksums"], **{
+        "zero-dp0.safetensors": 0, "zero-dp1.safetensors": 0})
+    write("checkpoint", "zero", SEP.join(
+        [json.dumps(zero_state).encode(), b"step-00000001\n", model, optim, b"", b""] + zero))
+    write("checkpoint", "latest_outside", SEP.join(
+        [json.dumps(state).encode(), b"../../etc\n", model, optim]))
+    # JSON configs: the first byte picks the reader (0 HF, 1 devices, 2 meta, 3 model, 4 train)
+    write("json_config", "hf_gpt2", b"\x00" + json.dumps({
+        "model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2,
+        "n_head": 4, "activation_function": "gelu_new"}).encode())
+    write("json_config", "hf_llama", b"\x00" + json.dumps({
+        "model_type": "llama", "vocab_size": 256, "max_position_embeddings": 64,
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "head_dim": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}).encode())
+    write("json_config", "devices", b"\x01" + json.dumps({"devices": [
+        {"name": "a", "speed": 2.0, "memory_gb": 80}, {"name": "b", "speed": 1.0}]}).encode())
+    write("json_config", "meta", b"\x02" + json.dumps(
+        {"tokenizer": "byte", "vocab_size": 256}).encode())
+    write("json_config", "model_config", b"\x03" + json.dumps({
+        "family": "llama", "vocab_size": 256, "max_seq_len": 64, "d_model": 32, "n_layers": 2,
+        "n_heads": 4, "n_kv_heads": 2, "d_ff": 64}).encode())
+    write("json_config", "train_config", b"\x04" + json.dumps({
+        "model": "gpt2", "preset": "gpt2-tiny", "data": "x.bin", "steps": 3, "tp": 2,
+        "pp": 2, "zero": 1, "schedule": "1f1b"}).encode())
+    # loom-pretrain --config files
+    write("toml_config", "train", b'model = "llama"\npreset = "llama-tiny"\ndata = "t.bin"\n'
+          b'steps = 3\nbatch-size = 4\nseq-len = 32\nmicro-batches = 2\npp = 2\n'
+          b'preempt-signal = "TERM,USR1"\nstrategy = ["a", "b:x=1"]\n')
+    write("toml_config", "ini", b"[default]\ndata=t.bin\nzero=3\ndp=2\nlr=1e-3\n"
+          b"activation-checkpointing=selective\n")
+    # BPE: vocab.json, merges.txt, text
+    vocab = {chr(c): i for i, c in enumerate(range(ord("!"), ord("~") + 1))}
+    vocab.update({"\u0120": len(vocab), "he": len(vocab) + 1, "ll": len(vocab) + 2,
+                  "hell": len(vocab) + 3, "<|endoftext|>": len(vocab) + 4})
+    merges = b"#version: 0.2\nh e\nl l\nhe ll\n"
+    write("bpe", "small", SEP.join(
+        [json.dumps(vocab).encode(), merges, b"hello hell<|endoftext|>he"]))
+    write("bpe", "bad_merge", SEP.join([json.dumps(vocab).encode(), b"h\n", b"x"]))
+
+
+if __name__ == "__main__":
+    main()
