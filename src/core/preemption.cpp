@@ -1,6 +1,7 @@
 #include "loom/core/preemption.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <csignal>
 #include <string_view>
@@ -13,12 +14,15 @@ namespace loom::core {
 namespace {
 
 // The one piece of state a signal handler may touch. Written only by the handler (first signal
-// wins) and by the watch's constructor.
-volatile std::sig_atomic_t g_received = 0;
-bool g_watch_alive = false;
+// wins) and by the watch's constructor; read by the training loop and the watchdog's thread,
+// hence atomics (lock-free, so safe in a handler).
+std::atomic<int> g_received{0};
+std::atomic<bool> g_watch_alive{false};
+static_assert(std::atomic<int>::is_always_lock_free);
 
 extern "C" void record_signal(int signal) {
-  if (g_received == 0) g_received = signal;
+  int none = 0;
+  g_received.compare_exchange_strong(none, signal);
 }
 
 struct NamedSignal {
@@ -91,7 +95,7 @@ PreemptionWatch::~PreemptionWatch() {
 }
 
 int preemption_signal_pending() {
-  return g_watch_alive ? static_cast<int>(g_received) : 0;
+  return g_watch_alive ? g_received.load() : 0;
 }
 
 int PreemptionWatch::received() const {
