@@ -175,8 +175,9 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
   BlockFn run = fn;
   if (execution_->checkpointing == ActivationCheckpointing::kFull) {
     parallel::memory::CheckpointOptions options;
-    // Replayed only when something inside draws from it (the state is copied per block).
-    if (is_training() && config_.dropout > 0) options.generators.push_back(tp_->generator());
+    // The recompute runs with the position the forward had (a pipeline runs other
+    // micro-batches' forwards in between), so it applies the same dropout masks.
+    if (is_training() && config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
     // A custom module's own randomness (its dropout) draws from LibTorch's default generator.
     if (is_training() && config_.family == Family::kCustom)
       options.generators.push_back(at::detail::getDefaultCPUGenerator());
@@ -243,48 +244,54 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
 
 namespace {
 
-// What both entries share: the options (attention dropout drawn over all heads from tp's
-// generator, then sliced) and the recomputation in backward under kSelective. `attend` gets the
-// options and the inputs; `shape` is the probabilities' [B, h, T, T].
+// What both entries share: the options (attention dropout's mask for this rank's heads, keyed by
+// their place among all heads) and the recomputation in backward under kSelective. `attend`
+// gets the options and the inputs; `shape` is the probabilities' [B, h, T, T].
 template <typename Attend>
 at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4> shape, double p,
                           const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
-                          Attend attend) {
-  // Holds the group by value: with kSelective this runs again in backward.
+                          int64_t layer, Attend attend) {
+  // Holds the group by value: with kSelective this runs again in backward (where the stream's
+  // position is the checkpoint's to restore).
   const auto backend = execution ? execution->attention : ops::AttentionBackend::kAuto;
-  auto run = [p, tp, backend, shape, attend](const std::vector<at::Tensor>& in) {
+  const uint32_t site = ops::dropout_site(layer, ops::DropoutPlace::kAttentionProbs);
+  auto run = [p, tp, backend, shape, site, attend](const std::vector<at::Tensor>& in) {
     const auto mask_options = in[0].options().dtype(ops::accumulation_dtype(in[0].scalar_type()));
     return attend(in, ops::AttentionOptions{
                           .causal = true,
                           .dropout = p,
                           .dropout_mask = pt::sharded_dropout_mask(
-                              {shape[0], shape[1], shape[2], shape[3]}, mask_options, p, *tp, 1),
+                              {shape[0], shape[1], shape[2], shape[3]}, mask_options, p, *tp, 1,
+                              site),
                           .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
     return run(inputs);
   parallel::memory::CheckpointOptions options;
-  if (p > 0) options.generators.push_back(tp->generator());
+  if (p > 0) options.dropout_streams.push_back(tp->dropout_stream());
   return parallel::memory::checkpoint(run, std::move(inputs), options);
 }
 
 }  // namespace
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
-                            const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
+                            const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
+                            int64_t layer) {
   const int64_t t = q.size(2);
-  return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution,
+  return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution, layer,
                         [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
                           return ops::attention(in[0], in[1], in[2], o);
                         });
 }
 
 at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
-                                   const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution) {
+                                   const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
+                                   int64_t layer) {
   const int64_t t = qkv.size(1);
   std::vector<at::Tensor> inputs{qkv};
   if (bias.defined()) inputs.push_back(bias);
   return attention_core(std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution,
+                        layer,
                         [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
                           return ops::attention_packed(in[0], o,
                                                        in.size() > 1 ? in[1] : at::Tensor());

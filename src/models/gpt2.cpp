@@ -14,8 +14,9 @@ namespace loom::models {
 namespace nn = torch::nn;
 namespace pt = parallel::tensor;
 
-Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, BlockExecutionPtr execution)
-    : config_(config), tp_(std::move(tp)), execution_(std::move(execution)) {
+Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer,
+                     BlockExecutionPtr execution)
+    : config_(config), tp_(std::move(tp)), layer_(layer), execution_(std::move(execution)) {
   const int64_t d = config.d_model;
   auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({d}).eps(config.norm_eps)); };
   ln_1_ = register_module("ln_1", ln());
@@ -51,9 +52,10 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   auto qkv = (bias_in_attention ? c_attn_->forward_without_bias(a) : c_attn_->forward(a))
                  .view({b, t, 3, h, hd});
   auto y = causal_attention_packed(qkv, bias_in_attention ? c_attn_->bias : at::Tensor(), p, tp_,
-                                   execution_);
+                                   execution_, layer_);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
-  auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim);
+  auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim,
+                                     ops::dropout_site(layer_, ops::DropoutPlace::kAttention));
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
   // On the CPU the fc bias enters with the activation (one pass fewer); elsewhere the GEMM adds
   // it, as before.
@@ -61,7 +63,8 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
           ? ops::bias_gelu_tanh(c_fc_->forward_without_bias(m), c_fc_->bias)
           : ops::gelu_tanh(c_fc_->forward(m));
   m = mlp_c_proj_->forward(m);
-  return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim);
+  return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
+                                   ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
 }
 
 Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
@@ -79,7 +82,7 @@ Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
   auto h = body->register_module("h", std::make_shared<nn::Module>());
   std::vector<std::shared_ptr<nn::Module>> blocks;
   for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
-    h_.push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), execution()));
+    h_.push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), i, execution()));
     blocks.push_back(h_.back());
   }
   register_blocks("transformer.h", h, std::move(blocks));
@@ -96,7 +99,8 @@ at::Tensor Gpt2::embed(const at::Tensor& tokens) {
   const int64_t first = tp.sequence_parallel() ? tp.rank() * x.size(1) : 0;
   x = x + wpe_->forward(at::arange(first, first + x.size(1), tokens.options()));
   return pt::sharded_dropout(x, config().dropout, is_training(), tp,
-                             tp.sequence_parallel() ? 1 : -1);
+                             tp.sequence_parallel() ? 1 : -1,
+                             ops::dropout_site(-1, ops::DropoutPlace::kInput));
 }
 
 at::Tensor Gpt2::run_layers(const at::Tensor& input) {

@@ -50,8 +50,9 @@ at::Tensor RmsNorm::forward(const at::Tensor& x) {
   return weight_ * xf.to(x.scalar_type());
 }
 
-LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, BlockExecutionPtr execution)
-    : config_(config), tp_(std::move(tp)), execution_(std::move(execution)) {
+LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer,
+                       BlockExecutionPtr execution)
+    : config_(config), tp_(std::move(tp)), layer_(layer), execution_(std::move(execution)) {
   const int64_t d = config.d_model, hd = config.head_dim();
   input_layernorm_ =
       register_module("input_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
@@ -87,7 +88,8 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto v = v_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto y =
-      causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_);
+      causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_,
+                       layer_);
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   auto out = x + o_proj_->forward(y);
@@ -109,7 +111,7 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
   auto layers = body->register_module("layers", std::make_shared<nn::Module>());
   std::vector<std::shared_ptr<nn::Module>> blocks;
   for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
-    layers_.push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), execution()));
+    layers_.push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), i, execution()));
     blocks.push_back(layers_.back());
   }
   register_blocks("model.layers", layers, std::move(blocks));

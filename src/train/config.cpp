@@ -8,10 +8,15 @@
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/core/preemption.h"
+#include "loom/data/sampler.h"
 #include "loom/ops/attention.h"
 #include "loom/parallel/data/comm_hook.h"
 
 namespace loom::train {
+
+int64_t TrainConfig::first_sample(int64_t dp_rank, int64_t dp_size, int64_t k) const {
+  return data::shard_batch(batch_size, dp_rank, dp_size).first + k * micro_batch_size(dp_size);
+}
 
 void TrainConfig::validate() const {
   LOOM_CHECK(model == "gpt2" || model == "llama", "--model '{}' is not valid: use gpt2 or llama",

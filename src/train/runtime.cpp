@@ -318,6 +318,13 @@ void Runtime::apply() {
 StepRunner::Phases Runtime::phases() {
   StepRunner::Phases p;
   p.before_forward = [this](const MicroBatch& mb) {
+    // Dropout masks are keyed by the step and the micro-batch's first sample in the global
+    // batch, so they are the same at any layout (parallel/tensor/random.h).
+    if (mb.training && ctx_.tp_group) {
+      const int64_t dp = ctx_.mesh->size(dist::Dim::dp);
+      ctx_.tp_group->dropout().set_micro_batch(
+          ctx_.step, ctx_.config.first_sample(ctx_.mesh->coord(dist::Dim::dp), dp, mb.index));
+    }
     for (const auto& s : strategies_) s->before_forward(ctx_, mb);
   };
   p.before_backward = [this](const MicroBatch& mb) {

@@ -121,11 +121,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   }
   // The strategies shard and wrap what was built and loaded, and install the optimizer.
   runtime_->apply();
-  if (resume) {
-    load_checkpoint_state(*resume);
-  } else {
-    seed_dropout();
-  }
+  seed_dropout();
+  if (resume) load_checkpoint_state(*resume);
   if (!config_.metrics_out.empty() && is_rank0())
     metrics_ = MetricsWriter(config_.metrics_out, resume ? run.step : -1);
   log_setup();
@@ -165,9 +162,6 @@ StepResult Trainer::train_step() {
   const auto start = std::chrono::steady_clock::now();
   const int64_t micro = config_.micro_batch_size(data_ranks());
   const int64_t step = run().step;
-  // This rank's share of the global batch; sample indices are global, so the data does not
-  // depend on the layout.
-  const auto shard = data::shard_batch(config_.batch_size, data_rank(), data_ranks());
   // Activations: the peak above what the step starts with (parameters, gradients, state).
   const bool measure = device_.is_cuda() || core::memory_tracking_installed();
   const int64_t baseline = measure ? core::memory_counters(device_).current_bytes : 0;
@@ -176,7 +170,10 @@ StepResult Trainer::train_step() {
   runtime_->begin_step();
   auto loss = runtime_->run_micro_batches(
       [&](int64_t k) {
-        return on_device(train_sampler_->random_batch(step, shard.first + k * micro, micro));
+        // Sample indices are global (this rank's share of the global batch), so the data does
+        // not depend on the layout.
+        return on_device(train_sampler_->random_batch(
+            step, config_.first_sample(data_rank(), data_ranks(), k), micro));
       },
       r);
   if (measure) {

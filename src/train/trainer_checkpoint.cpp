@@ -24,9 +24,10 @@ using nlohmann::json;
 
 namespace {
 
-// The checkpoint entry holding data-parallel rank r's dropout generator (TpGroup::generator(),
-// the same on the tp ranks of a replica); with a pipeline, each stage has its own (stage 0's
-// under the plain name, so a run resumed without a pipeline continues stage 0's stream).
+// The checkpoint entry holding data-parallel rank r's dropout generator (a custom model's: loom's
+// own models key their masks by position and save nothing); with a pipeline, each stage has its
+// own (stage 0's under the plain name, so a run resumed without a pipeline continues stage 0's
+// stream).
 std::string rng_key(int64_t dp_rank, int64_t pp_rank = 0) {
   const auto base = dp_rank == 0 ? std::string("rng.cpu") : fmt::format("rng.cpu.dp{}", dp_rank);
   return pp_rank > 0 ? fmt::format("{}.pp{}", base, pp_rank) : base;
@@ -257,15 +258,16 @@ std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> Trainer::collec
 fs::path Trainer::save_checkpoint() {
   const auto zero = run().optimizer->sharded_state();
   LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
-  // Data-parallel replicas hold the same state, except each rank's dropout generator: those
-  // are gathered, then rank 0 writes everything while the others wait for the outcome.
+  // Data-parallel replicas hold the same state, except each rank's dropout generator (custom
+  // models): those are gathered, then rank 0 writes everything while the others wait for the
+  // outcome.
   core::NamedTensors rng_states;
-  {
+  if (custom_model_) {
     auto gen = dropout_generator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng_states.emplace_back(rng_key(0, mesh_->coord(dist::Dim::pp)), gen.get_state());
   }
-  if (data_ranks() > 1) {
+  if (custom_model_ && data_ranks() > 1) {
     const auto mine = rng_states.front().second.contiguous();
     auto all = at::empty({data_ranks(), mine.numel()}, mine.options());
     mesh_->comm(dist::Dim::dp).all_gather(all, mine);
@@ -545,23 +547,27 @@ void Trainer::load_checkpoint_state(CheckpointContents& resume) {
   share_outcome(error, fmt::format("load their optimizer state from '{}'", resume.dir.string()));
   run().step = resume.step;
   runtime_->load_state(resume);
-  auto gen = dropout_generator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  auto rng = resume.optimizer.find(rng_key(data_rank(), mesh_->coord(dist::Dim::pp)));
-  if (rng != resume.optimizer.end()) {
-    gen.set_state(rng->second);
-  } else {
-    const auto saved = TrainConfig::from_json(resume.state.value("train_config", json()));
-    LOOM_CHECK(data_rank() > 0 || saved.pp != mesh_->size(dist::Dim::pp),
-               "checkpoint '{}' has no RNG state", resume.dir.string());
-    // Resuming at more data-parallel ranks, or another pipeline split, than the checkpoint
-    // was written with: this rank had no generator then. Dropout masks differ from any
-    // earlier run from here on.
-    spdlog::warn("checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
-                 resume.dir.string(), data_rank(), mesh_->coord(dist::Dim::pp));
-    gen.set_current_seed(core::mix_seed(
-        {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(data_rank()),
-         static_cast<uint64_t>(mesh_->coord(dist::Dim::pp)), static_cast<uint64_t>(run().step)}));
+  // loom's own models' dropout needs nothing restored (seed_dropout gave it the run's seed, and
+  // masks are keyed by step); a custom model's generator continues where it was.
+  if (custom_model_) {
+    auto gen = dropout_generator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    auto rng = resume.optimizer.find(rng_key(data_rank(), mesh_->coord(dist::Dim::pp)));
+    if (rng != resume.optimizer.end()) {
+      gen.set_state(rng->second);
+    } else {
+      const auto saved = TrainConfig::from_json(resume.state.value("train_config", json()));
+      LOOM_CHECK(data_rank() > 0 || saved.pp != mesh_->size(dist::Dim::pp),
+                 "checkpoint '{}' has no RNG state", resume.dir.string());
+      // Resuming at more data-parallel ranks, or another pipeline split, than the checkpoint
+      // was written with: this rank had no generator then. Dropout masks differ from any
+      // earlier run from here on.
+      spdlog::warn("checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
+                   resume.dir.string(), data_rank(), mesh_->coord(dist::Dim::pp));
+      gen.set_current_seed(core::mix_seed(
+          {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(data_rank()),
+           static_cast<uint64_t>(mesh_->coord(dist::Dim::pp)), static_cast<uint64_t>(run().step)}));
+    }
   }
   elapsed_before_ = resume.state.value("elapsed_s", 0.0);
   LOOM_CHECK(run().step <= config_.steps, "checkpoint '{}' is at step {}, past --steps {}",

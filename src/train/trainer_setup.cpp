@@ -151,14 +151,22 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
 }
 
 at::Generator Trainer::dropout_generator() {
-  return custom_model_ ? at::detail::getDefaultCPUGenerator() : model().tp().generator();
+  LOOM_CHECK(custom_model_, "dropout_generator: loom's own models draw no dropout from a generator");
+  return at::detail::getDefaultCPUGenerator();
 }
 
 void Trainer::seed_dropout() {
-  // Dropout draws from the model's generator: seed it, so that two runs with the same flags
-  // are the same run (a resume restores its saved state instead). Data-parallel ranks draw
-  // different masks for their different samples; the tp ranks of a replica draw alike; each
-  // pipeline stage has its own stream.
+  if (!custom_model_) {
+    // loom's models: counter-based masks (ops/dropout.h), one seed on every rank; the runtime
+    // gives each micro-batch its position (step, first sample), so masks follow the samples,
+    // whatever the layout, and a resume needs nothing saved beyond the step.
+    model().tp().dropout().reseed(core::mix_seed({config_.seed, core::stable_hash("dropout")}));
+    return;
+  }
+  // A custom module draws its dropout from LibTorch's default generator: seed it, so that two
+  // runs with the same flags are the same run (a resume restores its saved state after this).
+  // Data-parallel ranks draw different masks for their different samples; each pipeline stage
+  // has its own stream.
   auto gen = dropout_generator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   uint64_t seed = core::mix_seed({config_.seed, core::stable_hash("dropout")});

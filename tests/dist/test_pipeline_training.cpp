@@ -19,6 +19,8 @@
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/parallel/pipeline/schedule.h"
 #include "loom/parallel/zero/zero_optimizer.h"
+#include "loom/train/run_context.h"
+#include "loom/train/strategy.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
@@ -42,6 +44,20 @@ const pl::Partition* partition_of(const train::Trainer& t) {
 
 namespace {
 
+// The broken variant of TrainerDropout: masks keyed by each rank's own sample index, as if every
+// data-parallel rank drew from a generator of its own.
+class RankLocalDropout : public train::Strategy {
+ public:
+  explicit RankLocalDropout(const train::StrategySpec& /*spec*/) {}
+  std::string name() const override { return "test-rank-local-dropout"; }
+  void before_forward(train::RunContext& run, const train::MicroBatch& mb) override {
+    if (!mb.training) return;
+    const int64_t micro = run.config.micro_batch_size(run.mesh->size(dist::Dim::dp));
+    run.tp_group->dropout().set_micro_batch(run.step, mb.index * micro);
+  }
+};
+LOOM_REGISTER_STRATEGY(test_rank_local_dropout, RankLocalDropout, "test-rank-local-dropout")
+
 // 8 layers (pp 4 x v 2 stages), `micro_batches` micro-batches of the 24-sequence batch.
 train::TrainConfig pipeline_config(const fs::path& dir, const std::string& model,
                                    int64_t micro_batches = 4) {
@@ -62,6 +78,8 @@ struct Layout {
   int64_t micro_batches = 4;  // interleaved needs a multiple of pp
   int64_t zero = 0;
   bool reshard = true;  // --zero3-reshard-after-forward
+  double dropout = 0;   // also in the one-process run it is compared with
+  std::string checkpointing = "none";
   // `c` laid out this way.
   train::TrainConfig applied_to(train::TrainConfig c) const {
     c.tp = tp;
@@ -71,12 +89,16 @@ struct Layout {
     c.sequence_parallel = sp;
     c.zero = zero;
     c.zero3_reshard_after_forward = reshard;
+    c.activation_checkpointing = checkpointing;
     return c;
   }
   std::string describe() const {
-    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}{}", model, dp, tp, sp ? " sp" : "",
-                       pp, schedule, v, zero > 0 ? fmt::format(", ZeRO-{}", zero) : "",
-                       reshard ? "" : ", units kept gathered");
+    return fmt::format("{} dp {} x tp {}{} x pp {} ({}, v {}){}{}{}{}", model, dp, tp,
+                       sp ? " sp" : "", pp, schedule, v,
+                       zero > 0 ? fmt::format(", ZeRO-{}", zero) : "",
+                       reshard ? "" : ", units kept gathered",
+                       dropout > 0 ? fmt::format(", dropout {}", dropout) : "",
+                       checkpointing == "none" ? "" : ", checkpointing " + checkpointing);
   }
 };
 
@@ -86,7 +108,8 @@ void expect_layout_trains_like_one_process(
     std::map<std::string, loom::testing::RunResult>& single) {
   SCOPED_TRACE(layout.describe());
   auto config = pipeline_config(dir, layout.model, layout.micro_batches);
-  const auto key = fmt::format("{} {}", layout.model, layout.micro_batches);
+  config.dropout = layout.dropout;
+  const auto key = fmt::format("{} {} {}", layout.model, layout.micro_batches, layout.dropout);
   if (!single.count(key)) {
     train::Trainer t(config);
     single[key] = loom::testing::run(t);
@@ -167,6 +190,47 @@ TEST(TrainerPipeline, EveryScheduleAndLayoutTrainsLikeOneProcess) {
   std::map<std::string, loom::testing::RunResult> single;
   for (const auto& layout : layouts)
     expect_layout_trains_like_one_process(layout, dir.path(), single);
+}
+
+// Dropout masks follow the samples (counter-based, keyed by the step and each sample's index in
+// the global batch: parallel/tensor/random.h), so with dropout on every layout still trains like
+// one process: data-parallel ranks and their share of the batch, micro-batches of a pipeline
+// (blocks recomputed in backward after other micro-batches' forwards), tensor and sequence
+// parallelism, ZeRO. Broken variant: masks keyed by the rank-local sample index (what a
+// per-rank generator amounts to) must be caught.
+TEST(TrainerDropout, EveryLayoutTrainsLikeOneProcessWithDropout) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  std::vector<Layout> layouts;
+  auto add = [&](Layout l, const std::string& checkpointing = "none") {
+    l.dropout = 0.1;
+    l.checkpointing = checkpointing;
+    layouts.push_back(l);
+  };
+  if (n == 2) {
+    add({"gpt2", 2, 1, 1, "1f1b", 1, false, 2});
+    add({"gpt2", 1, 2, 1, "1f1b", 1, true}, "selective");
+    add({"gpt2", 1, 1, 2, "1f1b"}, "full");
+    add({"llama", 1, 1, 2, "interleaved", 2}, "full");
+  } else {
+    add({"gpt2", 4, 1, 1, "1f1b", 1, false, 2, 2});
+    add({"gpt2", 2, 2, 1, "1f1b", 1, true}, "full");
+    add({"llama", 2, 1, 2, "interleaved", 2, false, 4, 3}, "full");
+    add({"gpt2", 1, 2, 2, "1f1b", 1, true}, "selective");
+  }
+  std::map<std::string, loom::testing::RunResult> single;
+  for (const auto& layout : layouts)
+    expect_layout_trains_like_one_process(layout, dir.path(), single);
+
+  // The broken variant: each data-parallel rank keys its masks by its own sample index.
+  auto config = layouts.front().applied_to(pipeline_config(dir.path(), "gpt2", 2));
+  config.dropout = 0.1;
+  config.strategies = {"test-rank-local-dropout"};
+  train::Trainer broken(config, loom::testing::runtime().mesh({.dp = n}));
+  loom::testing::expect_caught(loom::testing::run(broken), single.at("gpt2 2 0.1"),
+                               "dropout masks keyed by the rank-local sample index");
 }
 
 // dp x tp x pp = 2 x 2 x 2 on 8 ranks (ctest's dist.np8_3d runs this alone).

@@ -345,8 +345,8 @@ TEST_P(TpModel, LogitsLossAndEveryGradientEqualOneProcess) {
     sharded->eval();
   }
   // The same dropout seed for both models (masks must not depend on tp).
-  reference->tp().generator().set_current_seed(7);
-  sharded->tp().generator().set_current_seed(7);
+  reference->tp().dropout().reseed(7);
+  sharded->tp().dropout().reseed(7);
   auto ref_loss = reference->loss(tokens, targets);
   ref_loss.backward();
   auto loss = sharded->loss(tokens, targets);

@@ -1,8 +1,9 @@
 """Rewrites a CUDA kernel source so that the host compiler can build it and run it on the CPU.
 
-Part of the kernel-emulation test (tests/kernel_emulation, docs/gpu.md): CMake runs this on
-kernels/attention/flash_attention.cu at build time and compiles the output, together with the
-emulation headers next to this script, into flash_attention_emulated. Everything that is not a
+Part of the kernel-emulation tests (tests/kernel_emulation, docs/gpu.md): CMake runs this on a
+kernel source (kernels/attention/flash_attention.cu, kernels/dropout/dropout.cu) at build time and
+compiles the output, together with the emulation headers next to this script, into the kernel's
+emulated test program. Everything that is not a
 rewrite listed here stays as written, so the test runs the kernel's real index math, fragment
 layouts and barriers.
 
@@ -22,7 +23,11 @@ something the emulation cannot run appears (inline asm outside the wrappers, sta
 arrays, __CUDA_ARCH__ branches, a launch syntax not matched), this exits non-zero with a message
 naming it. A kernel edit that breaks the emulation stops the build instead of being skipped.
 
-Usage: transform.py INPUT.cu OUTPUT [--mutate OLD NEW]...
+Usage: transform.py INPUT.cu OUTPUT [--wrappers NAME,...] [--no-shared] [--mutate OLD NEW]...
+--wrappers names the PTX wrappers the kernel must define (default: all of EMULATED_WRAPPERS, which
+is flash_attention.cu's set; an empty list for a kernel without inline PTX); --no-shared: the
+kernel has no extern __shared__ array. Either way a wrapper or array the kernel has but the
+command line does not name is left behind and caught by the leftover checks.
 --mutate replaces the first occurrence of OLD by NEW in the input first (OLD must occur): a
 deliberately broken kernel, to check that the test catches it (docs/gpu.md).
 """
@@ -74,7 +79,7 @@ def remove_function(lines, name):
     return first
 
 
-def transform(source):
+def transform(source, wrappers, shared):
     lines = source.split("\n")
 
     runtime = [i for i, line in enumerate(lines) if line == RUNTIME_INCLUDE]
@@ -83,20 +88,21 @@ def transform(source):
             f"anchor '{RUNTIME_INCLUDE}' found {len(runtime)} times (expected once)")
     lines[runtime[0]] = EMULATED_RUNTIME_INCLUDE
 
-    starts = {name: remove_function(lines, name) for name in EMULATED_WRAPPERS}
-    # One #include per line, on the blank lines where the first wrapper was.
-    headers = list(dict.fromkeys(EMULATED_WRAPPERS.values()))  # unique, in order
-    first = min(starts.values())
-    if any(lines[first + i] for i in range(len(headers))):
-        raise TransformError(f"no {len(headers)} blank lines for the emulation headers at line "
-                             f"{first + 1} (the first PTX wrapper is shorter than that)")
-    for i, h in enumerate(headers):
-        lines[first + i] = f'#include "{h}"'
+    starts = {name: remove_function(lines, name) for name in wrappers}
+    if starts:
+        # One #include per line, on the blank lines where the first wrapper was.
+        headers = list(dict.fromkeys(EMULATED_WRAPPERS[name] for name in wrappers))
+        first = min(starts.values())
+        if any(lines[first + i] for i in range(len(headers))):
+            raise TransformError(f"no {len(headers)} blank lines for the emulation headers at "
+                                 f"line {first + 1} (the first PTX wrapper is shorter than that)")
+        for i, h in enumerate(headers):
+            lines[first + i] = f'#include "{h}"'
 
     text = "\n".join(lines)
     text, n_shared = EXTERN_SHARED.subn(r"unsigned char* \1 = emulated_dynamic_shared_memory();",
                                         text)
-    if n_shared == 0:
+    if shared and n_shared == 0:
         raise TransformError(
             "anchor 'extern __shared__ __align__(16) unsigned char NAME[];' not found")
     text, n_launch = LAUNCH.subn(r"emulated_launch(\1, \2, ", text)
@@ -122,9 +128,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("input", help="the kernel source (.cu)")
     parser.add_argument("output", help="the rewritten source to write")
+    parser.add_argument("--wrappers", default=",".join(EMULATED_WRAPPERS),
+                        help="comma-separated PTX wrappers the kernel defines (may be empty)")
+    parser.add_argument("--no-shared", action="store_true",
+                        help="the kernel has no extern __shared__ array")
     parser.add_argument("--mutate", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                         help="replace the first OLD by NEW in the input first")
     args = parser.parse_args()
+    wrappers = [w for w in args.wrappers.split(",") if w]
+    unknown = [w for w in wrappers if w not in EMULATED_WRAPPERS]
+    if unknown:
+        sys.exit(f"transform.py: --wrappers: no emulation for {', '.join(unknown)} (known: "
+                 f"{', '.join(EMULATED_WRAPPERS)})")
 
     with open(args.input, encoding="utf-8") as f:
         source = f.read()
@@ -133,7 +148,7 @@ def main():
             sys.exit(f"transform.py: --mutate: '{old}' does not occur in {args.input}")
         source = source.replace(old, new, 1)
     try:
-        text, n_launch = transform(source)
+        text, n_launch = transform(source, wrappers, not args.no_shared)
     except TransformError as e:
         sys.exit(f"transform.py: {args.input}: {e}\n(the kernel changed in a way the emulation "
                  "does not know: update tests/kernel_emulation to match)")
@@ -145,7 +160,7 @@ def main():
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(header + text)
     os.replace(tmp, args.output)
-    print(f"transform.py: {args.output}: {len(EMULATED_WRAPPERS)} PTX wrappers emulated, "
+    print(f"transform.py: {args.output}: {len(wrappers)} PTX wrappers emulated, "
           f"{n_launch} launches")
 
 

@@ -114,8 +114,8 @@ class CausalLM : public torch::nn::Module {
   const parallel::tensor::ShardSpec& shard_spec(const std::string& name) const;
 
   // Applies to the forwards that follow (the default is kNone). Dropout inside recomputed parts
-  // draws the same masks again (the dropout generator is replayed), so losses and gradients are
-  // those of kNone.
+  // applies the same masks again (the dropout stream's position at forward is restored), so
+  // losses and gradients are those of kNone.
   void set_activation_checkpointing(ActivationCheckpointing mode);
   ActivationCheckpointing activation_checkpointing() const { return execution_->checkpointing; }
   // Which attention implementation the blocks use in the forwards that follow (default kAuto:
@@ -185,17 +185,18 @@ class CausalLM : public torch::nn::Module {
 };
 
 // The attention core of the models' blocks: causal ops::attention of q [B, h, T, hd] with k, v
-// [B, h_kv, T, hd], with attention dropout p (0 outside training) drawn over all heads from tp's
-// generator and sliced (tp-invariant masks). Recomputed in backward, dropout mask included, when
-// `execution` asks for kSelective.
+// [B, h_kv, T, hd], with attention dropout p (0 outside training) on the probabilities, its
+// mask keyed by block `layer` and this rank's heads' place among all heads (tp-invariant masks,
+// parallel/tensor/random.h). Recomputed in backward, dropout mask included, when `execution`
+// asks for kSelective.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const parallel::tensor::TpGroupPtr& tp,
-                            const BlockExecutionPtr& execution);
+                            const BlockExecutionPtr& execution, int64_t layer);
 // The same for one projection's packed output qkv [B, T, 3, h, hd] (ops::attention_packed), with
 // the projection's bias [3 h hd] when its GEMM left it out (undefined otherwise).
 at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
                                    const parallel::tensor::TpGroupPtr& tp,
-                                   const BlockExecutionPtr& execution);
+                                   const BlockExecutionPtr& execution, int64_t layer);
 // Whether causal_attention_packed takes the projection's bias itself for a block whose
 // projection input is `input` (ops::attention_packed_takes_bias with the block's settings).
 bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,

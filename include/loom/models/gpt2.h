@@ -16,8 +16,9 @@ namespace loom::models {
 
 class Gpt2Block : public torch::nn::Module {
  public:
+  // layer: the block's index in the whole model (what its dropout masks are keyed by);
   // execution: the owning model's settings (null: plain execution, no recompute).
-  Gpt2Block(const ModelConfig& config, parallel::tensor::TpGroupPtr tp,
+  Gpt2Block(const ModelConfig& config, parallel::tensor::TpGroupPtr tp, int64_t layer,
             BlockExecutionPtr execution = nullptr);
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence).
   at::Tensor forward(const at::Tensor& x);
@@ -25,6 +26,7 @@ class Gpt2Block : public torch::nn::Module {
  private:
   const ModelConfig config_;
   parallel::tensor::TpGroupPtr tp_;
+  const int64_t layer_;
   BlockExecutionPtr execution_;
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> c_attn_, c_fc_;

@@ -24,8 +24,9 @@ class RmsNorm : public torch::nn::Module {
 
 class LlamaBlock : public torch::nn::Module {
  public:
+  // layer: the block's index in the whole model (what its dropout masks are keyed by);
   // execution: the owning model's settings (null: plain execution, no recompute).
-  LlamaBlock(const ModelConfig& config, parallel::tensor::TpGroupPtr tp,
+  LlamaBlock(const ModelConfig& config, parallel::tensor::TpGroupPtr tp, int64_t layer,
              BlockExecutionPtr execution = nullptr);
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence);
   // cos, sin: [seq, head_dim] rotary tables for the whole sequence.
@@ -34,6 +35,7 @@ class LlamaBlock : public torch::nn::Module {
  private:
   const ModelConfig config_;
   parallel::tensor::TpGroupPtr tp_;
+  const int64_t layer_;
   BlockExecutionPtr execution_;
   std::shared_ptr<RmsNorm> input_layernorm_, post_attention_layernorm_;
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> q_proj_, k_proj_, v_proj_;

@@ -102,6 +102,9 @@ struct TrainConfig {
   int64_t micro_batch_size(int64_t dp_size = 1) const {
     return batch_size / (grad_accum * dp_size);
   }
+  // The index, in the step's global batch, of the first sample of micro-batch k on data-parallel
+  // rank `dp_rank` of `dp_size`: what the sampler draws, and what dropout masks are keyed by.
+  int64_t first_sample(int64_t dp_rank, int64_t dp_size, int64_t k) const;
   int64_t schedule_steps() const { return lr_decay_steps > 0 ? lr_decay_steps : steps; }
 
   // Resuming is bit-exact only when everything that shapes the computation is unchanged.

@@ -97,10 +97,11 @@ class Trainer {
   models::ModelConfig resolve_model_config(std::optional<CheckpointContents>& resume);
   // What the built model must fit: the data's vocabulary, --seq-len, --attention fused.
   void check_model_fits(const models::ModelConfig& model_config) const;
+  // Seeds the model's dropout stream (loom's models), or LibTorch's default CPU generator, which
+  // a custom model's dropout draws from (seeded per dp rank and pp stage, saved in checkpoints,
+  // replayed by checkpointing).
   void seed_dropout();
-  // What dropout draws from: the model's TpGroup generator, or for a custom model LibTorch's
-  // default CPU generator (seeded per dp rank, saved in checkpoints, replayed by checkpointing).
-  at::Generator dropout_generator();
+  at::Generator dropout_generator();  // custom models only
   void log_setup() const;
   // Checkpoints (trainer_checkpoint.cpp).
   void load_checkpoint_parameters(CheckpointContents& resume);

@@ -91,6 +91,28 @@ class RngReplay {
   std::vector<at::Tensor> entry_states_;
 };
 
+// The same for dropout streams: their positions at forward for the recompute, then back.
+class DropoutReplay {
+ public:
+  DropoutReplay(const std::vector<std::shared_ptr<ops::DropoutStream>>& streams,
+                const std::vector<ops::DropoutPosition>& replay)
+      : streams_(streams) {
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      entry_.push_back(streams_[i]->position());
+      streams_[i]->restore(replay[i]);
+    }
+  }
+  ~DropoutReplay() {
+    for (size_t i = 0; i < entry_.size(); ++i) streams_[i]->restore(entry_[i]);
+  }
+  DropoutReplay(const DropoutReplay&) = delete;
+  DropoutReplay& operator=(const DropoutReplay&) = delete;
+
+ private:
+  const std::vector<std::shared_ptr<ops::DropoutStream>>& streams_;
+  std::vector<ops::DropoutPosition> entry_;
+};
+
 // What backward needs besides the saved inputs. It travels in the autograd context as a capsule
 // (the context's saved data holds IValues only), owned by the node.
 struct CheckpointState : torch::CustomClassHolder {
@@ -99,6 +121,8 @@ struct CheckpointState : torch::CustomClassHolder {
   std::vector<int64_t> slots;
   std::vector<at::Generator> generators;
   std::vector<at::Tensor> rng_states;  // the generators' states when forward ran fn
+  std::vector<std::shared_ptr<ops::DropoutStream>> dropout_streams;
+  std::vector<ops::DropoutPosition> dropout_positions;  // theirs when forward ran fn
   AutocastState autocast;
   // With offload: per node input, its ticket (-1: kept as a saved tensor) and whether it needed
   // a gradient.
@@ -121,6 +145,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static at::Tensor forward(AutogradContext* ctx, at::TensorList inputs,
                             const c10::intrusive_ptr<CheckpointState>& state) {
     for (auto& generator : state->generators) state->rng_states.push_back(get_rng_state(generator));
+    for (const auto& stream : state->dropout_streams)
+      state->dropout_positions.push_back(stream->position());
     state->autocast = AutocastState::current();
     std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
     at::Tensor out;
@@ -178,6 +204,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor out;
     {
       RngReplay rng(state.generators, state.rng_states);
+      DropoutReplay dropout(state.dropout_streams, state.dropout_positions);
       // Without the cast cache: backward runs outside the caller's autocast region, so nothing
       // would clear casts cached here, and the next forward would read this step's bf16 copies
       // of weights the optimizer has changed since.
@@ -206,6 +233,7 @@ at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inp
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   state->generators = options.generators;
+  state->dropout_streams = options.dropout_streams;
   state->offload = options.offload;
   std::vector<at::Tensor> node_inputs;
   bool any_requires_grad = false;

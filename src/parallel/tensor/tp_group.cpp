@@ -1,15 +1,11 @@
 #include "loom/parallel/tensor/tp_group.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-
 #include "loom/core/error.h"
 
 namespace loom::parallel::tensor {
 
 TpGroup::TpGroup(dist::CommunicatorPtr comm, TpOptions options)
-    : comm_(comm && comm->size() > 1 ? std::move(comm) : nullptr),
-      options_(options),
-      generator_(at::make_generator<at::CPUGeneratorImpl>(0)) {
+    : comm_(comm && comm->size() > 1 ? std::move(comm) : nullptr), options_(options) {
   LOOM_CHECK(options_.pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be >= 1",
              options_.pad_vocab_multiple);
 }

@@ -20,6 +20,9 @@
 //   - Randomness inside fn must come from generators listed in options.generators: their state
 //     at forward is restored for the recompute (so dropout draws the same masks), and put back
 //     afterwards, so code running after the recompute draws what it would have drawn anyway.
+//     loom's own dropout reads a DropoutStream's position (ops/dropout.h) instead: the streams in
+//     options.dropout_streams get back, for the recompute, the position they had at forward (a
+//     pipeline runs other micro-batches' forwards in between).
 //   - Autocast (thread-local, while backward may run on another thread) is captured at forward
 //     for the CPU and CUDA and re-established for the recompute.
 #include <ATen/core/Generator.h>
@@ -29,6 +32,7 @@
 #include <memory>
 #include <vector>
 
+#include "loom/ops/dropout.h"
 #include "loom/parallel/memory/activation_offload.h"
 
 namespace loom::parallel::memory {
@@ -36,6 +40,8 @@ namespace loom::parallel::memory {
 struct CheckpointOptions {
   // The generators fn draws random numbers from (handles: copies share the generator).
   std::vector<at::Generator> generators;
+  // The dropout streams fn reads positions from (ops::dropout's masks).
+  std::vector<std::shared_ptr<ops::DropoutStream>> dropout_streams;
   // When set, the floating-point inputs are not kept on their device between forward and
   // backward: they go to the host through this offloader and come back for the recompute, and
   // the backward of the checkpoint with ticket t prefetches ticket t - 1 (the block backward

@@ -2,12 +2,11 @@
 // The tensor-parallel group a model is sharded over: its communicator (none at tp = 1, where
 // every parallel layer runs as its plain twin with no collective), whether sequence
 // parallelism is on, how the vocabulary is padded, and a count of what the TP collectives move.
-#include <ATen/core/Generator.h>
-
 #include <cstdint>
 #include <memory>
 
 #include "loom/dist/communicator.h"
+#include "loom/ops/dropout.h"
 
 namespace loom::parallel::tensor {
 
@@ -60,17 +59,17 @@ class TpGroup {
   TpCommStats& stats() { return stats_; }
   const TpCommStats& stats() const { return stats_; }
 
-  // The generator every dropout of the model draws from (see random.h). Its own, not the
-  // process-wide one, so that a random draw elsewhere on some ranks (a model built on rank 0
-  // only, user code) cannot put the tp ranks' masks out of step. Seed it the same on every tp
-  // rank of a replica (the Trainer does, and saves it in checkpoints); default seed 0.
-  at::Generator& generator() { return generator_; }
+  // Where every dropout of the model takes its masks' position from (ops/dropout.h): the run's
+  // seed and the micro-batch being run. Counter-based masks need no shared generator state, so
+  // ranks agree as long as they are given the same seed and position (the runtime sets both).
+  ops::DropoutStream& dropout() const { return *dropout_; }
+  const std::shared_ptr<ops::DropoutStream>& dropout_stream() const { return dropout_; }
 
  private:
   dist::CommunicatorPtr comm_;
   TpOptions options_;
   TpCommStats stats_;
-  at::Generator generator_;
+  std::shared_ptr<ops::DropoutStream> dropout_ = std::make_shared<ops::DropoutStream>();
 };
 
 using TpGroupPtr = std::shared_ptr<TpGroup>;
