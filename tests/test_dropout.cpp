@@ -112,7 +112,9 @@ TEST(DropoutKernelsHost, ReferenceIsTheDefinitionElementByElement) {
             EXPECT_EQ(mask[i], keep ? k.scale : 0.0) << "element " << e;
             EXPECT_EQ(split[i], y[i]) << "element " << e;
           }
-    if (k.drop_below == 0) EXPECT_EQ(kept, k.numel());
+    if (k.drop_below == 0) {
+      EXPECT_EQ(kept, k.numel());
+    }
   }
 }
 
@@ -218,16 +220,19 @@ TEST(Dropout, OpIsTheReferenceAndItsGradientTheMask) {
     auto y = ops::dropout(x, 0.3, pos, site);
     EXPECT_EQ(y.scalar_type(), dtype);
     const auto want = (x.detach().to(at::kFloat) * mask.to(at::kFloat)).to(dtype);
-    if (dtype == at::kDouble)
+    if (dtype == at::kDouble) {
       EXPECT_TRUE(at::equal(y, x.detach() * mask));
-    else
+    } else {
       EXPECT_TRUE(at::equal(y, want)) << dtype;
+    }
     const auto g = at::randn_like(y);
     y.backward(g);
-    if (dtype == at::kDouble)
+    if (dtype == at::kDouble) {
       EXPECT_TRUE(at::equal(x.grad(), g * mask));
-    else
-      EXPECT_TRUE(at::equal(x.grad(), (g.to(at::kFloat) * mask.to(at::kFloat)).to(dtype))) << dtype;
+    } else {
+      EXPECT_TRUE(at::equal(x.grad(), (g.to(at::kFloat) * mask.to(at::kFloat)).to(dtype)))
+          << dtype;
+    }
   }
   // About 30% dropped, and the kept ones scaled by 1 / 0.7.
   const double dropped = (mask == 0).to(at::kDouble).mean().item<double>();

@@ -9,6 +9,7 @@
 
 #include "dropout/dropout.h"
 #include "loom/core/error.h"
+#include "loom/core/format.h"
 #include "loom/core/rng.h"
 
 #ifdef LOOM_WITH_CUDA
@@ -103,24 +104,27 @@ kernels::DropoutParams params_of(at::IntArrayRef shape, double p, const DropoutP
 }
 
 // x * mask, or the mask (x undefined), as a new contiguous tensor of `shape` and `options`.
-at::Tensor apply(const at::Tensor& x, at::IntArrayRef shape, const at::TensorOptions& options,
+at::Tensor apply_dropout(const at::Tensor& x, at::IntArrayRef shape,
+                         const at::TensorOptions& options,
                  const kernels::DropoutParams& k) {
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
-  LOOM_CHECK(at::isFloatingType(dtype), "dropout of a {} tensor: floating types only", dtype);
+  LOOM_CHECK(at::isFloatingType(dtype), "dropout of a {} tensor: floating types only",
+             c10::toString(dtype));
   auto out = at::empty(shape, options);
   if (out.numel() == 0) return out;
   const auto in = x.defined() ? x.contiguous() : at::Tensor();
   if (out.is_cuda()) {
 #ifdef LOOM_WITH_CUDA
     const c10::cuda::CUDAGuard guard(out.device());
-    kernels::DropoutDtype kind;
+    auto kind = kernels::DropoutDtype::kFloat32;
     switch (dtype) {
       case at::kFloat: kind = kernels::DropoutDtype::kFloat32; break;
       case at::kDouble: kind = kernels::DropoutDtype::kFloat64; break;
       case at::kBFloat16: kind = kernels::DropoutDtype::kBFloat16; break;
       case at::kHalf: kind = kernels::DropoutDtype::kFloat16; break;
-      default: LOOM_CHECK(false, "dropout on the GPU: dtype {} (float, double, bf16, fp16 only)",
-                          dtype);
+      default:
+        LOOM_CHECK(false, "dropout on the GPU: dtype {} (float, double, bf16, fp16 only)",
+                   c10::toString(dtype));
     }
     const auto status = kernels::dropout_apply(kind, in.defined() ? in.const_data_ptr() : nullptr,
                                                out.data_ptr(), k,
@@ -135,7 +139,7 @@ at::Tensor apply(const at::Tensor& x, at::IntArrayRef shape, const at::TensorOpt
   LOOM_CHECK(out.device().is_cpu(), "dropout on {}: CPU and CUDA tensors only", out.device().str());
   if (dtype != at::kFloat && dtype != at::kDouble) {
     // bf16, fp16 on the CPU: the fp32 mask, multiplied in fp32 and rounded once, as the kernel.
-    auto mask = apply(at::Tensor(), shape, options.dtype(at::kFloat), k);
+    auto mask = apply_dropout(at::Tensor(), shape, options.dtype(at::kFloat), k);
     return (in.defined() ? in.to(at::kFloat) * mask : mask).to(dtype);
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k.size[3]));
@@ -178,13 +182,13 @@ struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const std::vector<int64_t>& packed) {
     ctx->saved_data["params"] = packed;
-    return apply(x, x.sizes(), x.options(), unpack(packed));
+    return apply_dropout(x, x.sizes(), x.options(), unpack(packed));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto k = unpack(ctx->saved_data["params"].toIntVector());
     const auto& g = grads[0];
-    return {apply(g, g.sizes(), g.options(), k), at::Tensor()};
+    return {apply_dropout(g, g.sizes(), g.options(), k), at::Tensor()};
   }
 };
 
@@ -202,7 +206,7 @@ at::Tensor dropout_mask(at::IntArrayRef shape, const at::TensorOptions& options,
                         const DropoutSlice& slice) {
   const auto k = params_of(shape, p, position, site, slice);
   if (p == 0) return {};
-  return apply(at::Tensor(), shape, options, k);
+  return apply_dropout(at::Tensor(), shape, options, k);
 }
 
 }  // namespace loom::ops
