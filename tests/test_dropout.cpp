@@ -14,6 +14,7 @@
 #include "dropout/dropout.h"
 #include "dropout/philox.h"
 #include "loom/core/rng.h"
+#include "loom/ops/cuda.h"
 #include "loom/ops/dropout.h"
 #include "test_util.h"
 
@@ -309,4 +310,28 @@ TEST(Dropout, BadArgumentsAreClearErrors) {
   EXPECT_TRUE(contains(msg, "[2, 5)") && contains(msg, "logical size 4")) << msg;
   msg = error_of([&] { ops::dropout_site(-2, ops::DropoutPlace::kMlp); });
   EXPECT_TRUE(contains(msg, "layer -2")) << msg;
+}
+
+// On a GPU (skipped elsewhere; scripts/gpu-check runs it): the kernel's masks and products equal
+// the CPU's bit for bit, in every dtype and for slices, and its backward applies the same mask.
+TEST(DropoutGpu, KernelEqualsTheCpuBitForBit) {
+  if (!loom::ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  const auto pos = position(7, 40);
+  const uint32_t site = ops::dropout_site(3, ops::DropoutPlace::kAttentionProbs);
+  const std::vector<int64_t> shape{3, 4, 33, 70};
+  const auto slice = ops::split_slice(shape, 1, 2, 1);
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    const auto x = at::randn(shape).to(dtype);
+    const auto cpu_mask = ops::dropout_mask(shape, dtype, 0.15, pos, site, slice);
+    const auto gpu_mask = ops::dropout_mask(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA),
+                                            0.15, pos, site, slice);
+    EXPECT_TRUE(at::equal(gpu_mask.cpu(), cpu_mask)) << dtype;
+    auto xg = x.cuda().requires_grad_();
+    auto y = ops::dropout(xg, 0.15, pos, site, slice);
+    EXPECT_TRUE(at::equal(y.cpu(), ops::dropout(x, 0.15, pos, site, slice))) << dtype;
+    const auto g = at::randn(shape).to(dtype);
+    y.backward(g.cuda());
+    EXPECT_TRUE(at::equal(xg.grad().cpu(), ops::dropout(g, 0.15, pos, site, slice))) << dtype;
+  }
 }

@@ -54,13 +54,6 @@ void Trainer::check_mesh_and_device() {
                "--offload-activations and --memory-cap-mb run on the CPU only so far (given with "
                "--device {})",
                config_.device);
-    // Dropout masks are drawn on the host (layout-invariant, tp-sliced) and would be copied to
-    // the device every layer, and attention dropout takes the math path.
-    LOOM_CHECK(
-        config_.dropout == 0,
-        "--dropout {} with --device {}: dropout on a GPU is not supported yet (its masks are "
-        "drawn on the host); use --dropout 0",
-        config_.dropout, config_.device);
   }
   if (config_.attention == "fused") {
     // What the kernel needs, named by flag before anything is built (the kernel itself would
