@@ -324,7 +324,7 @@ TEST(GpuTraining, FusedAttentionTrainsLikeTheMathPath) {
 // Dropout on the GPU applies the CPU's masks (counter-based, computed where applied): 5 fp32
 // steps of the 2-layer GPT-2 at dropout 0.1 (residual, embedding and attention dropout; TF32
 // off) on CUDA and on the CPU. Bound: 1e-4 relative per step's loss, from fp32 accumulation in
-// two different orders over 5 steps (a mask that differs moves the loss by ~1e-2).
+// two different orders over 5 steps (not yet run on a GPU: the bound is an estimate).
 TEST(GpuTraining, DropoutTrainsLikeTheCpu) {
   SKIP_WITHOUT_GPU();
   loom::testing::TempDir dir;

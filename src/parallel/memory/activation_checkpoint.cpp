@@ -68,50 +68,46 @@ void set_rng_state(at::Generator& generator, const at::Tensor& state) {
   generator.set_state(state);
 }
 
-// Sets each generator to the state it had at forward for its scope, then puts back the state it
-// had on entry (draws made since forward by code outside fn are not replayed or lost).
-class RngReplay {
+// Sets each handle (a generator, a dropout stream) to the state it had at forward for its scope,
+// then puts back the state it had on entry (draws made since forward by code outside fn are not
+// replayed or lost; positions set since forward are kept).
+template <typename Handle, typename State, typename Get, typename Set>
+class StateReplay {
  public:
-  RngReplay(std::vector<at::Generator>& generators, const std::vector<at::Tensor>& replay)
-      : generators_(generators) {
-    for (size_t i = 0; i < generators_.size(); ++i) {
-      entry_states_.push_back(get_rng_state(generators_[i]));
-      set_rng_state(generators_[i], replay[i]);
+  StateReplay(std::vector<Handle>& handles, const std::vector<State>& replay, Get get, Set set)
+      : handles_(handles), set_(set) {
+    for (size_t i = 0; i < handles_.size(); ++i) {
+      entry_states_.push_back(get(handles_[i]));
+      set_(handles_[i], replay[i]);
     }
   }
-  ~RngReplay() {
-    for (size_t i = 0; i < entry_states_.size(); ++i)
-      set_rng_state(generators_[i], entry_states_[i]);
+  ~StateReplay() {
+    for (size_t i = 0; i < entry_states_.size(); ++i) set_(handles_[i], entry_states_[i]);
   }
-  RngReplay(const RngReplay&) = delete;
-  RngReplay& operator=(const RngReplay&) = delete;
+  StateReplay(const StateReplay&) = delete;
+  StateReplay& operator=(const StateReplay&) = delete;
 
  private:
-  std::vector<at::Generator>& generators_;
-  std::vector<at::Tensor> entry_states_;
+  std::vector<Handle>& handles_;
+  Set set_;
+  std::vector<State> entry_states_;
 };
 
-// The same for dropout streams: their positions at forward for the recompute, then back.
-class DropoutReplay {
- public:
-  DropoutReplay(const std::vector<std::shared_ptr<ops::DropoutStream>>& streams,
-                const std::vector<ops::DropoutPosition>& replay)
-      : streams_(streams) {
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      entry_.push_back(streams_[i]->position());
-      streams_[i]->restore(replay[i]);
-    }
-  }
-  ~DropoutReplay() {
-    for (size_t i = 0; i < entry_.size(); ++i) streams_[i]->restore(entry_[i]);
-  }
-  DropoutReplay(const DropoutReplay&) = delete;
-  DropoutReplay& operator=(const DropoutReplay&) = delete;
+template <typename Handle, typename State, typename Get, typename Set>
+StateReplay<Handle, State, Get, Set> replay_states(std::vector<Handle>& handles,
+                                                   const std::vector<State>& replay, Get get,
+                                                   Set set) {
+  return {handles, replay, get, set};
+}
 
- private:
-  const std::vector<std::shared_ptr<ops::DropoutStream>>& streams_;
-  std::vector<ops::DropoutPosition> entry_;
-};
+ops::DropoutPosition position_of(std::shared_ptr<ops::DropoutStream>& stream) {
+  return stream->position();
+}
+
+void restore_position(std::shared_ptr<ops::DropoutStream>& stream,
+                      const ops::DropoutPosition& position) {
+  stream->restore(position);
+}
 
 // What backward needs besides the saved inputs. It travels in the autograd context as a capsule
 // (the context's saved data holds IValues only), owned by the node.
@@ -203,8 +199,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     at::Tensor out;
     {
-      RngReplay rng(state.generators, state.rng_states);
-      DropoutReplay dropout(state.dropout_streams, state.dropout_positions);
+      const auto rng = replay_states(state.generators, state.rng_states, get_rng_state,
+                                     set_rng_state);
+      const auto dropout = replay_states(state.dropout_streams, state.dropout_positions,
+                                         position_of, restore_position);
       // Without the cast cache: backward runs outside the caller's autocast region, so nothing
       // would clear casts cached here, and the next forward would read this step's bf16 copies
       // of weights the optimizer has changed since.
