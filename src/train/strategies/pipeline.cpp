@@ -32,7 +32,7 @@ double time_part(const models::ModelConfig& config, const parallel::tensor::TpGr
   models::init_parameters(*model, 1);
   auto tokens = at::zeros({micro, seq_len}, at::kLong);
   const int64_t local_seq = tp->sequence_parallel() ? seq_len / tp->size() : seq_len;
-  auto hidden = at::zeros({micro, local_seq, config.d_model}).normal_(0, 1);
+  auto hidden = at::randn({micro, local_seq, config.d_model});
   std::vector<double> times;
   for (int rep = 0; rep < 4; ++rep) {
     const auto start = std::chrono::steady_clock::now();
