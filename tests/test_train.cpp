@@ -336,7 +336,7 @@ TEST(Training, Bf16TrainingLearnsWithFp32Masters) {
 struct ResumeCase {
   std::string name, model, preset, precision;
   int64_t grad_accum;
-  double dropout;  // > 0 exercises the saved RNG state
+  double dropout;  // > 0: a resume must apply the same dropout masks
 };
 
 class Resume : public ::testing::TestWithParam<ResumeCase> {};

@@ -36,6 +36,7 @@ struct DropoutArgs {
   DropoutParams p;
   int64_t first_group;  // the first group of four logical columns the local columns touch
   int64_t groups;       // groups per row
+  int64_t rows;         // params.rows() (a host function)
 };
 
 template <typename T>
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kDropoutThreads) dropout_kernel(const DropoutA
   const auto& n = a.p.size;
   const auto& o = a.p.offset;
   const Acc scale = Acc(a.p.scale);
-  const int64_t total = a.p.rows() * a.groups;
+  const int64_t total = a.rows * a.groups;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t row = i / a.groups;
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kDropoutThreads) dropout_kernel(const DropoutA
 template <typename T>
 Status launch(const void* x, void* y, const DropoutParams& params, cudaStream_t stream,
               int64_t max_blocks) {
-  DropoutArgs<T> a{static_cast<const T*>(x), static_cast<T*>(y), params, 0, 0};
+  DropoutArgs<T> a{static_cast<const T*>(x), static_cast<T*>(y), params, 0, 0, params.rows()};
   if (params.numel() == 0) return Status::success();
   a.first_group = params.offset[3] / 4;
   a.groups = (params.offset[3] + params.size[3] - 1) / 4 - a.first_group + 1;

@@ -258,7 +258,7 @@ TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact)
   config.metrics_out = (dir / "metrics.jsonl").string();
   config.save_dir = (dir / "ckpt").string();
   config.save_every = 2;
-  config.dropout = 0.1;  // each rank's dropout generator must be saved and restored too
+  config.dropout = 0.1;  // a resume must apply the same masks (keyed by step and sample)
   RunResult full;
   {
     train::Trainer t(config, mesh);

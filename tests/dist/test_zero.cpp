@@ -560,7 +560,7 @@ TEST_P(TrainerZeroResume, ResumeIsExactAndEachRankSavesItsShard) {
   auto config = zero_config(dir.path(), GetParam(), 2);
   config.save_dir = (dir / "ckpt").string();
   config.save_every = 2;
-  config.dropout = 0.1;  // the dropout generators are restored too
+  config.dropout = 0.1;  // a resume must apply the same masks (keyed by step and sample)
   // A padded vocabulary (256 -> 300 rows in the model): checkpoints hold the 256 real rows.
   config.pad_vocab_multiple = 100;
   std::map<std::string, at::Tensor> full;
