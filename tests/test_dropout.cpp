@@ -217,7 +217,7 @@ TEST(Dropout, OpIsTheReferenceAndItsGradientTheMask) {
   auto x64 = at::randn({3, 7, 10}, at::TensorOptions().dtype(at::kDouble));
   const auto mask = ops::dropout_mask({3, 7, 10}, at::kDouble, 0.3, pos, site);
   for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
-    auto x = x64.to(dtype).requires_grad_();
+    auto x = x64.to(dtype).clone().requires_grad_();
     auto y = ops::dropout(x, 0.3, pos, site);
     EXPECT_EQ(y.scalar_type(), dtype);
     const auto want = (x.detach().to(at::kFloat) * mask.to(at::kFloat)).to(dtype);
