@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,7 @@
 #include "loom/core/safetensors.h"
 #include "test_util.h"
 
+using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::TempDir;
 namespace core = loom::core;
@@ -85,6 +87,37 @@ TEST(Core, SafetensorsReportsTruncationAndGarbage) {
         core::save_safetensors(dir / "dup.safetensors", {{"a", at::ones(1)}, {"a", at::ones(1)}});
       }).find("appears twice"),
       std::string::npos);
+}
+
+// Header numbers that are not non-negative integers are refused with the tensor's name: a float
+// (1e20: nlohmann would cast it, undefined behaviour, found by fuzz.safetensors), a negative
+// value, something that is not a list.
+TEST(Core, SafetensorsRefusesShapesAndOffsetsThatAreNotIntegers) {
+  TempDir dir;
+  auto write_file = [&](const std::string& header) {
+    std::string bytes(8, '\0');
+    const uint64_t n = header.size();
+    std::memcpy(bytes.data(), &n, 8);
+    std::ofstream(dir / "h.safetensors", std::ios::binary)
+        << bytes << header << std::string(8, '\0');
+  };
+  auto write = [&](const std::string& header) {
+    write_file(header);
+    return error_of([&] { core::load_safetensors(dir / "h.safetensors"); });
+  };
+  auto msg = write(R"({"w":{"dtype":"F32","shape":[4.6e20],"data_offsets":[0,8]}})");
+  EXPECT_TRUE(contains(msg, "'w'") && contains(msg, "shape") &&
+              contains(msg, "not a non-negative integer"))
+      << msg;
+  msg = write(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8.5]}})");
+  EXPECT_TRUE(contains(msg, "data_offsets") && contains(msg, "8.5")) << msg;
+  msg = write(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})");
+  EXPECT_TRUE(contains(msg, "-2") && contains(msg, "not a non-negative integer")) << msg;
+  msg = write(R"({"w":{"dtype":"F32","shape":7,"data_offsets":[0,8]}})");
+  EXPECT_TRUE(contains(msg, "not a list of integers")) << msg;
+  write_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})");
+  EXPECT_EQ(core::load_safetensors(dir / "h.safetensors").tensors.at("w").sizes(),
+            at::IntArrayRef({2}));
 }
 
 // The reader reads one tensor's bytes when asked, from a file whose other tensors it never

@@ -15,6 +15,23 @@ namespace loom::core {
 
 namespace {
 
+// A header's list of non-negative integers (a shape, data offsets). Each value must be a JSON
+// integer: nlohmann converts a float by static_cast, which is undefined for 1e20 (found by
+// fuzz.safetensors), and a negative integer would wrap.
+std::vector<uint64_t> header_integers(const nlohmann::json& value, const std::string& field,
+                                      const std::filesystem::path& path, const std::string& name) {
+  LOOM_CHECK(value.is_array(), "'{}': tensor '{}' has {} {}, not a list of integers",
+             path.string(), name, field, value.dump());
+  std::vector<uint64_t> out;
+  for (const auto& v : value) {
+    LOOM_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0),
+               "'{}': tensor '{}' has {} {}: {} is not a non-negative integer", path.string(),
+               name, field, value.dump(), v.dump());
+    out.push_back(v.get<uint64_t>());
+  }
+  return out;
+}
+
 struct DtypeName {
   at::ScalarType type;
   const char* name;
@@ -167,8 +184,12 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
       }
       Entry e;
       e.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path);
-      e.shape = entry.at("shape").get<std::vector<int64_t>>();
-      const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      for (const uint64_t d : header_integers(entry.at("shape"), "shape", path, name)) {
+        LOOM_CHECK(d <= static_cast<uint64_t>(INT64_MAX), "'{}': tensor '{}' has dimension {}",
+                   path.string(), name, d);
+        e.shape.push_back(static_cast<int64_t>(d));
+      }
+      const auto offsets = header_integers(entry.at("data_offsets"), "data_offsets", path, name);
       LOOM_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_size,
                  "'{}': tensor '{}' has data offsets outside the file (truncated?)", path.string(),
                  name);
