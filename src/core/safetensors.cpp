@@ -197,7 +197,6 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
       // overflows (or merely exceeds the file) is refused before anything is allocated.
       uint64_t bytes = c10::elementSize(e.dtype);
       for (const auto d : e.shape) {
-        LOOM_CHECK(d >= 0, "'{}': tensor '{}' has a negative dimension {}", path.string(), name, d);
         LOOM_CHECK(d == 0 || bytes <= data_size / static_cast<uint64_t>(d),
                    "'{}': tensor '{}' has shape {} of more bytes than the file's {} of data",
                    path.string(), name, entry.at("shape").dump(), data_size);
