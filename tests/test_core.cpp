@@ -10,6 +10,7 @@
 
 #include "loom/core/files.h"
 #include "loom/core/format.h"
+#include "loom/core/json.h"
 #include "loom/core/memory.h"
 #include "loom/core/preemption.h"
 #include "loom/core/rng.h"
@@ -106,18 +107,97 @@ TEST(Core, SafetensorsRefusesShapesAndOffsetsThatAreNotIntegers) {
     return error_of([&] { core::load_safetensors(dir / "h.safetensors"); });
   };
   auto msg = write(R"({"w":{"dtype":"F32","shape":[4.6e20],"data_offsets":[0,8]}})");
-  EXPECT_TRUE(contains(msg, "'w'") && contains(msg, "shape") &&
-              contains(msg, "not a non-negative integer"))
+  EXPECT_TRUE(contains(msg, "tensor 'w' shape is [4.6e+20]: 4.6e+20 is not an integer in [0, "))
       << msg;
   msg = write(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8.5]}})");
-  EXPECT_TRUE(contains(msg, "data_offsets") && contains(msg, "8.5")) << msg;
+  EXPECT_TRUE(contains(msg, "data_offsets") && contains(msg, "8.5 is not an integer")) << msg;
   msg = write(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})");
-  EXPECT_TRUE(contains(msg, "-2") && contains(msg, "not a non-negative integer")) << msg;
+  EXPECT_TRUE(contains(msg, "-2 is not an integer in [0, ")) << msg;
   msg = write(R"({"w":{"dtype":"F32","shape":7,"data_offsets":[0,8]}})");
-  EXPECT_TRUE(contains(msg, "not a list of integers")) << msg;
+  EXPECT_TRUE(contains(msg, "must be a list of integers")) << msg;
+  msg = write(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})");
+  EXPECT_TRUE(contains(msg, "has 3 entries")) << msg;
   write_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})");
   EXPECT_EQ(core::load_safetensors(dir / "h.safetensors").tensors.at("w").sizes(),
             at::IntArrayRef({2}));
+}
+
+// JSON integers are read only from JSON integers in the caller's range; a float (which nlohmann
+// would cast, undefined when out of range), a string or an integer outside the range is an error
+// that names the value and the range, and a long value is cut short in the message.
+TEST(Core, JsonIntegersComeOnlyFromJsonIntegersInRange) {
+  using nlohmann::json;
+  EXPECT_EQ(core::json_int64(json(-5), "x"), -5);
+  EXPECT_EQ(core::json_int64(json(9223372036854775807LL), "x"), INT64_MAX);
+  EXPECT_EQ(core::json_int64(json(3), "x", 3, 3), 3);
+  for (const auto& bad : {json(1e300), json(2.5), json(3.0), json("7"), json(true), json(nullptr),
+                          json(9223372036854775808ULL)}) {
+    const auto msg = error_of([&] { core::json_int64(bad, "'f.json': n"); });
+    EXPECT_TRUE(contains(msg, "'f.json': n is " + bad.dump() + ": it must be an integer in ["))
+        << msg;
+  }
+  EXPECT_TRUE(contains(error_of([&] { core::json_int64(json(4), "n", 0, 3); }),
+                       "n is 4: it must be an integer in [0, 3]"));
+  EXPECT_EQ(core::json_int64_list(json::parse("[0, 7, 2]"), "s", 0),
+            (std::vector<int64_t>{0, 7, 2}));
+  EXPECT_TRUE(core::json_int64_list(json::array(), "s").empty());
+  EXPECT_TRUE(contains(error_of([&] { core::json_int64_list(json::parse("[1, -1]"), "s", 0); }),
+                       "s is [1,-1]: -1 is not an integer in [0, 9223372036854775807]"));
+  EXPECT_TRUE(contains(error_of([&] { core::json_int64_list(json(1), "s"); }),
+                       "s is 1: it must be a list of integers"));
+  const auto msg = error_of([&] { core::json_int64(json(std::string(100000, 'a')), "n"); });
+  EXPECT_LT(msg.size(), 300U) << msg.size();
+}
+
+// check_json_like compares types field by field against a struct's defaults: integers must be
+// integers that fit (unsigned ones non-negative), floats any number, lists element by element;
+// keys on one side only are left alone, and a null default says nothing.
+TEST(Core, JsonValuesAreCheckedAgainstTheTypesOfTheirDefaults) {
+  using nlohmann::json;
+  const json like = {{"n", int64_t{1}},
+                     {"seed", uint64_t{2}},
+                     {"lr", 0.5},
+                     {"name", "a"},
+                     {"on", false},
+                     {"ids", {int64_t{1}}},
+                     {"sub", {{"k", int64_t{0}}}},
+                     {"any", nullptr},
+                     {"names", json::array()}};
+  json good = {{"n", -4},
+               {"seed", 7},
+               {"lr", 3},
+               {"name", "b"},
+               {"on", true},
+               {"ids", json::array()},
+               {"sub", {{"k", 5}, {"extra", "x"}}},
+               {"any", 1.5},
+               {"names", {1, "x"}},
+               {"unknown", 1e300}};
+  core::check_json_like(good, like, "cfg");
+  const std::pair<const char*, json> bad[] = {{"n", 1.5},
+                                              {"n", 1e300},
+                                              {"n", 9223372036854775808ULL},
+                                              {"seed", -1},
+                                              {"seed", 2.0},
+                                              {"lr", "0.5"},
+                                              {"name", 1},
+                                              {"on", 0},
+                                              {"ids", {1, 2.5}},
+                                              {"sub", {{"k", 0.5}}},
+                                              {"sub", 3}};
+  for (const auto& [key, value] : bad) {
+    auto j = good;
+    j[key] = value;
+    const auto msg = error_of([&] { core::check_json_like(j, like, "cfg"); });
+    EXPECT_TRUE(contains(msg, std::string("cfg.") + key) && contains(msg, "it must be"))
+        << key << " = " << value.dump() << ": " << msg;
+  }
+  EXPECT_TRUE(contains(error_of([&] {
+                         auto j = good;
+                         j["ids"] = {1, 2.5};
+                         core::check_json_like(j, like, "cfg");
+                       }),
+                       "cfg.ids[1] is 2.5: it must be an integer that fits 64 bits"));
 }
 
 // The reader reads one tensor's bytes when asked, from a file whose other tensors it never

@@ -257,6 +257,31 @@ TEST(Models, HuggingFaceDirectoryProblemsAreNamed) {
   EXPECT_TRUE(contains(error_of([&] { models::load_hf(dir.path()); }), "model_type 'bert'"));
   loom::core::write_file_atomic(dir / "config.json", R"({"model_type": "gpt2", "vocab_size": 10})");
   EXPECT_TRUE(contains(error_of([&] { models::load_hf(dir.path()); }), "'n_positions'"));
+  // Integer keys take only JSON integers: a float would be cast (undefined when out of range).
+  auto m0 = make(tiny(models::Family::kLlama));
+  models::save_hf(*m0, dir.path());
+  const auto saved = nlohmann::json::parse(loom::core::read_file(dir / "config.json"));
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, nlohmann::json>>{{"num_hidden_layers", 1e300},
+                                                           {"hidden_size", 32.5},
+                                                           {"num_key_value_heads", 2.0},
+                                                           {"head_dim", 1e20},
+                                                           {"intermediate_size", "64"}}) {
+    auto j = saved;
+    j[key] = value;
+    loom::core::write_file_atomic(dir / "config.json", j.dump());
+    const auto msg = error_of([&] { models::load_hf(dir.path()); });
+    EXPECT_TRUE(contains(msg, "'" + key + "' is " + value.dump() + ": it must be an integer"))
+        << msg;
+  }
+  auto j = saved;
+  j["num_key_value_heads"] = nullptr;  // absent or null: the heads' count
+  loom::core::write_file_atomic(dir / "config.json", j.dump());
+  EXPECT_EQ(models::read_hf_config(dir.path()).n_kv_heads, m0->config().n_heads);
+  auto mj = m0->config().to_json();
+  mj["n_layers"] = 2.5;
+  EXPECT_TRUE(contains(error_of([&] { models::ModelConfig::from_json(mj); }),
+                       "model config.n_layers is 2.5: it must be an integer"));
   auto m = make(tiny(models::Family::kLlama));
   models::save_hf(*m, dir.path());
   auto weights = loom::core::load_safetensors(dir / "model.safetensors").tensors;

@@ -90,7 +90,27 @@ TEST(TrainConfig, JsonRoundTripsAndOlderFilesKeepDefaults) {
   older.erase("lr_decay_steps");
   EXPECT_EQ(train::TrainConfig::from_json(older).lr_decay_steps, 0);
   older["seed"] = "seven";
-  EXPECT_TRUE(contains(error_of([&] { train::TrainConfig::from_json(older); }), "wrong type"));
+  EXPECT_TRUE(contains(error_of([&] { train::TrainConfig::from_json(older); }),
+                       "training config.seed is \"seven\": it must be a non-negative integer"));
+}
+
+// A float, or an integer out of the field's range, in an integer field is refused by name: the
+// plain conversion would be undefined behaviour (1e300 to int64) or a silent truncation.
+TEST(TrainConfig, JsonIntegerFieldsTakeOnlyIntegers) {
+  const auto j = train::TrainConfig{}.to_json();
+  const std::pair<const char*, nlohmann::json> bad[] = {
+      {"steps", 1e300},     {"steps", 2.5},          {"seed", -1}, {"tp", 9223372036854775808ULL},
+      {"batch_size", "16"}, {"sequence_parallel", 1}};
+  for (const auto& [key, value] : bad) {
+    auto k = j;
+    k[key] = value;
+    const auto msg = error_of([&] { train::TrainConfig::from_json(k); });
+    EXPECT_TRUE(contains(msg, std::string("training config.") + key) && contains(msg, value.dump()))
+        << key << " = " << value.dump() << ": " << msg;
+  }
+  auto k = j;
+  k["lr"] = 1;  // an integer is a fine float
+  EXPECT_DOUBLE_EQ(train::TrainConfig::from_json(k).lr, 1.0);
 }
 
 TEST(AdamW, MatchesTheAlgorithmStepByStep) {

@@ -10,27 +10,11 @@
 #include "loom/core/error.h"
 #include "loom/core/files.h"
 #include "loom/core/format.h"
+#include "loom/core/json.h"
 
 namespace loom::core {
 
 namespace {
-
-// A header's list of non-negative integers (a shape, data offsets). Each value must be a JSON
-// integer: nlohmann converts a float by static_cast, which is undefined for 1e20 (found by
-// fuzz.safetensors), and a negative integer would wrap.
-std::vector<uint64_t> header_integers(const nlohmann::json& value, const std::string& field,
-                                      const std::filesystem::path& path, const std::string& name) {
-  LOOM_CHECK(value.is_array(), "'{}': tensor '{}' has {} {}, not a list of integers",
-             path.string(), name, field, value.dump());
-  std::vector<uint64_t> out;
-  for (const auto& v : value) {
-    LOOM_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0),
-               "'{}': tensor '{}' has {} {}: {} is not a non-negative integer", path.string(),
-               name, field, value.dump(), v.dump());
-    out.push_back(v.get<uint64_t>());
-  }
-  return out;
-}
 
 struct DtypeName {
   at::ScalarType type;
@@ -184,28 +168,30 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
       }
       Entry e;
       e.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path);
-      for (const uint64_t d : header_integers(entry.at("shape"), "shape", path, name)) {
-        LOOM_CHECK(d <= static_cast<uint64_t>(INT64_MAX), "'{}': tensor '{}' has dimension {}",
-                   path.string(), name, d);
-        e.shape.push_back(static_cast<int64_t>(d));
-      }
-      const auto offsets = header_integers(entry.at("data_offsets"), "data_offsets", path, name);
-      LOOM_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_size,
-                 "'{}': tensor '{}' has data offsets outside the file (truncated?)", path.string(),
-                 name);
+      // Each must be a JSON integer: nlohmann casts a float such as 4.6e20 to int64,
+      // undefined behaviour (found by fuzz.safetensors).
+      const auto tensor = fmt::format("'{}': tensor '{}'", path.string(), name);
+      e.shape = json_int64_list(entry.at("shape"), tensor + " shape", 0);
+      const auto offsets = json_int64_list(entry.at("data_offsets"), tensor + " data_offsets", 0);
+      LOOM_CHECK(offsets.size() == 2, "{} data_offsets has {} entries, not [begin, end]", tensor,
+                 offsets.size());
+      const auto begin = static_cast<uint64_t>(offsets[0]);
+      const auto end = static_cast<uint64_t>(offsets[1]);
+      LOOM_CHECK(begin <= end && end <= data_size,
+                 "{} has data offsets [{}, {}] outside the file's {} bytes of data (truncated?)",
+                 tensor, begin, end, data_size);
       // In bytes, checked against the data actually present as it grows: a shape whose product
       // overflows (or merely exceeds the file) is refused before anything is allocated.
       uint64_t bytes = c10::elementSize(e.dtype);
       for (const auto d : e.shape) {
         LOOM_CHECK(d == 0 || bytes <= data_size / static_cast<uint64_t>(d),
-                   "'{}': tensor '{}' has shape {} of more bytes than the file's {} of data",
-                   path.string(), name, entry.at("shape").dump(), data_size);
+                   "{} has shape {} of more bytes than the file's {} of data", tensor,
+                   entry.at("shape").dump(), data_size);
         bytes *= static_cast<uint64_t>(d);
       }
-      LOOM_CHECK(bytes == offsets[1] - offsets[0],
-                 "'{}': tensor '{}' has {} bytes of data but its shape needs {}", path.string(),
-                 name, offsets[1] - offsets[0], bytes);
-      e.begin = data_start + offsets[0];
+      LOOM_CHECK(bytes == end - begin, "{} has {} bytes of data but its shape needs {}", tensor,
+                 end - begin, bytes);
+      e.begin = data_start + begin;
       e.bytes = bytes;
       entries_.emplace(name, std::move(e));
     } catch (const nlohmann::json::exception& e) {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/json.h"
 
 namespace loom::models {
 
@@ -83,6 +84,8 @@ nlohmann::json ModelConfig::to_json() const {
 
 ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   ModelConfig c;
+  // Integer fields must hold JSON integers (a float would be cast: undefined when out of range).
+  core::check_json_like(j, c.to_json(), "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
     c.vocab_size = j.at("vocab_size").get<int64_t>();

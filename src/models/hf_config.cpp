@@ -4,6 +4,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/core/json.h"
 
 namespace loom::models {
 
@@ -15,11 +16,20 @@ namespace {
 template <typename T>
 T get_key(const json& j, const char* key, const fs::path& file) {
   LOOM_CHECK(j.contains(key) && !j[key].is_null(), "'{}' has no '{}' key", file.string(), key);
-  try {
-    return j[key].get<T>();
-  } catch (const json::exception& e) {
-    fail("'{}': key '{}' has the wrong type: {}", file.string(), key, e.what());
+  if constexpr (std::is_same_v<T, int64_t>) {
+    return core::json_int64(j[key], fmt::format("'{}': '{}'", file.string(), key));
+  } else {
+    try {
+      return j[key].get<T>();
+    } catch (const json::exception& e) {
+      fail("'{}': key '{}' has the wrong type: {}", file.string(), key, e.what());
+    }
   }
+}
+
+// An optional integer key: `fallback` when absent or null.
+int64_t int_key_or(const json& j, const char* key, int64_t fallback, const fs::path& file) {
+  return j.contains(key) && !j[key].is_null() ? get_key<int64_t>(j, key, file) : fallback;
 }
 
 }  // namespace
@@ -46,8 +56,7 @@ ModelConfig read_hf_config(const fs::path& dir) {
       c.d_model = get_key<int64_t>(j, "n_embd", file);
       c.n_layers = get_key<int64_t>(j, "n_layer", file);
       c.n_heads = c.n_kv_heads = get_key<int64_t>(j, "n_head", file);
-      c.d_ff = j.contains("n_inner") && !j["n_inner"].is_null() ? j["n_inner"].get<int64_t>()
-                                                                : 4 * c.d_model;
+      c.d_ff = int_key_or(j, "n_inner", 4 * c.d_model, file);
       c.norm_eps = j.value("layer_norm_epsilon", 1e-5);
       const auto act = j.value("activation_function", std::string("gelu_new"));
       LOOM_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh",
@@ -68,7 +77,7 @@ ModelConfig read_hf_config(const fs::path& dir) {
       c.d_model = get_key<int64_t>(j, "hidden_size", file);
       c.n_layers = get_key<int64_t>(j, "num_hidden_layers", file);
       c.n_heads = get_key<int64_t>(j, "num_attention_heads", file);
-      c.n_kv_heads = j.value("num_key_value_heads", c.n_heads);
+      c.n_kv_heads = int_key_or(j, "num_key_value_heads", c.n_heads, file);
       c.d_ff = get_key<int64_t>(j, "intermediate_size", file);
       c.norm_eps = j.value("rms_norm_eps", 1e-6);
       // transformers >= 5 keeps rope_theta inside rope_parameters; older configs at top level.
@@ -90,10 +99,12 @@ ModelConfig read_hf_config(const fs::path& dir) {
       LOOM_CHECK(!j.value("attention_bias", false) && !j.value("mlp_bias", false),
                  "'{}': attention_bias / mlp_bias are not supported", file.string());
       // (n_heads 0 is refused by validate() below, after the keys are read.)
-      if (j.contains("head_dim") && !j["head_dim"].is_null() && c.n_heads > 0)
-        LOOM_CHECK(j["head_dim"].get<int64_t>() == c.d_model / c.n_heads,
+      if (c.n_heads > 0) {
+        const auto head_dim = int_key_or(j, "head_dim", c.d_model / c.n_heads, file);
+        LOOM_CHECK(head_dim == c.d_model / c.n_heads,
                    "'{}': head_dim {} != hidden_size / num_attention_heads = {} is not supported",
-                   file.string(), j["head_dim"].get<int64_t>(), c.d_model / c.n_heads);
+                   file.string(), head_dim, c.d_model / c.n_heads);
+      }
     } else {
       fail("'{}': model_type '{}' is not supported (gpt2, llama)", file.string(), type);
     }

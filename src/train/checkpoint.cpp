@@ -12,6 +12,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/core/json.h"
 #include "loom/parallel/tensor/shard_spec.h"
 #include "loom/parallel/zero/flat_layout.h"
 
@@ -439,7 +440,9 @@ void assemble_zero_shards(CheckpointContents& out, const CheckpointSelection& se
       for (const auto& entry : buckets[bi]) {
         try {
           names.push_back(entry.at(0).get<std::string>());
-          shapes.push_back(entry.at(1).get<std::vector<int64_t>>());
+          shapes.push_back(core::json_int64_list(
+              entry.at(1),
+              fmt::format("ZeRO shard '{}': bucket {} shape", first.path().string(), bi), 0));
         } catch (const nlohmann::json::exception& e) {
           fail("ZeRO shard '{}': bucket {} entry {} is not [name, shape]: {}",
                first.path().string(), bi, entry.dump(), e.what());

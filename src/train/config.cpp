@@ -7,6 +7,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/core/json.h"
 #include "loom/core/preemption.h"
 #include "loom/data/sampler.h"
 #include "loom/ops/attention.h"
@@ -151,6 +152,8 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
 }
 
 TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
+  // Integer fields must hold JSON integers (a float would be cast: undefined when out of range).
+  core::check_json_like(j, TrainConfig{}.to_json(), "training config");
   try {
     return j.get<TrainConfig>();
   } catch (const nlohmann::json::exception& e) {

@@ -19,7 +19,9 @@ MetricsWriter::MetricsWriter(const std::filesystem::path& path, int64_t keep_thr
     std::ifstream in(path);
     for (std::string line; std::getline(in, line);) {
       const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (record.is_object() && record.value("step", int64_t{0}) <= keep_through_step)
+      // A record whose step is not an integer (a cut or foreign line) is not kept.
+      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+          record["step"].get<int64_t>() <= keep_through_step)
         kept += line + "\n";
     }
   }

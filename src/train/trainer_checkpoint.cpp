@@ -11,6 +11,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/core/json.h"
 #include "loom/core/rng.h"
 #include "loom/dist/gather_tensors.h"
 #include "loom/models/hf.h"
@@ -497,7 +498,9 @@ void Trainer::load_checkpoint_state(CheckpointContents& resume) {
   // else (another layout, ZeRO to replicated or back) goes through the whole per-parameter
   // state the rank's selection kept (its tp shards; ZeRO then takes its segments).
   const auto saved_bounds =
-      resume.state.value("pipeline_bounds", std::vector<int64_t>{0, model_config.n_layers});
+      resume.state.contains("pipeline_bounds")
+          ? core::json_int64_list(resume.state["pipeline_bounds"], "state.json pipeline_bounds")
+          : std::vector<int64_t>{0, model_config.n_layers};
   const auto& bounds = run().plan.stage_bounds;
   const bool same_zero_layout =
       !zero.empty() && saved.zero == config_.zero && saved.dp == data_ranks() &&
@@ -562,8 +565,9 @@ void Trainer::load_checkpoint_state(CheckpointContents& resume) {
       // Resuming at more data-parallel ranks, or another pipeline split, than the checkpoint
       // was written with: this rank had no generator then. Dropout masks differ from any
       // earlier run from here on.
-      spdlog::warn("checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
-                   resume.dir.string(), data_rank(), mesh_->coord(dist::Dim::pp));
+      spdlog::warn(
+          "checkpoint '{}' has no RNG state for dp rank {} (pp rank {}); seeding it afresh",
+          resume.dir.string(), data_rank(), mesh_->coord(dist::Dim::pp));
       gen.set_current_seed(core::mix_seed(
           {config_.seed, core::stable_hash("dropout"), static_cast<uint64_t>(data_rank()),
            static_cast<uint64_t>(mesh_->coord(dist::Dim::pp)), static_cast<uint64_t>(run().step)}));

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "loom/core/error.h"
+#include "loom/core/json.h"
 #include "loom/core/rng.h"
 #include "loom/models/hf.h"
 #include "loom/ops/cuda.h"
@@ -104,7 +105,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
     if (saved.comm_hook != config_.comm_hook)
       spdlog::warn("resuming with --comm-hook {} a run trained with {}", config_.comm_hook,
                    saved.comm_hook);
-    const auto saved_tokens = resume->state.value("data_tokens", int64_t{-1});
+    const auto saved_tokens =
+        resume->state.contains("data_tokens")
+            ? core::json_int64(resume->state["data_tokens"], "state.json data_tokens")
+            : int64_t{-1};
     LOOM_CHECK(saved_tokens == train_shard_->size(),
                "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
                "--data '{}' holds {}",
@@ -144,7 +148,8 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
 }
 
 at::Generator Trainer::dropout_generator() {
-  LOOM_CHECK(custom_model_, "dropout_generator: loom's own models draw no dropout from a generator");
+  LOOM_CHECK(custom_model_,
+             "dropout_generator: loom's own models draw no dropout from a generator");
   return at::detail::getDefaultCPUGenerator();
 }
 
