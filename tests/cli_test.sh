@@ -21,7 +21,7 @@ expect() {  # expect "<text in stderr>" command...
 help=$("$TOOLS/loom-pretrain" --help)
 for flag in --model --preset --data --val-data --steps --batch-size --seq-len --grad-accum --lr \
   --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config \
-  --device --attention --peak-tflops; do
+  --device --attention --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
 for tool in loom-prepare loom-eval loom-generate; do
@@ -36,6 +36,7 @@ expect "truncated" "${run[@]}" --data "$work/data/cut.bin"
 printf 'this is not a token file at all, just some text bytes......' > "$work/text.bin"
 expect "wrong magic" "${run[@]}" --data "$work/text.bin"
 expect "vocabulary has 100 ids" "${run[@]}" --data "$work/data/train.bin" --vocab-size 100
+expect "--dist-backend 'gloo' is not one of auto, nccl, mpi" "${run[@]}" --data "$work/data/train.bin" --dist-backend gloo
 expect "model preset 'gpt2-huge' is not known" "${run[@]}" --data "$work/data/train.bin" --preset gpt2-huge
 mkdir -p "$work/hf" && cat > "$work/hf/config.json" << 'JSON'
 {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 48, "n_layer": 1, "n_head": 5}

@@ -2,6 +2,7 @@
 // does the rest.
 #include "loom/apps/pretrain.h"
 
+#include <c10/core/Device.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
@@ -38,8 +39,14 @@ int pretrain_main(int argc, char** argv) {
     // Rank 0 tells the story; the others only warn.
     const bool quiet = runtime->rank() != 0 && cli.log_level != "error" && cli.log_level != "off";
     loom::core::setup_logging(quiet ? "warn" : cli.log_level);
+    // The flags are checked before the mesh is built: its backends depend on --device.
+    cli.config.validate();
+    const at::Device device(cli.config.device);
+    const int cuda_index = device.is_cuda() ? (device.has_index() ? device.index() : 0) : -1;
     trainer = std::make_unique<loom::train::Trainer>(
-        cli.config, runtime->mesh({.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp}));
+        cli.config,
+        runtime->mesh({.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp},
+                      loom::dist::parse_backend_choice(cli.config.dist_backend), cuda_index));
     trainer->fit();
     preempted = trainer->preempted_by();
   });

@@ -159,6 +159,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                           ? std::string("none")
                           : fmt::format("{}", fmt::join(loom::train::user_strategy_names(), ", "))))
       ->allow_extra_args(false);
+  app.add_option("--dist-backend", c.dist_backend,
+                 "auto | nccl | mpi: NCCL for groups whose ranks have distinct GPUs, MPI "
+                 "otherwise (CUDA tensors staged through host memory); CPU runs use MPI")
+      ->capture_default_str();
   app.add_option("--comm-timeout", comm_timeout,
                  "Seconds a collective may run before the watchdog aborts the job")
       ->capture_default_str();

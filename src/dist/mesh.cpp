@@ -4,7 +4,10 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/core/error.h"
+#include "loom/dist/backend_plan.h"
 #include "loom/dist/local_communicator.h"
+#include "loom/dist/nccl_communicator.h"
+#include "loom/dist/staging_communicator.h"
 
 namespace loom::dist {
 
@@ -86,6 +89,31 @@ Mesh::Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node)
     comms_[static_cast<size_t>(d)] =
         world_->split(static_cast<int>(color), static_cast<int>(coords_[static_cast<size_t>(d)]),
                       to_string(static_cast<Dim>(d)));
+  }
+}
+
+Mesh::Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node, const BackendPlan& plan,
+           int device)
+    : Mesh(std::move(world), shape, ranks_per_node) {
+  for (int d = 0; d < kNumDims; ++d) {
+    auto& comm = comms_[static_cast<size_t>(d)];
+    switch (plan.dims[static_cast<size_t>(d)]) {
+      case Transport::nccl:
+        comm = make_nccl_communicator(comm, device, comm->name());
+        break;
+      case Transport::mpi_staged:
+        comm = std::make_shared<StagingCommunicator>(comm);
+        break;
+      case Transport::mpi_cuda:
+        // MpiCommunicator takes host memory only; Runtime::mesh plans staging instead.
+        fail(
+            "mesh: group '{}' is planned as CUDA-aware MPI, which loom does not drive yet "
+            "(use staging: BackendFacts::mpi_cuda_aware = false)",
+            comm->name());
+      case Transport::local:
+      case Transport::mpi:
+        break;
+    }
   }
 }
 

@@ -10,6 +10,10 @@
 #include "loom/core/error.h"
 #include "loom/dist/watchdog.h"
 
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
+
 namespace loom::dist {
 
 void check_mpi(int code, const char* what) {
@@ -184,6 +188,15 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::world() {
   MPI_Comm dup = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
   return std::make_shared<MpiCommunicator>(dup, "world");
+}
+
+bool mpi_cuda_aware() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+  // The compile-time macro describes the headers; the library loaded now answers for itself.
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
 }
 
 std::optional<std::string> MpiCommunicator::check_device(const at::Tensor& t) const {

@@ -1,5 +1,6 @@
 #include "loom/dist/runtime.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <mpi.h>
 #include <spdlog/spdlog.h>
@@ -7,10 +8,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <thread>
 
 #include "loom/core/error.h"
 #include "loom/dist/mpi_communicator.h"
+#include "loom/dist/nccl_communicator.h"
 #include "loom/dist/process_info.h"
 #include "loom/dist/watchdog.h"
 
@@ -91,6 +95,40 @@ int Runtime::local_size() const {
 
 MeshPtr Runtime::mesh(MeshShape shape) const {
   return std::make_shared<Mesh>(world_, shape, local_size());
+}
+
+MeshPtr Runtime::mesh(MeshShape shape, BackendChoice choice, int device) const {
+  // The shape is checked before any collective, so a bad one fails alike on every rank (the
+  // node-size warning is left to the Mesh, which resolves again).
+  const auto resolved = shape.resolve(world_->size(), std::numeric_limits<int64_t>::max());
+  // Every rank's host name and device, so that every rank plans the same from the same facts.
+  constexpr int64_t kHostBytes = 256;
+  const auto host = process_info().host;
+  auto name = at::zeros({1, kHostBytes}, at::kByte);
+  std::memcpy(name.data_ptr(), host.data(),
+              std::min<size_t>(host.size(), static_cast<size_t>(kHostBytes - 1)));
+  auto names = at::zeros({world_->size(), kHostBytes}, at::kByte);
+  world_->all_gather(names, name);
+  auto devices_of = at::zeros({world_->size()}, at::kLong);
+  world_->all_gather(devices_of, at::full({1}, static_cast<int64_t>(device), at::kLong));
+  std::vector<RankDevice> devices;
+  for (int r = 0; r < world_->size(); ++r)
+    devices.push_back({std::string(reinterpret_cast<const char*>(names[r].data_ptr())),
+                       static_cast<int>(devices_of[r].item<int64_t>())});
+  // Open MPI's CUDA support is detected and reported, but MpiCommunicator takes host memory
+  // only: groups that cannot use NCCL stage through host buffers either way.
+  const bool cuda_aware = device >= 0 && mpi_cuda_aware();
+  const auto plan = plan_backends(resolved, devices, choice,
+                                  {.nccl_available = nccl_available(), .mpi_cuda_aware = false});
+  if (rank() == 0) {
+    spdlog::info("communication (--dist-backend {}): {}", to_string(choice),
+                 plan.describe(resolved));
+    if (cuda_aware)
+      spdlog::info(
+          "Open MPI is CUDA-aware here; loom still stages MPI groups' CUDA tensors "
+          "through host memory");
+  }
+  return std::make_shared<Mesh>(world_, shape, local_size(), plan, device);
 }
 
 }  // namespace loom::dist

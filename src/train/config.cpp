@@ -10,6 +10,7 @@
 #include "loom/core/json.h"
 #include "loom/core/preemption.h"
 #include "loom/data/sampler.h"
+#include "loom/dist/backend_plan.h"
 #include "loom/ops/attention.h"
 #include "loom/parallel/data/comm_hook.h"
 
@@ -42,6 +43,7 @@ void TrainConfig::validate() const {
   LOOM_CHECK(eval_batches > 0, "--eval-batches {} must be positive", eval_batches);
   LOOM_CHECK(log_every > 0, "--log-every {} must be positive", log_every);
   core::parse_preemption_signals(preempt_signals);  // throws naming a bad name
+  dist::parse_backend_choice(dist_backend);         // likewise
   LOOM_CHECK(dp >= 0,
              "--dp {} is invalid: use a size of at least 1, or 0 for the world size "
              "divided by the other mesh dimensions",
@@ -111,7 +113,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
-    strategies, zero3_reshard_after_forward, preempt_signals)
+    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

@@ -51,6 +51,19 @@ if [ $status -ne 2 ] || ! grep -qF "batch-size 3 cannot be split evenly: dp 2" <
   say "FAIL: --batch-size 3 on 2 ranks -> status $status: $out"; fail=1
 else say "ok: indivisible batch rejected with status 2"; fi
 
+# NCCL asked for on CPU ranks: status 2 on every rank, before any training; auto plans MPI and
+# says so.
+out=$("$MPIEXEC" -np 2 "${run[@]}" --dist-backend nccl 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "the dp group's tensors are on the CPU, and NCCL only moves CUDA tensors" <<< "$out"; then
+  say "FAIL: --dist-backend nccl on CPU ranks -> status $status: $out"; fail=1
+else say "ok: --dist-backend nccl on CPU ranks rejected with status 2"; fi
+out=$("$MPIEXEC" -np 2 "${run[@]}" --steps 1 --log-level info 2>&1)
+status=$?
+if [ $status -ne 0 ] || ! grep -qF "communication (--dist-backend auto): dp mpi" <<< "$out"; then
+  say "FAIL: a 2-rank CPU run does not log its MPI plan (status $status): $out"; fail=1
+else say "ok: the 2-rank CPU run logs its plan: dp mpi"; fi
+
 # 3. One rank vs two: same losses at every step, one metrics file written by rank 0.
 "${run[@]}" --metrics-out "$work/m1.jsonl" || { say "FAIL: 1-rank run"; fail=1; }
 "$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m2.jsonl" --bucket-mb 0.05 || { say "FAIL: 2-rank run"; fail=1; }

@@ -12,6 +12,7 @@
 #include "loom/dist/local_communicator.h"
 #include "loom/dist/mpi_communicator.h"
 #include "loom/dist/nccl_communicator.h"
+#include "loom/dist/staging_communicator.h"
 #include "loom/dist/watchdog.h"
 
 using loom::testing::contains;
@@ -241,6 +242,70 @@ TEST(Communicator, DebugModeReportsASkippedCollective) {
   });
   EXPECT_TRUE(contains(msg, "rank 0 issued all_reduce(sum) #0 Float[16]")) << msg;
   EXPECT_TRUE(contains(msg, "rank 1 issued broadcast(root 0) #0 Float[16]")) << msg;
+}
+
+// Every op through host buffers equals the direct op (CPU tensors: the copies stay on the host,
+// the code path is the one CUDA tensors take), results land in the caller's tensors only on wait,
+// and the tensors an op only reads are left as they were.
+TEST(StagingCommunicator, EveryOpThroughHostBuffersEqualsTheDirectOp) {
+  auto& w = world();
+  dist::StagingCommunicator s(w.split(0, w.rank(), "staged"));
+  EXPECT_EQ(s.backend(), "mpi+staging");
+  EXPECT_EQ(s.size(), w.size());
+  EXPECT_EQ(s.rank(), w.rank());
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    const auto name = std::string(c10::toString(dtype));
+    for (auto op : kOps) {
+      auto t = values_of(w.rank(), 7, dtype);
+      s.all_reduce(t, op);
+      expect_equal(t, expected_reduce(w.size(), 7, dtype, op), "staged all_reduce " + name);
+      const int64_t chunk = 3;
+      const auto in = values_of(w.rank(), chunk * w.size(), dtype);
+      const auto in_before = in.clone();
+      auto out = at::zeros({chunk}, in.options());
+      s.reduce_scatter(out, in, op);
+      expect_equal(
+          out,
+          expected_reduce(w.size(), chunk * w.size(), dtype, op).narrow(0, chunk * w.rank(), chunk),
+          "staged reduce_scatter " + name);
+      expect_equal(in, in_before, "staged reduce_scatter leaves its input " + name);
+    }
+    auto mine = values_of(w.rank(), 4, dtype).reshape({1, 4});
+    auto gathered = at::zeros({w.size(), 4}, mine.options());
+    s.all_gather(gathered, mine);
+    for (int r = 0; r < w.size(); ++r)
+      expect_equal(gathered[r], values_of(r, 4, dtype), "staged all_gather " + name);
+    for (int root = 0; root < w.size(); ++root) {
+      auto t = values_of(w.rank(), 4, dtype);
+      s.broadcast(t, root);
+      expect_equal(t, values_of(root, 4, dtype), "staged broadcast " + name);
+    }
+    auto in = at::empty({w.size(), 4}, mine.options());
+    for (int j = 0; j < w.size(); ++j) in[j].copy_(values_of(w.rank() * 10 + j, 4, dtype));
+    auto out = at::zeros_like(in);
+    s.all_to_all(out, in);
+    for (int i = 0; i < w.size(); ++i)
+      expect_equal(out[i], values_of(i * 10 + w.rank(), 4, dtype), "staged all_to_all " + name);
+  }
+  // Point to point around a ring, asynchronously.
+  if (w.size() > 1) {
+    const int next = (w.rank() + 1) % w.size(), prev = (w.rank() + w.size() - 1) % w.size();
+    auto got = at::zeros({6}, at::kFloat);
+    auto recv = s.recv_async(got, prev, 3);
+    auto send = s.send_async(values_of(w.rank(), 6, at::kFloat), next, 3);
+    send->wait(dist::Seconds(60));
+    recv->wait(dist::Seconds(60));
+    expect_equal(got, values_of(prev, 6, at::kFloat), "staged send/recv");
+  }
+  s.barrier();
+  EXPECT_EQ(dist::Watchdog::instance().in_flight(), 0u);
+  // A sub-group of a staging communicator stages too.
+  auto sub = s.split(w.rank() % 2, w.rank(), "staged-half");
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(sub->backend(), "mpi+staging");
+  auto t = at::ones({2});
+  sub->all_reduce(t);
+  EXPECT_EQ(t[0].item<float>(), static_cast<float>(sub->size()));
 }
 
 TEST(LocalCommunicator, CollectivesOfOneRank) {

@@ -7,6 +7,7 @@
 
 #include "../test_util.h"
 #include "dist_util.h"
+#include "loom/dist/backend_plan.h"
 #include "loom/dist/mesh.h"
 #include "loom/dist/watchdog.h"
 
@@ -74,6 +75,114 @@ TEST(Mesh, RankLayoutPutsTpInnermostThenDpThenPp) {
         }
       }
     }
+}
+
+// The transport of each group from made-up device maps (no GPU needed): NCCL where a group's
+// ranks have distinct GPUs, MPI staging where two share one, MPI for CPU ranks; and the errors.
+TEST(BackendPlan, EachGroupGetsNcclOnlyWhereItsRanksHaveDistinctGpus) {
+  using dist::Transport;
+  const dist::BackendFacts nccl{.nccl_available = true}, no_nccl{};
+  auto gpus = [](std::vector<int> devices, std::vector<std::string> hosts = {}) {
+    std::vector<dist::RankDevice> out;
+    for (size_t r = 0; r < devices.size(); ++r)
+      out.push_back({hosts.empty() ? "node0" : hosts[r], devices[r]});
+    return out;
+  };
+  const auto automatic = dist::BackendChoice::automatic;
+  // dp 2 on two GPUs: NCCL; on one GPU: staged MPI; in a build without NCCL: staged MPI.
+  const dist::MeshShape dp2{.dp = 2};
+  EXPECT_EQ(dist::plan_backends(dp2, gpus({0, 1}), automatic, nccl).of(dist::Dim::dp),
+            Transport::nccl);
+  EXPECT_EQ(dist::plan_backends(dp2, gpus({0, 0}), automatic, nccl).of(dist::Dim::dp),
+            Transport::mpi_staged);
+  EXPECT_EQ(dist::plan_backends(dp2, gpus({0, 1}), automatic, no_nccl).of(dist::Dim::dp),
+            Transport::mpi_staged);
+  // The same device index on two hosts is two GPUs.
+  EXPECT_EQ(dist::plan_backends(dp2, gpus({0, 0}, {"a", "b"}), automatic, nccl).of(dist::Dim::dp),
+            Transport::nccl);
+  // --dist-backend mpi: MPI even where NCCL could run; CUDA-aware MPI takes device memory.
+  EXPECT_EQ(
+      dist::plan_backends(dp2, gpus({0, 1}), dist::BackendChoice::mpi, nccl).of(dist::Dim::dp),
+      Transport::mpi_staged);
+  EXPECT_EQ(dist::plan_backends(dp2, gpus({0, 1}), dist::BackendChoice::mpi,
+                                {.nccl_available = true, .mpi_cuda_aware = true})
+                .of(dist::Dim::dp),
+            Transport::mpi_cuda);
+  // dp 2 x tp 2 on two GPUs, rank r on GPU r / 2: each tp pair shares a GPU (staged), each dp
+  // pair spans both (NCCL); pp and cp have one rank each.
+  const dist::MeshShape dp2tp2{.dp = 2, .tp = 2};
+  auto plan = dist::plan_backends(dp2tp2, gpus({0, 0, 1, 1}), automatic, nccl);
+  EXPECT_EQ(plan.of(dist::Dim::tp), Transport::mpi_staged);
+  EXPECT_EQ(plan.of(dist::Dim::dp), Transport::nccl);
+  EXPECT_EQ(plan.of(dist::Dim::pp), Transport::local);
+  EXPECT_EQ(plan.describe(dp2tp2), "dp nccl, tp mpi (CUDA tensors staged through host memory)");
+  // ... and with rank r on GPU r % 2 it is the other way round.
+  plan = dist::plan_backends(dp2tp2, gpus({0, 1, 0, 1}), automatic, nccl);
+  EXPECT_EQ(plan.of(dist::Dim::tp), Transport::nccl);
+  EXPECT_EQ(plan.of(dist::Dim::dp), Transport::mpi_staged);
+  // pp 2 x dp 2 x tp 2 on four GPUs, two ranks each (r / 2): tp staged, dp and pp NCCL.
+  plan = dist::plan_backends({.dp = 2, .tp = 2, .pp = 2}, gpus({0, 0, 1, 1, 2, 2, 3, 3}), automatic,
+                             nccl);
+  EXPECT_EQ(plan.of(dist::Dim::tp), Transport::mpi_staged);
+  EXPECT_EQ(plan.of(dist::Dim::dp), Transport::nccl);
+  EXPECT_EQ(plan.of(dist::Dim::pp), Transport::nccl);
+  // CPU ranks: MPI; one rank: nothing to plan.
+  plan = dist::plan_backends(dp2tp2, gpus({-1, -1, -1, -1}), automatic, nccl);
+  EXPECT_EQ(plan.of(dist::Dim::dp), Transport::mpi);
+  EXPECT_EQ(plan.of(dist::Dim::tp), Transport::mpi);
+  EXPECT_EQ(dist::plan_backends({.dp = 1}, gpus({3}), automatic, nccl).describe({.dp = 1}),
+            "one rank: no communication");
+
+  // Errors name the group, the ranks and the way out.
+  auto msg = error_of([&] {
+    dist::plan_backends(dp2tp2, gpus({0, 0, 1, 1}), dist::BackendChoice::nccl, nccl);
+  });
+  EXPECT_TRUE(contains(msg, "in the tp group ranks 0 and 1 share cuda:0 of node0") &&
+              contains(msg, "--dist-backend auto or mpi"))
+      << msg;
+  msg = error_of([&] {
+    dist::plan_backends(dp2, gpus({-1, -1}), dist::BackendChoice::nccl, nccl);
+  });
+  EXPECT_TRUE(contains(msg, "NCCL only moves CUDA tensors")) << msg;
+  msg = error_of([&] {
+    dist::plan_backends(dp2, gpus({0, 1}), dist::BackendChoice::nccl, no_nccl);
+  });
+  EXPECT_TRUE(contains(msg, "built without NCCL")) << msg;
+  msg = error_of([&] { dist::plan_backends(dp2, gpus({0, -1}), automatic, nccl); });
+  EXPECT_TRUE(contains(msg, "mixes devices: cuda:0 of node0 and the CPU of node0")) << msg;
+  msg = error_of([&] { dist::plan_backends(dp2tp2, gpus({0, 1}), automatic, nccl); });
+  EXPECT_TRUE(contains(msg, "2 ranks' devices for a mesh of dp 2 x tp 2 x pp 1 = 4 ranks")) << msg;
+  EXPECT_EQ(dist::parse_backend_choice("mpi"), dist::BackendChoice::mpi);
+  msg = error_of([&] { dist::parse_backend_choice("gloo"); });
+  EXPECT_TRUE(contains(msg, "--dist-backend 'gloo' is not one of auto, nccl, mpi")) << msg;
+}
+
+// A mesh built with a plan: the groups it stages are StagingCommunicators over the MPI group
+// and compute what the MPI group computes; the others stay plain MPI. CPU tensors here (the
+// staging copies then stay on the host), so it runs without a GPU.
+TEST(Mesh, APlanStagesTheGroupsItNames) {
+  auto& w = world();
+  dist::BackendPlan plan;
+  plan.dims[static_cast<size_t>(dist::Dim::dp)] = dist::Transport::mpi_staged;
+  plan.dims[static_cast<size_t>(dist::Dim::tp)] = dist::Transport::mpi;
+  dist::Mesh mesh(loom::testing::runtime().world(), {.dp = w.size()}, 1, plan, -1);
+  EXPECT_EQ(mesh.comm(dist::Dim::dp).backend(), "mpi+staging");
+  EXPECT_EQ(mesh.comm(dist::Dim::tp).backend(), "mpi");
+  EXPECT_EQ(mesh.comm(dist::Dim::dp).name(), "dp");
+  EXPECT_EQ(mesh.comm(dist::Dim::dp).rank(), w.rank());
+  auto t = at::full({5}, static_cast<float>(w.rank() + 1));
+  mesh.comm(dist::Dim::dp).all_reduce(t);
+  EXPECT_TRUE(at::equal(t, at::full({5}, static_cast<float>(w.size() * (w.size() + 1) / 2))));
+  // Through the Runtime: CPU ranks plan MPI everywhere, and NCCL on CPU ranks is refused on
+  // every rank (a multi-rank world only: one rank has no group to plan).
+  auto planned =
+      loom::testing::runtime().mesh({.dp = w.size()}, dist::BackendChoice::automatic, -1);
+  EXPECT_EQ(planned->comm(dist::Dim::dp).backend(), "mpi");
+  if (w.size() > 1) {
+    const auto msg = error_of(
+        [&] { loom::testing::runtime().mesh({.dp = w.size()}, dist::BackendChoice::nccl, -1); });
+    EXPECT_TRUE(contains(msg, "NCCL only moves CUDA tensors")) << msg;
+  }
 }
 
 TEST(Mesh, SingleProcessNeedsNoMpi) {

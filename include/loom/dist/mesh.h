@@ -12,6 +12,8 @@
 
 namespace loom::dist {
 
+struct BackendPlan;
+
 enum class Dim { tp = 0, cp = 1, dp = 2, pp = 3 };  // innermost first
 constexpr int kNumDims = 4;
 std::string to_string(Dim d);
@@ -37,6 +39,10 @@ class Mesh {
   // Validates `shape` against `world`, then splits one communicator per dimension (a
   // collective over `world`; every rank must pass the same shape).
   Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node = 1);
+  // The same, then each group as `plan` says (backend_plan.h): NCCL over the group's ranks on
+  // CUDA device `device`, or the MPI group wrapped in a StagingCommunicator; the others stay MPI.
+  Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node, const BackendPlan& plan,
+       int device);
   // One process: every dimension of size 1, local communicators, no MPI.
   static std::shared_ptr<Mesh> single_process();
 

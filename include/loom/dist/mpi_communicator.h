@@ -57,6 +57,10 @@ class MpiCommunicator : public Communicator {
   std::thread worker_;
 };
 
+// Whether the Open MPI in use takes CUDA device pointers (its CUDA extension, asked at run time);
+// false for an MPI without the extension.
+bool mpi_cuda_aware();
+
 // Throws loom::Error with MPI's description of `code` unless it is MPI_SUCCESS.
 void check_mpi(int code, const char* what);
 

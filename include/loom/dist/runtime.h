@@ -5,6 +5,7 @@
 // `mpirun -np N <program>` (or `srun` under Slurm); a program started on its own is rank 0 of 1.
 #include <memory>
 
+#include "loom/dist/backend_plan.h"
 #include "loom/dist/communicator.h"
 #include "loom/dist/mesh.h"
 
@@ -33,6 +34,10 @@ class Runtime {
 
   // The mesh of this world (validated before any collective; see MeshShape::resolve).
   MeshPtr mesh(MeshShape shape) const;
+  // The mesh with each group on the transport --dist-backend `choice` gives it, for tensors on
+  // CUDA device `device` (-1: the CPU): every rank's device is gathered, plan_backends decides
+  // (backend_plan.h), rank 0 logs the plan. Collective over the world.
+  MeshPtr mesh(MeshShape shape, BackendChoice choice, int device) const;
 
  private:
   bool initialized_mpi_ = false;

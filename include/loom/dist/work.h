@@ -28,6 +28,9 @@ class Work {
   // throws loom::Error naming the operation if it is still running by then (it keeps running).
   // CUDA work: waits by making the caller's current stream wait for it, not the host.
   void wait(std::optional<Seconds> timeout = std::nullopt);
+  // Waits until done or `deadline` passes, without throwing; returns whether it is done (how a
+  // wrapping backend's work waits on the op it wraps).
+  bool wait_done(std::optional<Clock::time_point> deadline) { return wait_until(deadline); }
   // True once the operation has finished (successfully or not). Never blocks.
   bool is_completed() { return test(); }
 

@@ -46,6 +46,8 @@ struct TrainConfig {
   int64_t dp = 0;                 // 0: the world size divided by the other mesh dimensions
   double bucket_mb = 25.0;        // gradient bucket capacity (MiB)
   std::string comm_hook = "avg";  // avg | bf16: how gradient buckets are reduced
+  // auto | nccl | mpi: the transport of the mesh's groups (dist/backend_plan.h)
+  std::string dist_backend = "auto";
 
   // Tensor parallelism: layers split across tp ranks (Megatron-style); every tp rank of a
   // data-parallel replica trains on the same samples.

@@ -1,0 +1,57 @@
+#pragma once
+// Which transport each group of the mesh uses, decided once from where every rank's tensors live
+// (--dist-backend auto|nccl|mpi). NCCL needs the ranks of a group on distinct GPUs; ranks that
+// share a GPU (2-rank tests on one device, a heterogeneous node with fewer GPUs than ranks)
+// communicate over MPI, which takes CUDA tensors directly when Open MPI is CUDA-aware and
+// otherwise through host buffers (StagingCommunicator). A pure function of its inputs, so every
+// rank computes the same plan and the rules are tested with made-up device maps.
+#include <array>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/dist/mesh.h"
+
+namespace loom::dist {
+
+enum class BackendChoice { automatic, nccl, mpi };
+// "auto" | "nccl" | "mpi"; anything else is a loom::Error naming the value and the choices.
+BackendChoice parse_backend_choice(std::string_view name);
+std::string to_string(BackendChoice choice);
+
+enum class Transport {
+  local,       // a group of one rank: nothing crosses a process boundary
+  mpi,         // CPU tensors over MPI
+  nccl,        // CUDA tensors over NCCL
+  mpi_cuda,    // CUDA tensors handed to a CUDA-aware MPI
+  mpi_staged,  // CUDA tensors copied to host buffers, sent over MPI, copied back
+};
+std::string to_string(Transport t);
+
+// Where one rank's tensors live: its host and CUDA device (-1: the CPU).
+struct RankDevice {
+  std::string host;
+  int device = -1;
+};
+
+struct BackendPlan {
+  std::array<Transport, kNumDims> dims{Transport::local, Transport::local, Transport::local,
+                                       Transport::local};
+  Transport of(Dim d) const { return dims[static_cast<size_t>(d)]; }
+  // "dp nccl, tp mpi (CUDA tensors staged through host memory), pp local"
+  std::string describe(const MeshShape& shape) const;
+};
+
+struct BackendFacts {
+  bool nccl_available = false;  // the build has NCCL (nccl_available())
+  bool mpi_cuda_aware = false;  // Open MPI takes device pointers (mpi_cuda_aware())
+};
+
+// The plan for a mesh of `shape` (resolved: dp filled in) whose world rank r keeps its tensors on
+// devices[r]. Errors (loom::Error, naming ranks and devices): a device map of the wrong length; a
+// group mixing CPU and CUDA ranks; nccl asked for on CPU ranks, in a build without NCCL, or for a
+// group whose ranks share a GPU.
+BackendPlan plan_backends(const MeshShape& shape, const std::vector<RankDevice>& devices,
+                          BackendChoice choice, const BackendFacts& facts);
+
+}  // namespace loom::dist
