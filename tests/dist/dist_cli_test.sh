@@ -58,7 +58,8 @@ status=$?
 if [ $status -ne 2 ] || ! grep -qF "the dp group's tensors are on the CPU, and NCCL only moves CUDA tensors" <<< "$out"; then
   say "FAIL: --dist-backend nccl on CPU ranks -> status $status: $out"; fail=1
 else say "ok: --dist-backend nccl on CPU ranks rejected with status 2"; fi
-out=$("$MPIEXEC" -np 2 "${run[@]}" --steps 1 --log-level info 2>&1)
+out=$("$MPIEXEC" -np 2 "$TOOLS/loom-pretrain" --data "$work/data/train.bin" --steps 1 --seq-len 16 \
+  --batch-size 4 --log-level info 2>&1)
 status=$?
 if [ $status -ne 0 ] || ! grep -qF "communication (--dist-backend auto): dp mpi" <<< "$out"; then
   say "FAIL: a 2-rank CPU run does not log its MPI plan (status $status): $out"; fail=1
