@@ -17,6 +17,10 @@ bool fits_int64(const nlohmann::json& v) {
   return v.is_number_integer();
 }
 
+bool int64_in(const nlohmann::json& v, int64_t min, int64_t max) {
+  return fits_int64(v) && v.get<int64_t>() >= min && v.get<int64_t>() <= max;
+}
+
 // A value as an error message shows it: a hostile file's megabyte string is cut short.
 std::string brief(const nlohmann::json& v) {
   auto text = v.dump();
@@ -31,8 +35,8 @@ std::string brief(const nlohmann::json& v) {
 }  // namespace
 
 int64_t json_int64(const nlohmann::json& value, std::string_view what, int64_t min, int64_t max) {
-  LOOM_CHECK(fits_int64(value) && value.get<int64_t>() >= min && value.get<int64_t>() <= max,
-             "{} is {}: it must be an integer in [{}, {}]", what, brief(value), min, max);
+  LOOM_CHECK(int64_in(value, min, max), "{} is {}: it must be an integer in [{}, {}]", what,
+             brief(value), min, max);
   return value.get<int64_t>();
 }
 
@@ -43,9 +47,8 @@ std::vector<int64_t> json_int64_list(const nlohmann::json& value, std::string_vi
   std::vector<int64_t> out;
   out.reserve(value.size());
   for (const auto& v : value) {
-    LOOM_CHECK(fits_int64(v) && v.get<int64_t>() >= min && v.get<int64_t>() <= max,
-               "{} is {}: {} is not an integer in [{}, {}]", what, brief(value), brief(v), min,
-               max);
+    LOOM_CHECK(int64_in(v, min, max), "{} is {}: {} is not an integer in [{}, {}]", what,
+               brief(value), brief(v), min, max);
     out.push_back(v.get<int64_t>());
   }
   return out;
