@@ -14,7 +14,9 @@
 #include "loom/apps/cli.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/dist/backend_plan.h"
 #include "loom/dist/runtime.h"
+#include "loom/ops/cuda.h"
 #include "loom/train/builtin_strategies.h"
 #include "loom/train/runtime.h"
 #include "loom/train/trainer.h"
@@ -41,8 +43,10 @@ int pretrain_main(int argc, char** argv) {
     loom::core::setup_logging(quiet ? "warn" : cli.log_level);
     // The flags are checked before the mesh is built: its backends depend on --device.
     cli.config.validate();
-    const at::Device device(cli.config.device);
-    const int cuda_index = device.is_cuda() ? (device.has_index() ? device.index() : 0) : -1;
+    // Each rank's GPU (the Trainer picks the same one): the plan needs every rank's.
+    const int cuda_index =
+        loom::dist::rank_cuda_device(cli.config.device, runtime->local_rank(),
+                                     loom::ops::cuda_device_count(), loom::ops::built_with_cuda());
     trainer = std::make_unique<loom::train::Trainer>(
         cli.config,
         runtime->mesh({.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp},

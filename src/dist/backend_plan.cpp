@@ -135,4 +135,24 @@ BackendPlan plan_backends(const MeshShape& shape, const std::vector<RankDevice>&
   return plan;
 }
 
+int rank_cuda_device(const std::string& device, int local_rank, int device_count,
+                     bool built_with_cuda) {
+  if (device == "cpu") return -1;
+  int index = -1;
+  if (device == "cuda") {
+    index = device_count > 0 ? local_rank % device_count : 0;
+  } else {
+    const std::string prefix = "cuda:";
+    LOOM_CHECK(device.starts_with(prefix) && device.size() > prefix.size() &&
+                   device.find_first_not_of("0123456789", prefix.size()) == std::string::npos &&
+                   device.size() - prefix.size() <= 6,
+               "--device '{}' is not valid: cpu, cuda or cuda:N (N a device index)", device);
+    index = std::stoi(device.substr(prefix.size()));
+  }
+  LOOM_CHECK(index < device_count,
+             "--device {}: there is no such CUDA device ({} visible; this loom was built {} CUDA)",
+             device, device_count, built_with_cuda ? "with" : "without");
+  return index;
+}
+
 }  // namespace loom::dist

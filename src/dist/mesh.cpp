@@ -111,6 +111,10 @@ Mesh::Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node, const
             "(use staging: BackendFacts::mpi_cuda_aware = false)",
             comm->name());
       case Transport::local:
+        // One rank: nothing to send, and no backend to refuse the tensors' device (ZeRO and
+        // the runtime issue their collectives at size 1 too).
+        comm = std::make_shared<LocalCommunicator>(comm->name());
+        break;
       case Transport::mpi:
         break;
     }

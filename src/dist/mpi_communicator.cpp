@@ -202,8 +202,9 @@ bool mpi_cuda_aware() {
 std::optional<std::string> MpiCommunicator::check_device(const at::Tensor& t) const {
   if (t.device().is_cpu()) return std::nullopt;
   return fmt::format(
-      "the MPI backend takes CPU tensors, got one on {} (use an NCCL communicator for CUDA "
-      "tensors)",
+      "the MPI backend takes CPU tensors, got one on {} (for CUDA tensors build the mesh with "
+      "Runtime::mesh(shape, backend, device), which puts each group on NCCL or stages it "
+      "through host memory)",
       t.device().str());
 }
 

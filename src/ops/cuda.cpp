@@ -1,6 +1,13 @@
 #include "loom/ops/cuda.h"
 
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+
 #ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
 #include "common/device_query.h"
 #endif
 
@@ -22,6 +29,26 @@ std::string cuda_device_name(int device) {
 bool cuda_smoke_test(int device) {
   return kernels::launch_smoke_test(device);
 }
+void set_current_cuda_device(int device) {
+  LOOM_CHECK(device >= 0 && device < cuda_device_count(),
+             "CUDA device {} does not exist ({} visible)", device, cuda_device_count());
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+}
+void set_cuda_memory_cap(int device, int64_t bytes) {
+  LOOM_CHECK(device >= 0 && device < cuda_device_count(),
+             "CUDA device {} does not exist ({} visible)", device, cuda_device_count());
+  LOOM_CHECK(bytes >= 0, "CUDA memory cap: {} bytes is negative (0 means no cap)", bytes);
+  cudaDeviceProp prop{};
+  LOOM_CHECK(cudaGetDeviceProperties(&prop, device) == cudaSuccess,
+             "cannot read the properties of CUDA device {}", device);
+  const auto total = static_cast<int64_t>(prop.totalGlobalMem);
+  LOOM_CHECK(bytes <= total, "CUDA memory cap {} is more than device {} has ({})",
+             core::format_bytes(bytes), device, core::format_bytes(total));
+  const double fraction =
+      bytes == 0 ? 1.0 : static_cast<double>(bytes) / static_cast<double>(total);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction,
+                                                     static_cast<c10::DeviceIndex>(device));
+}
 #else
 bool built_with_cuda() {
   return false;
@@ -37,6 +64,12 @@ std::string cuda_device_name(int) {
 }
 bool cuda_smoke_test(int) {
   return false;
+}
+void set_current_cuda_device(int device) {
+  fail("CUDA device {}: this loom was built without CUDA", device);
+}
+void set_cuda_memory_cap(int device, int64_t) {
+  fail("CUDA memory cap on device {}: this loom was built without CUDA", device);
 }
 #endif
 

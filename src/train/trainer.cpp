@@ -127,16 +127,25 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
     metrics_ = MetricsWriter(config_.metrics_out, resume ? run.step : -1);
   log_setup();
   // The cap simulates a smaller device for training itself: the model was built (whole, even
-  // at stage 3) before it applies.
+  // at stage 3) before it applies. On a GPU it caps the device (LibTorch's caching allocator),
+  // not the host, which holds what offload moves there.
   if (config_.memory_cap_mb > 0) {
-    previous_memory_cap_ = core::memory_cap();
-    core::set_memory_cap(static_cast<int64_t>(config_.memory_cap_mb * 1024.0 * 1024.0),
-                         "--memory-cap-mb");
+    const auto bytes = static_cast<int64_t>(config_.memory_cap_mb * 1024.0 * 1024.0);
+    if (device_.is_cuda()) {
+      ops::set_cuda_memory_cap(device_.index(), bytes);
+    } else {
+      previous_memory_cap_ = core::memory_cap();
+      core::set_memory_cap(bytes, "--memory-cap-mb");
+    }
   }
 }
 
 Trainer::~Trainer() {
-  if (config_.memory_cap_mb > 0) core::set_memory_cap(previous_memory_cap_);
+  if (config_.memory_cap_mb <= 0) return;
+  if (device_.is_cuda())
+    ops::set_cuda_memory_cap(device_.index(), 0);
+  else
+    core::set_memory_cap(previous_memory_cap_);
 }
 
 const parallel::zero::ZeroOptimizer* Trainer::zero() const {
@@ -183,7 +192,7 @@ StepResult Trainer::train_step() {
   runtime_->finish_gradient_sync(r);
   if (data_ranks() > 1) {
     // Equal shares: the global mean is the mean of the ranks' means.
-    loss = loss.reshape({1}).cpu();
+    loss = loss.reshape({1}).to(device_);  // an NCCL group reduces device tensors only
     mesh_->comm(dist::Dim::dp).all_reduce(loss, dist::ReduceOp::Avg);
     loss = loss.reshape({});
   }
@@ -223,7 +232,7 @@ double Trainer::evaluate(int64_t batches) {
   }
   for (auto& chunk : run().chunks) chunk->train();
   if (data_ranks() > 1) {
-    auto sum_t = at::full({1}, sum, at::kDouble);
+    auto sum_t = at::full({1}, sum, at::TensorOptions(at::kDouble).device(device_));
     mesh_->comm(dist::Dim::dp).all_reduce(sum_t, dist::ReduceOp::Sum);
     sum = sum_t.item<double>();
   }

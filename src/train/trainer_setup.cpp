@@ -11,6 +11,8 @@
 #include "loom/core/error.h"
 #include "loom/core/json.h"
 #include "loom/core/rng.h"
+#include "loom/dist/backend_plan.h"
+#include "loom/dist/process_info.h"
 #include "loom/models/hf.h"
 #include "loom/ops/cuda.h"
 #include "loom/train/trainer.h"
@@ -36,26 +38,13 @@ void Trainer::check_mesh_and_device() {
   LOOM_CHECK(config_.pp == mesh_->size(dist::Dim::pp),
              "--pp {} does not match the mesh, whose pipeline-parallel size is {} ({})", config_.pp,
              mesh_->size(dist::Dim::pp), shape);
-  device_ = at::Device(config_.device);
-  if (device_.is_cuda()) {
-    if (!device_.has_index()) device_ = at::Device(at::kCUDA, 0);
-    const int devices = ops::cuda_device_count();
-    LOOM_CHECK(device_.index() < devices,
-               "--device {}: there is no such CUDA device ({} visible; this loom was built {} "
-               "CUDA)",
-               config_.device, devices, ops::built_with_cuda() ? "with" : "without");
-    LOOM_CHECK(mesh_->world_size() == 1,
-               "--device {} trains in one process for now; this run has {} ranks ({}). "
-               "Multi-rank GPU training needs the mesh's groups on NCCL, which the Trainer does "
-               "not wire yet: use --device cpu, or one process",
-               config_.device, mesh_->world_size(), shape);
-    LOOM_CHECK(config_.zero == 0, "--zero {} with --device {}: ZeRO runs on the CPU only so far",
-               config_.zero, config_.device);
-    LOOM_CHECK(!config_.offload_activations && config_.memory_cap_mb == 0,
-               "--offload-activations and --memory-cap-mb run on the CPU only so far (given with "
-               "--device {})",
-               config_.device);
-  }
+  // The ranks of a node spread over its GPUs (dist::rank_cuda_device), as Runtime::mesh
+  // planned their groups' transports; multi-rank runs communicate on those devices.
+  const int cuda_index = dist::rank_cuda_device(config_.device, dist::process_info().local_rank,
+                                                ops::cuda_device_count(), ops::built_with_cuda());
+  device_ = cuda_index >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(cuda_index))
+                            : at::Device(at::kCPU);
+  if (device_.is_cuda()) ops::set_current_cuda_device(cuda_index);
   if (config_.attention == "fused") {
     // What the kernel needs, named by flag before anything is built (the kernel itself would
     // only refuse at the first forward).

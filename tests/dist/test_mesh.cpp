@@ -79,6 +79,25 @@ TEST(Mesh, RankLayoutPutsTpInnermostThenDpThenPp) {
 
 // The transport of each group from made-up device maps (no GPU needed): NCCL where a group's
 // ranks have distinct GPUs, MPI staging where two share one, MPI for CPU ranks; and the errors.
+// --device cuda spreads a node's ranks over its GPUs (sharing when there are more ranks);
+// cuda:K pins every rank to K; a device that is not there names the flag's value.
+TEST(BackendPlan, EachRankTakesItsNodesGpuByLocalRank) {
+  EXPECT_EQ(dist::rank_cuda_device("cpu", 3, 0, false), -1);
+  EXPECT_EQ(dist::rank_cuda_device("cuda", 0, 8, true), 0);
+  EXPECT_EQ(dist::rank_cuda_device("cuda", 5, 8, true), 5);
+  EXPECT_EQ(dist::rank_cuda_device("cuda", 1, 1, true), 0);  // two ranks share one GPU
+  EXPECT_EQ(dist::rank_cuda_device("cuda", 5, 4, true), 1);
+  EXPECT_EQ(dist::rank_cuda_device("cuda:2", 0, 4, true), 2);
+  EXPECT_EQ(dist::rank_cuda_device("cuda:2", 3, 4, true), 2);
+  EXPECT_TRUE(contains(error_of([] { dist::rank_cuda_device("cuda", 0, 0, false); }),
+                       "--device cuda: there is no such CUDA device (0 visible; this loom was "
+                       "built without CUDA)"));
+  EXPECT_TRUE(contains(error_of([] { dist::rank_cuda_device("cuda:4", 0, 4, true); }),
+                       "--device cuda:4: there is no such CUDA device (4 visible"));
+  EXPECT_TRUE(contains(error_of([] { dist::rank_cuda_device("cuda:x", 0, 4, true); }),
+                       "--device 'cuda:x' is not valid: cpu, cuda or cuda:N"));
+}
+
 TEST(BackendPlan, EachGroupGetsNcclOnlyWhereItsRanksHaveDistinctGpus) {
   using dist::Transport;
   const dist::BackendFacts nccl{.nccl_available = true}, no_nccl{};

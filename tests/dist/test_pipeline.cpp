@@ -195,6 +195,22 @@ models::ModelConfig eight_layers(const std::string& preset) {
   return c;
 }
 
+// All forwards, then the backwards: newest first on even ranks, oldest first on odd ones. Each
+// rank then needs its gradients in the reverse of the order its neighbour sends them, so the
+// executor must keep all but one until they are needed (what NCCL's untagged, in-order
+// messages demand of it).
+class OppositeOrderGPipe : public pl::Schedule {
+ public:
+  std::string name() const override { return "opposite-order-gpipe"; }
+  std::vector<pl::Action> actions(int64_t rank, const pl::PipelineShape& shape) const override {
+    std::vector<pl::Action> out;
+    const int64_t m = shape.micro_batches;
+    for (int64_t k = 0; k < m; ++k) out.push_back(pl::forward(k));
+    for (int64_t k = 0; k < m; ++k) out.push_back(pl::backward(rank % 2 == 0 ? m - 1 - k : k));
+    return out;
+  }
+};
+
 }  // namespace
 
 // The executor over model parts: loss and every gradient equal to one process running the same
@@ -234,6 +250,7 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
     for (const auto& [schedule, v, broken] : std::vector<Run>{{"gpipe", 1, false},
                                                               {"1f1b", 1, false},
                                                               {"interleaved", 2, false},
+                                                              {"opposite-order", 1, false},
                                                               {"1f1b", 1, true}}) {
       SCOPED_TRACE(fmt::format("{} {} pp {} v {}{}", preset, schedule, n, v,
                                broken ? " (broken: targets of the next micro-batch)" : ""));
@@ -252,7 +269,9 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
         models::init_parameters(*chunks.back(), 5);
       }
       pl::PipelineExecutor executor(mesh->comm_ptr(dist::Dim::pp), shape,
-                                    pl::make_schedule(schedule));
+                                    schedule == "opposite-order"
+                                        ? std::make_shared<const OppositeOrderGPipe>()
+                                        : pl::make_schedule(schedule));
       const auto stats = executor.run([&](int64_t c, int64_t k, const at::Tensor& in) {
         auto& part = *chunks[static_cast<size_t>(c)];
         auto out = part.forward_part(part.part().first ? inputs.narrow(0, k * mb, mb) : in);
@@ -267,6 +286,13 @@ TEST(PipelineExecutor, ModelPartsEqualOneProcessForEverySchedule) {
       }
       if (schedule == "gpipe") {
         EXPECT_EQ(stats.max_in_flight, m);
+      }
+      // Every rank but the last gets m gradients in the opposite order to its use: it keeps all
+      // but the one it needs first. The in-order schedules keep none.
+      if (schedule == "opposite-order") {
+        EXPECT_EQ(stats.messages_received_early, rank < n - 1 ? m - 1 : 0);
+      } else if (schedule != "interleaved") {
+        EXPECT_EQ(stats.messages_received_early, 0);
       }
       auto loss = at::zeros({1}, at::kDouble);
       if (executor.has_last_stage())

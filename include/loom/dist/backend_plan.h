@@ -54,4 +54,12 @@ struct BackendFacts {
 BackendPlan plan_backends(const MeshShape& shape, const std::vector<RankDevice>& devices,
                           BackendChoice choice, const BackendFacts& facts);
 
+// The CUDA device of a rank started with `--device DEVICE` on a node with `device_count` visible
+// GPUs: "cuda" spreads the node's ranks over its GPUs (local rank modulo the count, so ranks share
+// GPUs when there are more ranks than GPUs: the plan then puts their groups on MPI), "cuda:K"
+// puts every rank on GPU K; -1 for "cpu". A loom::Error naming the flag's value when the device
+// does not exist (no GPU visible, or K >= device_count).
+int rank_cuda_device(const std::string& device, int local_rank, int device_count,
+                     bool built_with_cuda);
+
 }  // namespace loom::dist

@@ -80,7 +80,7 @@ class PipelineRunner final : public StepRunner {
         });
     // The last stage's losses (scaled by 1 / micro-batches: their sum is the mean), to every
     // stage.
-    auto loss = at::zeros({1}, at::kDouble);
+    auto loss = at::zeros({1}, at::TensorOptions(at::kDouble).device(run.device));
     if (executor_.has_last_stage())
       for (double l : last_.outputs) loss += l;
     run.mesh->comm(dist::Dim::pp).broadcast(loss, static_cast<int>(run.size(dist::Dim::pp) - 1));
@@ -106,12 +106,13 @@ class PipelineRunner final : public StepRunner {
           const auto batch = needs_batch ? run.val_sampler->sequential_batch(
                                                count > 0 ? first : 0, std::max<int64_t>(count, 1))
                                          : data::Batch{};
-          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          auto out = part.forward_part(part.part().first ? batch.inputs.to(run.device) : input);
           if (!part.part().last) return out;
-          return part.loss_from_logits(out, batch.targets) * static_cast<double>(count);
+          return part.loss_from_logits(out, batch.targets.to(run.device)) *
+                 static_cast<double>(count);
         },
         forwards);
-    auto sum = at::zeros({1}, at::kDouble);
+    auto sum = at::zeros({1}, at::TensorOptions(at::kDouble).device(run.device));
     if (executor_.has_last_stage())
       for (double v : stats.outputs) sum += v;
     run.mesh->comm(dist::Dim::pp).broadcast(sum, static_cast<int>(run.size(dist::Dim::pp) - 1));

@@ -19,8 +19,8 @@ using parallel::zero::ZeroOptimizer;
 
 class ZeroEngine final : public OptimizerEngine {
  public:
-  explicit ZeroEngine(std::vector<std::unique_ptr<ZeroOptimizer>> engines)
-      : engines_(std::move(engines)) {}
+  ZeroEngine(std::vector<std::unique_ptr<ZeroOptimizer>> engines, at::Device device)
+      : engines_(std::move(engines)), device_(device) {}
 
   std::string describe() const override {
     int64_t decayed = 0, not_decayed = 0;
@@ -40,7 +40,9 @@ class ZeroEngine final : public OptimizerEngine {
     // Each engine's squares are summed over dp inside it.
     double sq = 0;
     for (auto& z : engines_) sq += z->grad_norm_squared();
-    return at::scalar_tensor(sq, at::kDouble);
+    // On the gradients' device: the runtime sums it over the tp and pp groups (NCCL: device
+    // tensors only).
+    return at::scalar_tensor(sq, at::TensorOptions(at::kDouble).device(device_));
   }
   void scale_gradients(const at::Tensor& factor) override {
     const double f = factor.item<double>();
@@ -82,6 +84,7 @@ class ZeroEngine final : public OptimizerEngine {
 
  private:
   std::vector<std::unique_ptr<ZeroOptimizer>> engines_;  // one per model chunk
+  at::Device device_;
 };
 
 class ZeroStrategy final : public Strategy {
@@ -156,7 +159,7 @@ class ZeroStrategy final : public Strategy {
             });
     }
     run.collective_forward = stage == 3;
-    auto engine = std::make_unique<ZeroEngine>(std::move(engines));
+    auto engine = std::make_unique<ZeroEngine>(std::move(engines), run.device);
     engine_ = engine.get();
     run.publish<ZeroOptimizer>("zero", engine_->engines().front().get());
     run.optimizer = std::move(engine);

@@ -1,9 +1,19 @@
 #pragma once
 // Runs a pipeline schedule on one pipeline rank: for each action it receives what the action
 // needs from the neighbouring stage, runs the caller's forward or the autograd backward, and
-// sends the result on. Activations travel forward and their gradients backward point to point
-// on the pipeline communicator; sends are asynchronous (a rank blocks only on what it
-// receives), so any schedule `simulate` accepts runs without deadlock.
+// sends the result on. Activations travel forward and their gradients backward point to point;
+// sends are asynchronous (a rank blocks only on what it receives), so any schedule `simulate`
+// accepts runs without deadlock.
+//
+// The messages travel on channels built for NCCL's rules, and used the same way on every
+// backend so the CPU tests run the GPU's logic: NCCL has no tags (messages between two ranks
+// arrive in the order they were sent), and a send may not finish before its receive is posted,
+// while ops on one communicator run one after another. So each direction between two
+// neighbouring ranks gets a communicator of its own (a send stuck waiting for its receiver never
+// holds up a receive), its messages go untagged, and the receiver takes them in the order the
+// sender sends them: it knows that order from the sender's schedule, and keeps a message that
+// arrives before it is needed (an interleaved schedule's activations and gradients share a
+// channel when pp is 2). Every message's header names it, and the receiver checks the name.
 //
 // A received activation is a leaf that requires grad: the stage's backward leaves the gradient
 // to send back in its .grad. The stage's own output is kept only until its backward, so a rank
@@ -11,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "loom/dist/communicator.h"
@@ -27,6 +38,9 @@ struct PipelineStats {
   int64_t max_in_flight = 0;  // most (micro-batch, chunk) pairs forwarded, not yet backwarded
   int64_t messages_sent = 0;
   double bytes_sent = 0;
+  // Messages received before the action that needs them (kept until it runs): the channel's
+  // order differed from this rank's order of use.
+  int64_t messages_received_early = 0;
   // Last stage only: the value of each micro-batch's forward (its loss), by micro-batch.
   std::vector<double> outputs;
   // This rank's idle share of its own run: wait_seconds / seconds. It leaves out the time a
@@ -39,7 +53,8 @@ class PipelineExecutor {
  public:
   // comm: the pipeline communicator (its rank is the pipeline rank, its size pp). `device`:
   // where received activations and gradients (and the message headers) are allocated: the
-  // stages' device, one the communicator's backend takes.
+  // stages' device, one the communicator's backend takes. Collective over `comm` (it splits the
+  // channels off it): every pipeline rank constructs its executor at the same point.
   PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape, SchedulePtr schedule,
                    at::Device device = at::kCPU);
 
@@ -71,9 +86,25 @@ class PipelineExecutor {
   PipelineStats execute(const std::vector<Action>& actions, const ForwardFn& forward,
                         const BackwardHook& before_backward, const BackwardHook& after_backward,
                         bool forward_only, int64_t micro_batches);
-  void send(const at::Tensor& t, int64_t to_stage, int tag, PipelineStats& stats);
-  at::Tensor receive(int64_t from_stage, int tag, PipelineStats& stats);
-  int tag_of(int64_t micro_batch, int64_t edge, bool gradient) const;
+  // A message's name: the boundary it crosses (edge s: between stages s and s + 1), the
+  // micro-batch and the direction; unique within one run.
+  int64_t message_id(int64_t micro_batch, int64_t edge, bool gradient) const;
+  void send(const at::Tensor& t, int64_t to_stage, int64_t id, PipelineStats& stats);
+  at::Tensor receive(int64_t from_stage, int64_t id, PipelineStats& stats);
+  // The order in which the peer of each inbound channel sends this rank its messages, when
+  // every rank runs `actions_of(rank)`; resets the channels for a run.
+  void start_run(const std::function<std::vector<Action>(int64_t rank)>& actions_of,
+                 bool forward_only);
+  void build_channels();
+
+  struct Inbound {
+    dist::CommunicatorPtr comm;           // two ranks: the sender is rank 0
+    std::vector<int64_t> order;           // message ids in the sender's order, for this run
+    size_t next = 0;                      // the next one to come off the channel
+    std::map<int64_t, at::Tensor> early;  // received, not yet needed
+  };
+  std::map<int64_t, dist::CommunicatorPtr> outbound_;  // by peer pipeline rank; I am rank 0
+  std::map<int64_t, Inbound> inbound_;                 // by peer pipeline rank
 
   dist::CommunicatorPtr comm_;
   PipelineShape shape_;
