@@ -192,11 +192,13 @@ TEST(Mesh, APlanStagesTheGroupsItNames) {
   auto t = at::full({5}, static_cast<float>(w.rank() + 1));
   mesh.comm(dist::Dim::dp).all_reduce(t);
   EXPECT_TRUE(at::equal(t, at::full({5}, static_cast<float>(w.size() * (w.size() + 1) / 2))));
-  // Through the Runtime: CPU ranks plan MPI everywhere, and NCCL on CPU ranks is refused on
-  // every rank (a multi-rank world only: one rank has no group to plan).
+  // Through the Runtime: CPU ranks plan MPI everywhere (a group of one rank is local, on any
+  // device), and NCCL on CPU ranks is refused on every rank (a multi-rank world only: one rank
+  // has no group to plan).
   auto planned =
       loom::testing::runtime().mesh({.dp = w.size()}, dist::BackendChoice::automatic, -1);
-  EXPECT_EQ(planned->comm(dist::Dim::dp).backend(), "mpi");
+  EXPECT_EQ(planned->comm(dist::Dim::dp).backend(), w.size() > 1 ? "mpi" : "local");
+  EXPECT_EQ(planned->comm(dist::Dim::tp).backend(), "local");
   if (w.size() > 1) {
     const auto msg = error_of(
         [&] { loom::testing::runtime().mesh({.dp = w.size()}, dist::BackendChoice::nccl, -1); });
