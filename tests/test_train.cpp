@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/files.h"
@@ -15,6 +16,7 @@
 #include "loom/data/token_shard.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/local_communicator.h"
+#include "loom/dist/watchdog.h"
 #include "loom/models/causal_lm.h"
 #include "loom/ops/cuda.h"
 #include "loom/parallel/zero/zero_optimizer.h"
@@ -602,4 +604,48 @@ TEST(Cuda, ZeroOffloadKeepsTheOptimizerStateOffTheDevice) {
       << "on device " << on_device.device_bytes << " B, offloaded " << offloaded.device_bytes
       << " B";
   EXPECT_TRUE(at::allclose(offloaded.weight, on_device.weight, 1e-5, 1e-7));
+}
+
+// An op that never completes (or has failed fatally) and says when its communicator is torn down.
+class StuckWork : public loom::dist::Work {
+ public:
+  StuckWork(loom::dist::OpInfo info, bool fatal) : Work(std::move(info)), fatal_(fatal) {}
+  bool has_fatal_error() const override { return fatal_; }
+  void abort_communicator() override {
+    std::fprintf(stderr, "[stuck work] communicator aborted\n");
+    std::fflush(stderr);
+  }
+
+ protected:
+  bool wait_until(std::optional<loom::dist::Clock::time_point>) override { return test(); }
+  // The failing op fails a little after the watchdog starts watching it.
+  bool test() override { return fatal_ && loom::dist::Clock::now() - created_ > kFailAfter; }
+  std::exception_ptr error() const override {
+    return fatal_ ? std::make_exception_ptr(loom::Error("NCCL reported a remote error")) : nullptr;
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kFailAfter{100};
+  bool fatal_;
+  loom::dist::Clock::time_point created_ = loom::dist::Clock::now();
+};
+
+// The watchdog tears down an expired or failed op's communicator (ncclCommAbort for NCCL) before
+// it ends the job, so that no thread stays blocked in it; the job still ends naming the op.
+TEST(WatchdogDeathTest, ATimedOutOrFailedOpAbortsItsCommunicatorThenEndsTheJob) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto stuck = [](bool fatal) {
+    loom::dist::OpInfo info;
+    info.group = "dp";
+    info.timeout = loom::dist::Seconds(0.2);
+    auto work = std::make_shared<StuckWork>(info, fatal);
+    work->mark_started();
+    loom::dist::Watchdog::instance().track(work);
+    std::this_thread::sleep_for(std::chrono::seconds(20));
+  };
+  EXPECT_DEATH(stuck(false),
+               "communicator aborted.*loom watchdog: .*group 'dp'.* has not completed after");
+  EXPECT_DEATH(stuck(true),
+               "communicator aborted.*loom watchdog: .*group 'dp'.* failed and left its "
+               "communicator unusable: NCCL reported a remote error");
 }

@@ -45,6 +45,11 @@ bool supported(at::ScalarType t) {
 
 }  // namespace
 
+at::Tensor on_comm_device(const Communicator& comm, const at::Tensor& t) {
+  const auto device = comm.tensor_device();
+  return device && t.device() != *device ? t.to(*device) : t;
+}
+
 std::string describe_tensor(const at::Tensor& t) {
   if (!t.defined()) return "(no tensor)";
   return fmt::format("{}[{}]", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "));

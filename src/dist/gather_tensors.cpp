@@ -23,9 +23,10 @@ core::NamedTensors gather_named_tensors(Communicator& comm, int root,
   LOOM_CHECK(root >= 0 && root < comm.size(), "gather_named_tensors: root {} outside [0, {})", root,
              comm.size());
   if (comm.rank() != root) {
-    comm.send(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong), root, kTag);
+    comm.send(on_comm_device(comm, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong)),
+              root, kTag);
     for (const auto& [name, tensor] : mine) {
-      const auto t = tensor.detach().contiguous();
+      const auto t = on_comm_device(comm, tensor.detach()).contiguous();
       LOOM_CHECK(t.dim() <= kMaxDims, "gather_named_tensors: '{}' has {} dimensions (at most {})",
                  name, t.dim(), kMaxDims);
       auto header = at::zeros({kMaxDims + 3}, at::kLong);
@@ -36,32 +37,34 @@ core::NamedTensors gather_named_tensors(Communicator& comm, int root,
       for (int64_t d = 0; d < t.dim(); ++d) h[d + 3] = t.size(d);
       auto name_bytes = at::empty({static_cast<int64_t>(name.size())}, at::kByte);
       std::memcpy(name_bytes.data_ptr(), name.data(), name.size());
-      comm.send(header, root, kTag);
-      if (!name.empty()) comm.send(name_bytes, root, kTag);
+      comm.send(on_comm_device(comm, header), root, kTag);
+      if (!name.empty()) comm.send(on_comm_device(comm, name_bytes), root, kTag);
       if (t.numel() > 0) comm.send(t, root, kTag);
     }
     return {};
   }
+  // Received on the group's device (a GPU for NCCL), returned on the host.
+  const auto device = comm.tensor_device().value_or(at::Device(at::kCPU));
+  const auto receive = [&](at::IntArrayRef sizes, at::ScalarType dtype, int src) {
+    auto t = at::empty(sizes, at::TensorOptions(dtype).device(device));
+    if (t.numel() > 0) comm.recv(t, src, kTag);
+    return t.cpu();
+  };
   core::NamedTensors out(mine.begin(), mine.end());
   for (int src = 0; src < comm.size(); ++src) {
     if (src == root) continue;
-    auto count = at::zeros({1}, at::kLong);
-    comm.recv(count, src, kTag);
-    for (int64_t i = 0; i < count.item<int64_t>(); ++i) {
-      auto header = at::zeros({kMaxDims + 3}, at::kLong);
-      comm.recv(header, src, kTag);
+    const auto count = receive({1}, at::kLong, src).item<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {
+      const auto header = receive({kMaxDims + 3}, at::kLong, src);
       auto h = header.accessor<int64_t, 1>();
       std::string name(static_cast<size_t>(h[2]), '\0');
       if (h[2] > 0) {
-        auto name_bytes = at::empty({h[2]}, at::kByte);
-        comm.recv(name_bytes, src, kTag);
+        const auto name_bytes = receive({h[2]}, at::kByte, src);
         std::memcpy(name.data(), name_bytes.data_ptr(), name.size());
       }
       std::vector<int64_t> sizes;
       for (int64_t d = 0; d < h[1]; ++d) sizes.push_back(h[d + 3]);
-      auto t = at::empty(sizes, at::TensorOptions(static_cast<at::ScalarType>(h[0])));
-      if (t.numel() > 0) comm.recv(t, src, kTag);
-      out.emplace_back(std::move(name), std::move(t));
+      out.emplace_back(std::move(name), receive(sizes, static_cast<at::ScalarType>(h[0]), src));
     }
   }
   return out;

@@ -80,8 +80,14 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 // still holds may outlive the communicator.
 struct NcclHandle {
   ncclComm_t comm = nullptr;
+  std::atomic<bool> aborted{false};
+  // Ends the communicator's kernels now, from any thread (the watchdog's, before it ends the
+  // job): a rank blocked on one of its ops then sees an error instead of hanging. Once.
+  void abort() {
+    if (comm != nullptr && !aborted.exchange(true)) ncclCommAbort(comm);
+  }
   ~NcclHandle() {
-    if (comm != nullptr) ncclCommDestroy(comm);
+    if (comm != nullptr && !aborted.load()) ncclCommDestroy(comm);
   }
 };
 
@@ -100,6 +106,7 @@ class CudaWork : public Work {
   }
   ~CudaWork() override { cudaEventDestroy(done_); }
   bool has_fatal_error() const override { return fatal_.load(); }
+  void abort_communicator() override { comm_->abort(); }
 
  protected:
   bool test() override {
@@ -179,6 +186,9 @@ class NcclCommunicator : public Communicator {
   }
 
   std::string backend() const override { return "nccl"; }
+  std::optional<at::Device> tensor_device() const override {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  }
 
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
     auto sub = bootstrap_->split(color, key, name + ".bootstrap");

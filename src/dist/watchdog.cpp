@@ -98,6 +98,7 @@ void Watchdog::run() {
           w->info().describe(), w->failure().value_or("?"));
       auto handler = handler_;
       lock.unlock();
+      w->abort_communicator();
       if (handler) handler(message);
       default_abort(message);
     }
@@ -122,6 +123,7 @@ void Watchdog::run() {
       const auto message = timeout_message(w->info(), running);
       auto handler = handler_;
       lock.unlock();
+      w->abort_communicator();
       if (handler) handler(message);
       default_abort(message);
     }

@@ -1,6 +1,6 @@
 #include "loom/models/causal_lm.h"
 
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 #include <ATen/ATen.h>
 #include <torch/torch.h>
@@ -178,9 +178,10 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
     // The recompute runs with the position the forward had (a pipeline runs other
     // micro-batches' forwards in between), so it applies the same dropout masks.
     if (is_training() && config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
-    // A custom module's own randomness (its dropout) draws from LibTorch's default generator.
+    // A custom module's own randomness (its dropout) draws from LibTorch's default generator
+    // of the device it runs on.
     if (is_training() && config_.family == Family::kCustom)
-      options.generators.push_back(at::detail::getDefaultCPUGenerator());
+      options.generators.push_back(at::globalContext().defaultGenerator(x.device()));
     options.offload = execution_->offload;
     run = [fn, options](const at::Tensor& in) {
       return parallel::memory::checkpoint(

@@ -142,10 +142,14 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
 
 Trainer::~Trainer() {
   if (config_.memory_cap_mb <= 0) return;
-  if (device_.is_cuda())
-    ops::set_cuda_memory_cap(device_.index(), 0);
-  else
-    core::set_memory_cap(previous_memory_cap_);
+  try {
+    if (device_.is_cuda())
+      ops::set_cuda_memory_cap(device_.index(), 0);
+    else
+      core::set_memory_cap(previous_memory_cap_);
+  } catch (const std::exception& e) {  // a destructor must not throw (a failed CUDA context)
+    spdlog::warn("could not lift --memory-cap-mb: {}", e.what());
+  }
 }
 
 const parallel::zero::ZeroOptimizer* Trainer::zero() const {
@@ -177,14 +181,26 @@ StepResult Trainer::train_step() {
   if (measure) core::reset_peak_memory(device_);
   StepResult r;
   runtime_->begin_step();
-  auto loss = runtime_->run_micro_batches(
-      [&](int64_t k) {
-        // Sample indices are global (this rank's share of the global batch), so the data does
-        // not depend on the layout.
-        return on_device(train_sampler_->random_batch(
-            step, config_.first_sample(data_rank(), data_ranks(), k), micro));
-      },
-      r);
+  at::Tensor loss;
+  try {
+    loss = runtime_->run_micro_batches(
+        [&](int64_t k) {
+          // Sample indices are global (this rank's share of the global batch), so the data does
+          // not depend on the layout.
+          return on_device(train_sampler_->random_batch(
+              step, config_.first_sample(data_rank(), data_ranks(), k), micro));
+        },
+        r);
+  } catch (const c10::OutOfMemoryError& e) {
+    // Under a cap the user set, say which cap bit (a host cap already names its flag).
+    if (!device_.is_cuda() || config_.memory_cap_mb <= 0) throw;
+    const std::string what = e.what();
+    fail(
+        "step {}: out of memory on {} under --memory-cap-mb {} (the cap counts what LibTorch's "
+        "CUDA caching allocator reserves; raise it, or lower --batch-size, or add "
+        "--activation-checkpointing full): {}",
+        step + 1, device_.str(), config_.memory_cap_mb, what.substr(0, what.find('\n')));
+  }
   if (measure) {
     r.peak_activation_bytes = core::memory_counters(device_).peak_bytes - baseline;
     last_peak_activations_ = r.peak_activation_bytes;

@@ -269,9 +269,11 @@ fs::path Trainer::save_checkpoint() {
     rng_states.emplace_back(rng_key(0, mesh_->coord(dist::Dim::pp)), gen.get_state());
   }
   if (custom_model_ && data_ranks() > 1) {
-    const auto mine = rng_states.front().second.contiguous();
+    auto& dp = mesh_->comm(dist::Dim::dp);
+    const auto mine = dist::on_comm_device(dp, rng_states.front().second).contiguous();
     auto all = at::empty({data_ranks(), mine.numel()}, mine.options());
-    mesh_->comm(dist::Dim::dp).all_gather(all, mine);
+    dp.all_gather(all, mine);
+    all = all.cpu();  // generator states are host tensors
     for (int64_t r = 1; r < data_ranks(); ++r)
       rng_states.emplace_back(rng_key(r, mesh_->coord(dist::Dim::pp)), all[r].clone());
   }

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 #include <mutex>
 
@@ -139,7 +139,8 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
 at::Generator Trainer::dropout_generator() {
   LOOM_CHECK(custom_model_,
              "dropout_generator: loom's own models draw no dropout from a generator");
-  return at::detail::getDefaultCPUGenerator();
+  // torch::dropout on a device draws from that device's default generator.
+  return at::globalContext().defaultGenerator(device_);
 }
 
 void Trainer::seed_dropout() {

@@ -185,7 +185,7 @@ TEST_P(TrainerDp, SameLossesAndParametersAsOneProcess) {
     train::Trainer t(config);  // one process, no communication
     single = run(t);
   }
-  auto mesh = loom::testing::runtime().mesh({});
+  auto mesh = loom::testing::layout_mesh({});
   train::Trainer t(config, mesh);
   EXPECT_EQ(t.mesh().size(dist::Dim::dp), world().size());
   EXPECT_EQ(t.runtime().find_strategy("data-parallel") != nullptr, world().size() > 1);
@@ -234,7 +234,7 @@ TEST(TrainerDp, AMissingBucketAllReduceIsCaughtAndFp32TracksWithinItsError) {
   auto broken_config = config;
   broken_config.comm_hook = "test-unreduced-first-bucket";
   {
-    train::Trainer t(broken_config, loom::testing::runtime().mesh({}));
+    train::Trainer t(broken_config, loom::testing::layout_mesh({}));
     broken = run(t);
   }
   loom::testing::expect_caught(broken, single64, "dp: the first gradient bucket not all-reduced");
@@ -244,7 +244,7 @@ TEST(TrainerDp, AMissingBucketAllReduceIsCaughtAndFp32TracksWithinItsError) {
     single32 = run(t);
   }
   {
-    train::Trainer t(fp32, loom::testing::runtime().mesh({}));
+    train::Trainer t(fp32, loom::testing::layout_mesh({}));
     dp32 = run(t);
   }
   loom::testing::expect_fp32_run_close(dp32, single32, single64);
@@ -253,7 +253,7 @@ TEST(TrainerDp, AMissingBucketAllReduceIsCaughtAndFp32TracksWithinItsError) {
 TEST(TrainerDp, OnlyRank0WritesMetricsAndCheckpointsAndResumeWithDropoutIsExact) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
-  auto mesh = loom::testing::runtime().mesh({});
+  auto mesh = loom::testing::layout_mesh({});
   auto config = dp_config(dir.path(), 1);
   config.metrics_out = (dir / "metrics.jsonl").string();
   config.save_dir = (dir / "ckpt").string();
@@ -291,13 +291,13 @@ TEST(TrainerDp, ABatchThatDoesNotSplitIsRejectedOnEveryRank) {
   loom::testing::write_shared_corpus(dir, 20000, 2000);
   auto config = dp_config(dir.path(), 1);
   config.batch_size = world().size() + 1;
-  const auto msg = error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({})); });
+  const auto msg = error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); });
   EXPECT_TRUE(contains(msg, fmt::format("--batch-size {} cannot be split evenly: dp {}",
                                         config.batch_size, world().size())))
       << msg;
   config.batch_size = 24;
   config.dp = world().size() + 1;
-  const auto msg2 = error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({})); });
+  const auto msg2 = error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); });
   EXPECT_TRUE(contains(msg2, "does not match the mesh")) << msg2;
 }
 
@@ -313,7 +313,7 @@ TEST(TrainerDp, ACheckpointRank0CannotWriteFailsOnEveryRank) {
   loom::testing::write_shared_corpus(dir, 20000, 2000);
   auto config = dp_config(dir.path(), 1);
   config.save_dir = (dir / "ckpt").string();
-  train::Trainer t(config, loom::testing::runtime().mesh({}));
+  train::Trainer t(config, loom::testing::layout_mesh({}));
   // After the constructor's checks, the save directory turns into a file: rank 0's write fails.
   if (world().rank() == 0) {
     fs::remove_all(dir / "ckpt");

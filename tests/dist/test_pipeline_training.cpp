@@ -116,7 +116,7 @@ void expect_layout_trains_like_one_process(
   }
   config = layout.applied_to(config);
   train::Trainer t(
-      config, loom::testing::runtime().mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
+      config, loom::testing::layout_mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
   EXPECT_EQ(t.runtime().find_strategy("pipeline") != nullptr, layout.pp > 1);
   EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
   EXPECT_EQ(t.zero() ? t.zero()->stage() : 0, layout.zero);
@@ -228,7 +228,7 @@ TEST(TrainerDropout, EveryLayoutTrainsLikeOneProcessWithDropout) {
   auto config = layouts.front().applied_to(pipeline_config(dir.path(), "gpt2", 2));
   config.dropout = 0.1;
   config.strategies = {"test-rank-local-dropout"};
-  train::Trainer broken(config, loom::testing::runtime().mesh({.dp = n}));
+  train::Trainer broken(config, loom::testing::layout_mesh({.dp = n}));
   loom::testing::expect_caught(loom::testing::run(broken), single.at("gpt2 2 0.1"),
                                "dropout masks keyed by the rank-local sample index");
 }
@@ -294,7 +294,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
     config.steps = 2;
     config.save_dir = (dir / fmt::format("saved{}", i)).string();
     {
-      train::Trainer t(config, loom::testing::runtime().mesh(
+      train::Trainer t(config, loom::testing::layout_mesh(
                                    {.dp = savers[i].dp, .tp = savers[i].tp, .pp = savers[i].pp}));
       t.fit();
     }
@@ -321,7 +321,7 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
       const bool one_process = loader.dp * loader.tp * loader.pp == 1;
       train::Trainer t(resumed, one_process
                                     ? nullptr
-                                    : loom::testing::runtime().mesh(
+                                    : loom::testing::layout_mesh(
                                           {.dp = loader.dp, .tp = loader.tp, .pp = loader.pp}));
       EXPECT_EQ(t.step(), 2);
       {
@@ -364,7 +364,7 @@ TEST(TrainerPipeline, AResumeHoldsOnlyTheRanksOwnShards) {
   config.steps = 3;
   config.save_every = 2;
   config.save_dir = (dir / "saved").string();
-  auto mesh = [] { return loom::testing::runtime().mesh({.dp = 1, .tp = 2, .pp = 2}); };
+  auto mesh = [] { return loom::testing::layout_mesh({.dp = 1, .tp = 2, .pp = 2}); };
   std::map<std::string, at::Tensor> saved;
   double whole_state = 0;  // the single-process model's parameters and AdamW moments, fp32
   {
@@ -406,7 +406,7 @@ TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
   config.steps = 1;
   config.save_dir = (dir / "saved").string();
   {
-    train::Trainer t(config, loom::testing::runtime().mesh({.pp = 2}));
+    train::Trainer t(config, loom::testing::layout_mesh({.pp = 2}));
     t.fit();
   }
   // A tensor missing from the second stage's shard (the file otherwise sound, its checksum
@@ -431,7 +431,7 @@ TEST(TrainerPipeline, MissingOrCorruptShardsAreClearErrors) {
     resumed.resume = lacking.string();
     resumed.save_dir = (dir / "resumed").string();
     const auto e =
-        error_of([&] { train::Trainer t(resumed, loom::testing::runtime().mesh({.pp = 2})); });
+        error_of([&] { train::Trainer t(resumed, loom::testing::layout_mesh({.pp = 2})); });
     if (world().rank() == 1)
       EXPECT_TRUE(contains(e, "has no tensor 'transformer.h.7.mlp.c_fc.weight'")) << e;
     else
@@ -493,7 +493,7 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto mesh = loom::testing::runtime().mesh({.pp = 2});
+  auto mesh = loom::testing::layout_mesh({.pp = 2});
   auto config = pipeline_config(dir.path(), "gpt2");
   config.pp = 2;
   auto with = [&](auto change) {
@@ -512,7 +512,7 @@ TEST(TrainerPipeline, LayoutsThatCannotBeAreClearErrors) {
     tp.pp = 1;
     tp.tp = 2;
     e = error_of([&] {
-      train::Trainer t(tp, loom::testing::runtime().mesh({.tp = 2}), loom::testing::plain_lm());
+      train::Trainer t(tp, loom::testing::layout_mesh({.tp = 2}), loom::testing::plain_lm());
     });
     EXPECT_TRUE(contains(e, "strategy 'tensor-parallel' (--tp 2) splits loom's parallel layers"))
         << e;
@@ -580,7 +580,7 @@ TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
     config.pp = 2;
     config.zero = stage;
     config.lr_decay_steps = config.steps;
-    auto mesh = [] { return loom::testing::runtime().mesh({.dp = 2, .pp = 2}); };
+    auto mesh = [] { return loom::testing::layout_mesh({.dp = 2, .pp = 2}); };
     std::vector<double> full;
     {
       train::Trainer t(config, mesh());
@@ -615,7 +615,7 @@ TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
     other.pp = 1;
     other.tp = 2;
     other.zero = 1;
-    train::Trainer t(other, loom::testing::runtime().mesh({.dp = 2, .tp = 2}));
+    train::Trainer t(other, loom::testing::layout_mesh({.dp = 2, .tp = 2}));
     std::vector<double> rest;
     while (t.step() < config.steps) rest.push_back(t.train_step().loss);
     ASSERT_EQ(rest.size(), 2u);
@@ -628,7 +628,7 @@ TEST(TrainerPipeline, ZeroShardsOfAPipelineResumeExactlyAndReshard) {
     other_first.steps = 2;
     other_first.save_dir = (dir / "other").string();
     {
-      train::Trainer o(other_first, loom::testing::runtime().mesh({.dp = 2, .tp = 2}));
+      train::Trainer o(other_first, loom::testing::layout_mesh({.dp = 2, .tp = 2}));
       o.fit();
     }
     auto back = config;
@@ -658,7 +658,7 @@ TEST(TrainerPipeline, Zero3OverAPipelineInFp32) {
   config.zero = 3;
   config.schedule = "interleaved";
   config.virtual_stages = 2;
-  train::Trainer t(config, loom::testing::runtime().mesh({.dp = 2, .pp = 2}));
+  train::Trainer t(config, loom::testing::layout_mesh({.dp = 2, .pp = 2}));
   const auto d = loom::testing::compare_runs(loom::testing::run(t), single);
   EXPECT_LE(d.loss, 1e-5) << d.describe();
   if (world().rank() == 0)

@@ -504,6 +504,7 @@ train::TrainConfig tp_config(const fs::path& dir, const std::string& model) {
   c.log_every = 1000;
   c.eval_batches = 1;
   c.precision = "fp64";  // compared with the fp64 bounds of train_compare.h
+  c.device = loom::testing::test_device();
   return c;
 }
 
@@ -541,7 +542,7 @@ TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
     config.tp = layout.tp;
     config.sequence_parallel = layout.sp;
     config.export_hf = (dir / fmt::format("hf_{}_{}", layout.model, layout.tp)).string();
-    train::Trainer t(config, loom::testing::runtime().mesh({.tp = layout.tp}));
+    train::Trainer t(config, loom::testing::layout_mesh({.tp = layout.tp}));
     EXPECT_EQ(t.mesh().size(dist::Dim::dp), n / layout.tp);
     auto distributed = loom::testing::run(t);
     loom::testing::expect_same_run(distributed, single[key]);
@@ -597,13 +598,13 @@ TEST(TrainerTp, CheckpointAtTpResumesAtAnotherTp) {
   first.save_every = 2;
   first.steps = 2;
   {
-    train::Trainer t(first, loom::testing::runtime().mesh({.tp = n}));
+    train::Trainer t(first, loom::testing::layout_mesh({.tp = n}));
     t.fit();
   }
   auto second = config;
   second.tp = n / 2;
   second.resume = (dir / "ckpt").string();
-  train::Trainer t(second, loom::testing::runtime().mesh({.tp = n / 2}));
+  train::Trainer t(second, loom::testing::layout_mesh({.tp = n / 2}));
   EXPECT_EQ(t.step(), 2);
   auto resumed = loom::testing::run(t);
   resumed.losses.insert(resumed.losses.begin(), straight.losses.begin(),
@@ -619,7 +620,7 @@ TEST(TrainerTp, TpThatDoesNotDivideTheHeadsIsAClearError) {
   config.tp = 3;
   config.batch_size = 3;
   const auto msg =
-      error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({.tp = 3})); });
+      error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({.tp = 3})); });
   EXPECT_TRUE(contains(msg, "n_heads 4 is not divisible by tp 3")) << msg;
 }
 
@@ -642,7 +643,7 @@ TEST(TrainerTp, Bf16TracksOneProcess) {
     }
     config.tp = n;
     config.sequence_parallel = true;
-    train::Trainer t(config, loom::testing::runtime().mesh({.tp = n}));
+    train::Trainer t(config, loom::testing::layout_mesh({.tp = n}));
     auto sharded = loom::testing::run(t);
     ASSERT_EQ(sharded.losses.size(), single.losses.size());
     for (size_t s = 0; s < single.losses.size(); ++s)

@@ -385,7 +385,7 @@ const std::pair<RunResult, RunResult>& references(const fs::path& dir, int64_t g
     single = run(t);
   }
   {
-    train::Trainer t(zero_config(dir, 0, grad_accum), loom::testing::runtime().mesh({}));
+    train::Trainer t(zero_config(dir, 0, grad_accum), loom::testing::layout_mesh({}));
     plain = run(t);
   }
   return cache.emplace(grad_accum, std::make_pair(single, plain)).first->second;
@@ -412,7 +412,7 @@ TEST_P(TrainerZero, SameLossesAndParametersAsOneProcessAndPlainDp) {
   config.activation_checkpointing = c.checkpointing;
   config.offload_optimizer = c.offload;
   config.offload_activations = c.offload;
-  train::Trainer t(config, loom::testing::runtime().mesh({}));
+  train::Trainer t(config, loom::testing::layout_mesh({}));
   ASSERT_NE(t.zero(), nullptr);
   EXPECT_EQ(t.zero()->stage(), c.stage);
   const auto sharded = run(t);
@@ -449,7 +449,7 @@ TEST(TrainerZero, MemoryReportFollowsTheStage) {
     auto config = zero_config(dir.path(), stage, 1);
     config.precision = "fp32";  // the formulas count 4-byte parameters and moments
     config.steps = 1;
-    train::Trainer t(config, loom::testing::runtime().mesh({}));
+    train::Trainer t(config, loom::testing::layout_mesh({}));
     t.train_step();
     const auto m = t.memory_report();
     double psi = 0;
@@ -479,12 +479,12 @@ TEST(TrainerZero, Bf16WithFullCheckpointingTracksBf16WithoutIt) {
     config.precision = "bf16";
     RunResult kept, recomputed;
     {
-      train::Trainer t(config, loom::testing::runtime().mesh({}));
+      train::Trainer t(config, loom::testing::layout_mesh({}));
       kept = run(t);
     }
     config.activation_checkpointing = "full";
     {
-      train::Trainer t(config, loom::testing::runtime().mesh({}));
+      train::Trainer t(config, loom::testing::layout_mesh({}));
       recomputed = run(t);
     }
     expect_same_run(recomputed, kept, 1e-6);
@@ -502,7 +502,7 @@ TEST(TrainerZero, Stage3SavesOneUnitAtATime) {
   config.layers = 8;
   config.steps = 1;
   config.save_dir = (dir / "ckpt").string();
-  train::Trainer t(config, loom::testing::runtime().mesh({}));
+  train::Trainer t(config, loom::testing::layout_mesh({}));
   t.train_step();
   const auto whole = t.gather_parameters();
   double whole_bytes = 0;
@@ -539,7 +539,7 @@ TEST(TrainerZero, Stage3EvaluatesUnevenShardsBeforeTraining) {
     single_after_step = t.evaluate(1);
   }
   const double bound = loom::testing::kFp64Relative;
-  train::Trainer t(config, loom::testing::runtime().mesh({}));
+  train::Trainer t(config, loom::testing::layout_mesh({}));
   const auto released = t.zero()->memory().parameters;
   EXPECT_NEAR(t.evaluate(1), single, bound * single);
   EXPECT_EQ(t.zero()->memory().parameters, released);  // nothing left gathered
@@ -556,7 +556,7 @@ class TrainerZeroResume : public ::testing::TestWithParam<int64_t> {};
 TEST_P(TrainerZeroResume, ResumeIsExactAndEachRankSavesItsShard) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
-  auto mesh = loom::testing::runtime().mesh({});
+  auto mesh = loom::testing::layout_mesh({});
   auto config = zero_config(dir.path(), GetParam(), 2);
   config.save_dir = (dir / "ckpt").string();
   config.save_every = 2;
@@ -663,6 +663,6 @@ TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   auto config = zero_config(dir.path(), 2, 1);
   config.comm_hook = "bf16";
   EXPECT_TRUE(
-      contains(error_of([&] { train::Trainer t(config, loom::testing::runtime().mesh({})); }),
+      contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),
                "--comm-hook bf16 compresses plain data parallelism"));
 }

@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "dist_util.h"
 #include "loom/models/causal_lm.h"
+#include "loom/ops/cuda.h"
 #include "loom/train/trainer.h"
 
 #include <algorithm>
@@ -24,6 +26,24 @@ struct RunResult {
   double val_loss = 0;
   std::map<std::string, at::Tensor> params;
 };
+
+// The device the layout tests train on: LOOM_TEST_DEVICE, "cpu" when unset. scripts/gpu-check
+// sets "cuda" and runs them with every rank on its one GPU (docs/gpu.md).
+inline std::string test_device() {
+  const char* device = std::getenv("LOOM_TEST_DEVICE");
+  return device != nullptr && *device != '\0' ? device : "cpu";
+}
+
+// The mesh a layout test trains on, for tensors on test_device(): MPI groups on the CPU; on a
+// GPU each group on the transport the backend plan gives it (host staging when the ranks share
+// one GPU, as under scripts/gpu-check).
+inline dist::MeshPtr layout_mesh(dist::MeshShape shape) {
+  const auto device = test_device();
+  if (device == "cpu") return runtime().mesh(shape);
+  const int cuda = dist::rank_cuda_device(device, runtime().local_rank(),
+                                          ops::cuda_device_count(), ops::built_with_cuda());
+  return runtime().mesh(shape, dist::BackendChoice::automatic, cuda);
+}
 
 // GPT-2 tiny on the byte corpus in `dir` (write_shared_corpus), 4 steps: the run every layout
 // test compares, in fp64 unless `precision` says otherwise (docs/testing.md: why fp64). batch 24
@@ -47,6 +67,7 @@ inline loom::train::TrainConfig small_run_config(const std::filesystem::path& di
   c.eval_batches = 1;
   c.bucket_mb = 0.05;
   c.precision = precision;
+  c.device = test_device();
   return c;
 }
 

@@ -32,6 +32,9 @@ class Communicator {
   int size() const { return size_; }
   const std::string& name() const { return name_; }
   virtual std::string backend() const = 0;  // "mpi" | "nccl" | "local"
+  // The one device whose tensors this backend takes (MPI: the CPU; NCCL: its GPU); nullopt when
+  // it takes tensors on any device (local, staging).
+  virtual std::optional<at::Device> tensor_device() const { return std::nullopt; }
 
   // The watchdog's limit for ops issued from now on (default: the process-wide one, which
   // Runtime sets from --comm-timeout).
@@ -122,6 +125,11 @@ class Communicator {
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// `t` where `comm` takes it: itself when it already is, else a copy on comm.tensor_device(). For
+// the small host-side values (counts, headers, RNG states, checkpoint tensors) that must cross
+// whatever transport a group was planned on.
+at::Tensor on_comm_device(const Communicator& comm, const at::Tensor& t);
 
 // Gives the ops issued on `comm` during its lifetime another watchdog limit: for a wait whose
 // length is legitimately unbounded (the other ranks waiting while rank 0 writes a checkpoint).

@@ -27,6 +27,7 @@ class MpiCommunicator : public Communicator {
   static std::shared_ptr<MpiCommunicator> world();
 
   std::string backend() const override { return "mpi"; }
+  std::optional<at::Device> tensor_device() const override { return at::Device(at::kCPU); }
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override;
   MPI_Comm handle() const { return comm_; }
 

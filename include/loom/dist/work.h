@@ -39,6 +39,10 @@ class Work {
   // A failure that leaves the communicator unusable (NCCL's asynchronous errors): the watchdog
   // aborts the job on it even if nobody waits for this op.
   virtual bool has_fatal_error() const { return false; }
+  // Tears down the communicator the op runs on so that nothing stays blocked in it (NCCL's
+  // ncclCommAbort); the watchdog calls it on a timeout or a fatal error, before ending the job.
+  // Host backends need nothing: MPI_Abort ends their ops.
+  virtual void abort_communicator() {}
 
   const OpInfo& info() const { return info_; }
   // When the operation began to execute (queued work has not); the watchdog counts from here.

@@ -503,9 +503,11 @@ double ZeroOptimizer::grad_norm_squared() {
           squared_norm(b.grad_shard.narrow(0, b.segments[k].shard_offset, b.segments[k].numel)) *
           b.segment_norm_weights[k]);
   }
-  auto total = squares.empty() ? at::zeros({1}, at::kDouble)
-                               : at::stack(squares).sum().reshape({1});  // one host sync, after
-  comm_->all_reduce(total, dist::ReduceOp::Sum);
+  // A rank with no buckets still joins the sum, on the device its group takes.
+  auto total = dist::on_comm_device(*comm_, squares.empty()
+                                                ? at::zeros({1}, at::kDouble)
+                                                : at::stack(squares).sum().reshape({1}));
+  comm_->all_reduce(total, dist::ReduceOp::Sum);  // then one host sync
   return total.item<double>();
 }
 

@@ -24,21 +24,27 @@ namespace {
 
 namespace pl = parallel::pipeline;
 
-// Forward + backward seconds of `part` (built on `tp`) on a micro-batch, the median of a few
-// runs after a warm-up.
+// Forward + backward seconds of `part` (built on `tp`) on a micro-batch on `device`, the median
+// of a few runs after a warm-up.
 double time_part(const models::ModelConfig& config, const parallel::tensor::TpGroupPtr& tp,
-                 models::ModelPart part, int64_t micro, int64_t seq_len) {
+                 models::ModelPart part, int64_t micro, int64_t seq_len, at::Device device) {
   auto model = models::make_model(config, tp, part);
   models::init_parameters(*model, 1);
-  auto tokens = at::zeros({micro, seq_len}, at::kLong);
+  model->to(device);
+  const auto on_device = at::TensorOptions().device(device);
+  auto tokens = at::zeros({micro, seq_len}, on_device.dtype(at::kLong));
   const int64_t local_seq = tp->sequence_parallel() ? seq_len / tp->size() : seq_len;
-  auto hidden = at::randn({micro, local_seq, config.d_model});
+  auto hidden = at::randn({micro, local_seq, config.d_model}, on_device);
   std::vector<double> times;
   for (int rep = 0; rep < 4; ++rep) {
     const auto start = std::chrono::steady_clock::now();
     auto input = part.first ? tokens : hidden.clone().requires_grad_(true);
     auto out = model->forward_part(input);
-    (part.last ? model->loss_from_logits(out, tokens) : out.sum()).backward();
+    auto loss = part.last ? model->loss_from_logits(out, tokens) : out.sum();
+    loss.backward();
+    // A GPU runs ahead of the host: the copy of the loss to the host is queued behind the
+    // backward's kernels on the same stream, so reading it waits for them.
+    loss.item<double>();
     if (rep > 0)
       times.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -166,11 +172,11 @@ class PipelineStrategy final : public Strategy {
       // every rank computes the same split.
       costs = models::layer_costs(model_config, "uniform", cost_shape);
       const double layer =
-          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len);
+          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
       const double with_embed =
-          time_part(one, run.tp_group, {0, 1, true, false}, micro, config.seq_len);
+          time_part(one, run.tp_group, {0, 1, true, false}, micro, config.seq_len, run.device);
       const double with_head =
-          time_part(one, run.tp_group, {0, 1, false, true}, micro, config.seq_len);
+          time_part(one, run.tp_group, {0, 1, false, true}, micro, config.seq_len, run.device);
       auto t =
           at::tensor({layer, std::max(0.0, with_embed - layer), std::max(0.0, with_head - layer)},
                      at::kDouble);
@@ -189,7 +195,7 @@ class PipelineStrategy final : public Strategy {
     } else if (config.pp_devices == "measured") {
       // Each rank times one block; a pipeline rank is as fast as the slowest rank of its stage
       // (its tp and dp peers), and speeds are relative to the fastest stage.
-      const double mine = time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len);
+      const double mine = time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
       auto times = at::zeros({run.mesh->world_size()}, at::kDouble);
       auto t = at::full({1}, mine, at::kDouble);
       run.mesh->world().all_gather(times, t);
