@@ -58,10 +58,10 @@ run() {
   if [ "$signal" = KILL ]; then
     grep -qE "rank $victim_rank .*(exited on signal 9|Killed)" "$dir.all" ||
       { echo "FAIL: $name: no line names dead rank $victim_rank"; bad=1; }
-    grep -qE "loom watchdog: SIGTERM arrived while [a-z_]+.* on group '[a-z]+'" "$dir.all" ||
+    grep -qE "loom watchdog: SIGTERM arrived while [a-z_]+.* on group '[a-z][a-z0-9.]*'" "$dir.all" ||
       { echo "FAIL: $name: no line names the op the survivors waited in"; bad=1; }
   else
-    grep -qE "loom watchdog: [a-z_]+.* on group '[a-z]+'.* has not completed after" "$dir.all" ||
+    grep -qE "loom watchdog: [a-z_]+.* on group '[a-z][a-z0-9.]*'.* has not completed after" "$dir.all" ||
       { echo "FAIL: $name: the watchdog did not name the op"; bad=1; }
   fi
   sleep 0.5

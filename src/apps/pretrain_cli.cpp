@@ -152,6 +152,30 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "Fail any CPU allocation that would hold more than this many MiB on a rank "
                  "(simulates a smaller device; 0: no cap)")
       ->capture_default_str();
+  app.add_option("--prune-to", c.prune.to,
+                 "Gradual magnitude pruning: the final sparsity, in [0, 1) (0: no pruning, unless "
+                 "--prune-pattern is N:M)")
+      ->capture_default_str();
+  app.add_option("--prune-pattern", c.prune.pattern,
+                 "unstructured | N:M (keep N of every M weights of a row, e.g. 2:4) | block:B "
+                 "(B x B tiles kept or dropped whole)")
+      ->capture_default_str();
+  app.add_option("--prune-start", c.prune.start,
+                 "Step (optimizer steps completed) of the first mask update")
+      ->capture_default_str();
+  app.add_option("--prune-end", c.prune.end,
+                 "Step at which the final sparsity is reached (0: --steps); masks stay fixed after")
+      ->capture_default_str();
+  app.add_option("--prune-every", c.prune.every, "Steps between mask updates")
+      ->capture_default_str();
+  app.add_option("--prune-scope", c.prune.scope,
+                 "layer (a threshold per weight) | global (one threshold over every pruned "
+                 "weight, computed across tp and pp ranks without gathering them)")
+      ->capture_default_str();
+  app.add_option("--prune-targets", c.prune.targets,
+                 "Which linears are pruned: mlp, attention, or both (comma-separated); "
+                 "embeddings, the output head and norms never are")
+      ->capture_default_str();
   app.add_option("--strategy", c.strategies,
                  "A registered strategy, NAME or NAME:key=value,... (repeatable; the binary "
                  "must register it, see docs/strategies.md). Registered here: " +

@@ -57,8 +57,9 @@ std::string BackendPlan::describe(const MeshShape& shape) const {
 namespace {
 
 std::string describe_device(const RankDevice& d) {
-  return d.device < 0 ? fmt::format("the CPU of {}", d.host)
-                      : fmt::format("cuda:{} of {}", d.device, d.host);
+  if (d.device < 0) return fmt::format("the CPU of {}", d.host);
+  if (d.gpu_id.empty()) return fmt::format("cuda:{} of {}", d.device, d.host);
+  return fmt::format("cuda:{} ({}) of {}", d.device, d.gpu_id, d.host);
 }
 
 }  // namespace
@@ -87,7 +88,7 @@ BackendPlan plan_backends(const MeshShape& shape, const std::vector<RankDevice>&
       if ((first / step) % n != 0) continue;  // each group once, from its coordinate-0 rank
       const bool cuda = devices[static_cast<size_t>(first)].device >= 0;
       any_cuda = any_cuda || cuda;
-      std::map<std::pair<std::string, int>, int64_t> seen;
+      std::map<std::pair<std::string, std::string>, int64_t> seen;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = first + i * step;
         const auto& d = devices[static_cast<size_t>(r)];
@@ -96,7 +97,8 @@ BackendPlan plan_backends(const MeshShape& shape, const std::vector<RankDevice>&
                    "run keeps its tensors on one kind of device (--device)",
                    to_string(dim), first, r, describe_device(devices[static_cast<size_t>(first)]),
                    describe_device(d));
-        const auto [it, inserted] = seen.emplace(std::pair{d.host, d.device}, r);
+        const auto gpu = d.gpu_id.empty() ? std::to_string(d.device) : d.gpu_id;
+        const auto [it, inserted] = seen.emplace(std::pair{d.host, gpu}, r);
         if (!inserted && cuda && all_distinct) {
           all_distinct = false;
           shared = fmt::format("ranks {} and {} share {}", it->second, r, describe_device(d));

@@ -24,6 +24,10 @@ bool nccl_available() {
   return false;
 }
 
+std::string cuda_gpu_id(int) {
+  return "";
+}
+
 CommunicatorPtr make_nccl_communicator(CommunicatorPtr, int, const std::string& name) {
   fail("cannot create NCCL communicator '{}': loom was built without CUDA (LOOM_WITH_CUDA=OFF)",
        name);
@@ -305,6 +309,20 @@ class NcclCommunicator : public Communicator {
 
 bool nccl_available() {
   return true;
+}
+
+std::string cuda_gpu_id(int device) {
+  int count = 0;
+  cudaDeviceProp prop{};
+  if (device < 0 || cudaGetDeviceCount(&count) != cudaSuccess || device >= count ||
+      cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    return "";
+  std::string id = "GPU-";  // then 8-4-4-4-12 hex digits
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) id += '-';
+    id += fmt::format("{:02x}", static_cast<unsigned char>(prop.uuid.bytes[i]));
+  }
+  return id;
 }
 
 CommunicatorPtr make_nccl_communicator(CommunicatorPtr bootstrap, int device,

@@ -111,10 +111,19 @@ MeshPtr Runtime::mesh(MeshShape shape, BackendChoice choice, int device) const {
   world_->all_gather(names, name);
   auto devices_of = at::zeros({world_->size()}, at::kLong);
   world_->all_gather(devices_of, at::full({1}, static_cast<int64_t>(device), at::kLong));
+  // The GPU's identity too: ranks with their own CUDA_VISIBLE_DEVICES all say device 0.
+  constexpr int64_t kIdBytes = 64;
+  const auto gpu_id = device >= 0 ? cuda_gpu_id(device) : std::string();
+  auto id = at::zeros({1, kIdBytes}, at::kByte);
+  std::memcpy(id.data_ptr(), gpu_id.data(),
+              std::min<size_t>(gpu_id.size(), static_cast<size_t>(kIdBytes - 1)));
+  auto ids = at::zeros({world_->size(), kIdBytes}, at::kByte);
+  world_->all_gather(ids, id);
   std::vector<RankDevice> devices;
   for (int r = 0; r < world_->size(); ++r)
     devices.push_back({std::string(reinterpret_cast<const char*>(names[r].data_ptr())),
-                       static_cast<int>(devices_of[r].item<int64_t>())});
+                       static_cast<int>(devices_of[r].item<int64_t>()),
+                       std::string(reinterpret_cast<const char*>(ids[r].data_ptr()))});
   // Open MPI's CUDA support is detected and reported, but MpiCommunicator takes host memory
   // only: groups that cannot use NCCL stage through host buffers either way.
   const bool cuda_aware = device >= 0 && mpi_cuda_aware();

@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
@@ -12,6 +13,7 @@
 #include "loom/data/sampler.h"
 #include "loom/dist/backend_plan.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
 
 namespace loom::train {
@@ -90,6 +92,7 @@ void TrainConfig::validate() const {
              "it needs --activation-checkpointing full (it is '{}')",
              activation_checkpointing);
   LOOM_CHECK(memory_cap_mb >= 0, "--memory-cap-mb {} must be >= 0 (0: no cap)", memory_cap_mb);
+  prune.validate(steps);
   LOOM_CHECK(device == "cpu" || device == "cuda" ||
                  (device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
                   device.find_first_not_of("0123456789", 5) == std::string::npos),
@@ -105,6 +108,43 @@ void TrainConfig::validate() const {
              vocab_size);
 }
 
+bool PruneConfig::enabled() const {
+  return to > 0 || (pattern.find(':') != std::string::npos && !pattern.starts_with("block:"));
+}
+
+void PruneConfig::validate(int64_t steps) const {
+  const auto p = ops::SparsityPattern::parse(pattern);
+  ops::PruneSchedule{.final_sparsity = to, .start = start, .end = end_step(steps), .every = every}
+      .validate();
+  LOOM_CHECK(end >= 0, "--prune-end {} must be >= 0 (0: the run's last step)", end);
+  LOOM_CHECK(p.kind != ops::SparsityPattern::Kind::kNofM || to == 0 ||
+                 std::abs(to - p.fixed_sparsity()) < 1e-12,
+             "--prune-pattern {} keeps {} of every {} weights, a sparsity of {}; --prune-to {} "
+             "contradicts it (leave --prune-to out, or give {})",
+             pattern, p.n, p.m, p.fixed_sparsity(), to, p.fixed_sparsity());
+  LOOM_CHECK(scope == "layer" || scope == "global",
+             "--prune-scope '{}' is not valid: layer (a threshold per weight) or global (one "
+             "threshold over every pruned weight)",
+             scope);
+  LOOM_CHECK(!targets.empty(), "--prune-targets is empty: give mlp, attention or both");
+  std::string_view rest = targets;
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    const auto item = rest.substr(0, comma);
+    LOOM_CHECK(item != "embedding" && item != "embeddings" && item != "lm_head",
+               "--prune-targets '{}': embeddings and the output head are never pruned (a pruned "
+               "row would erase a token); prune mlp and attention linears",
+               targets);
+    LOOM_CHECK(item == "mlp" || item == "attention",
+               "--prune-targets '{}': '{}' is not a target; valid: mlp, attention (comma-separated)",
+               targets, item);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+}
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PruneConfig, to, pattern, start, end, every, scope,
+                                                targets)
+
 // One list of fields for both directions; keys missing from older checkpoints keep defaults.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     TrainConfig, model, preset, init_from_hf, vocab_size, seed, dropout, data, val_data, seq_len,
@@ -113,7 +153,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
-    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend)
+    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -144,6 +184,14 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
+  // The masks follow the schedule step by step (extending --steps moves a default --prune-end).
+  same("--prune-to", saved.prune.to, prune.to);
+  same("--prune-pattern", saved.prune.pattern, prune.pattern);
+  same("--prune-start", saved.prune.start, prune.start);
+  same("--prune-end", saved.prune.end_step(saved.steps), prune.end_step(steps));
+  same("--prune-every", saved.prune.every, prune.every);
+  same("--prune-scope", saved.prune.scope, prune.scope);
+  same("--prune-targets", saved.prune.targets, prune.targets);
   // A registered strategy may change what is computed (local SGD, compression): the same list.
   same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
        fmt::format("[{}]", fmt::join(strategies, " ")));

@@ -29,6 +29,7 @@ const std::vector<std::pair<std::string, std::string>>& builtin_flags() {
       {"data-parallel", "running with dp > 1 (and --zero 0)"},
       {"zero", "--zero 1|2|3"},
       {"optimizer-offload", "--offload-optimizer"},
+      {"prune", "--prune-to S or --prune-pattern N:M"},
   };
   return flags;
 }
@@ -218,6 +219,7 @@ std::vector<StrategySpec> strategy_specs(const TrainConfig& config, const dist::
     add("data-parallel");
   }
   if (config.offload_optimizer) add("optimizer-offload");
+  if (config.prune.enabled()) add("prune");
   for (auto& spec : user) specs.push_back(std::move(spec));
   return specs;
 }

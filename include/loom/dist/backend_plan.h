@@ -28,10 +28,14 @@ enum class Transport {
 };
 std::string to_string(Transport t);
 
-// Where one rank's tensors live: its host and CUDA device (-1: the CPU).
+// Where one rank's tensors live: its host and CUDA device (-1: the CPU), and that GPU's identity
+// (cuda_gpu_id; "" when unknown). Two ranks share a GPU when host and identity agree
+// (host and index when an identity is missing): under per-rank CUDA_VISIBLE_DEVICES every rank
+// sees its own GPU as device 0.
 struct RankDevice {
   std::string host;
   int device = -1;
+  std::string gpu_id;
 };
 
 struct BackendPlan {

@@ -14,6 +14,12 @@ namespace loom::dist {
 // True when this build has the NCCL backend (CUDA builds).
 bool nccl_available();
 
+// The identity of CUDA device `device` whatever index this process sees it under ("GPU-" and its
+// UUID, as nvidia-smi prints it); "" without CUDA or such a device. Ranks started with their own
+// CUDA_VISIBLE_DEVICES all see their GPU as device 0: this tells the backend plan whether they
+// share one.
+std::string cuda_gpu_id(int device);
+
 // An NCCL communicator over the same ranks as `bootstrap` (an MPI communicator): rank 0 creates
 // the NCCL unique id and broadcasts it through `bootstrap`. Collective over `bootstrap`; every
 // rank passes the CUDA device it uses. `bootstrap` is kept for split() and the debug check.

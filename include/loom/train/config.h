@@ -8,6 +8,25 @@
 
 namespace loom::train {
 
+// Gradual magnitude pruning (Zhu & Gupta's cubic schedule; ops/sparsity.h), the --prune-* flags.
+// On when `to` > 0 or the pattern is N:M.
+struct PruneConfig {
+  double to = 0;                        // --prune-to: the final sparsity, in [0, 1)
+  std::string pattern = "unstructured";  // --prune-pattern: unstructured | N:M | block:B
+  int64_t start = 0;                    // --prune-start: first mask update (steps completed)
+  int64_t end = 0;                      // --prune-end: the final sparsity from here; 0: --steps
+  int64_t every = 10;                   // --prune-every: steps between mask updates
+  std::string scope = "layer";          // --prune-scope: layer | global threshold
+  std::string targets = "mlp,attention";  // --prune-targets: which linears (comma-separated)
+
+  bool enabled() const;
+  // The schedule's last step for a run of `steps` steps.
+  int64_t end_step(int64_t steps) const { return end > 0 ? end : steps; }
+  // loom::Error naming the flag, its value and what is valid.
+  void validate(int64_t steps) const;
+  bool operator==(const PruneConfig&) const = default;
+};
+
 struct TrainConfig {
   // Model: a preset of a family, or a Hugging Face directory (its config.json gives the shape).
   std::string model = "gpt2";  // gpt2 | llama
@@ -75,6 +94,9 @@ struct TrainConfig {
   bool offload_optimizer = false;    // with --zero: optimizer state and step on the host
   bool offload_activations = false;  // with full checkpointing: block inputs wait on the host
   double memory_cap_mb = 0;          // CPU: refuse allocations above this per rank (0: none)
+
+  // Sparsity: weights pruned during training (the "prune" strategy).
+  PruneConfig prune;
 
   // Device and kernels. One process per device: --device cuda trains on GPU 0 (cuda:N on GPU
   // N) in one process; multi-rank CUDA runs are not wired yet (the Trainer refuses them).

@@ -1,6 +1,8 @@
 #include "loom/parallel/zero/zero_optimizer.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StorageImpl.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -214,6 +216,9 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
     }
     b.exp_avg = at::zeros({b.layout.shard_numel()}, state_options);
     b.exp_avg_sq = at::zeros({b.layout.shard_numel()}, state_options);
+    if (options_.offload_optimizer && on_gpu)
+      b.host_grad = at::empty({b.layout.shard_numel()},
+                              at::TensorOptions(first.scalar_type()).pinned_memory(true));
     b.segments = b.layout.segments(rank_);
     for (const auto& seg : b.segments) {
       const auto& [name, p] = params_[b.params[seg.param]];
@@ -543,16 +548,38 @@ std::pair<at::Tensor, int64_t> ZeroOptimizer::grad_shard_of(const std::string& n
 void ZeroOptimizer::step(double lr) {
   torch::NoGradGuard no_grad;
   ++steps_;
-  for (auto& b : buckets_) {
-    const auto grad =
-        b.grad_shard.to(b.exp_avg.device(), b.exp_avg.scalar_type(), /*non_blocking=*/false);
+  // Offloaded from a GPU: every bucket's gradient shard starts down to pinned host memory at
+  // once (queued on the current stream, an event after each), and each bucket's update waits
+  // only for its own copy, so the host updates one bucket while the next is still crossing. The
+  // updated parameters go back up asynchronously from the pinned masters; the next step's
+  // copies queue behind them, so a master is never rewritten while it is being read.
+  const bool staged = !buckets_.empty() && buckets_.front().host_grad.defined();
+  std::vector<c10::Event> copied;
+  if (staged) {
+    const auto device = buckets_.front().grad_shard.device();
+    const auto stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+    for (auto& b : buckets_) {
+      b.host_grad.copy_(b.grad_shard, /*non_blocking=*/true);
+      copied.emplace_back(device.type());
+      copied.back().record(stream);
+    }
+  }
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    auto& b = buckets_[i];
+    at::Tensor grad;
+    if (staged) {
+      copied[i].synchronize();
+      grad = b.host_grad.to(b.exp_avg.scalar_type());  // itself when the dtypes agree
+    } else {
+      grad = b.grad_shard.to(b.exp_avg.device(), b.exp_avg.scalar_type(), /*non_blocking=*/false);
+    }
     auto& weight = b.master.defined() ? b.master : b.param_shard;
     for (size_t k = 0; k < b.segments.size(); ++k)
       if (b.segment_decays[k])
         ops::adamw_decay_(weight.narrow(0, b.segments[k].shard_offset, b.segments[k].numel), lr,
                           options_.adamw);
     ops::adamw_update_(weight, grad, b.exp_avg, b.exp_avg_sq, lr, steps_, options_.adamw);
-    if (b.master.defined()) b.param_shard.copy_(b.master);
+    if (b.master.defined()) b.param_shard.copy_(b.master, /*non_blocking=*/staged);
   }
   if (options_.stage == 3) return;  // gathered when next needed
   // Stages 1-2: every rank needs every updated parameter.

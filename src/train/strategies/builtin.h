@@ -8,4 +8,5 @@ void register_memory_strategies();  // activation-checkpointing, activation-offl
                                     // optimizer-offload
 void register_data_parallel();
 void register_zero();
+void register_prune();  // prune (gradual magnitude pruning)
 }  // namespace loom::train::strategies

@@ -13,6 +13,7 @@ void register_builtin_strategies() {
     strategies::register_memory_strategies();
     strategies::register_data_parallel();
     strategies::register_zero();
+    strategies::register_prune();
   });
 }
 

@@ -212,6 +212,8 @@ class ZeroOptimizer {
     // In ops::accumulation_dtype of the parameters (fp32; fp64 for fp64 parameters); master
     // when the parameters are narrower, or when offloaded.
     at::Tensor master, exp_avg, exp_avg_sq;
+    // Offloaded from a GPU: pinned host memory the gradient shard is copied down into.
+    at::Tensor host_grad;
     std::vector<FlatSegment> segments;
     std::vector<bool> segment_decays;
     std::vector<double> segment_norm_weights;  // empty: all 1
