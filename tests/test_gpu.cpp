@@ -393,8 +393,8 @@ TEST(GpuTraining, ActivationOffloadSavesDeviceMemoryAndKeepsTheLosses) {
   std::printf(
       "[gpu] activation offload, 8 layers, bf16: peak activations %.1f MiB -> %.1f MiB (saved "
       "%.1f MiB; bound %.1f MiB)\n",
-      kept.peak_activations / 1048576.0, offloaded.peak_activations / 1048576.0,
-      saved / 1048576.0, 3.0 * block_input / 1048576.0);
+      kept.peak_activations / 1048576.0, offloaded.peak_activations / 1048576.0, saved / 1048576.0,
+      3.0 * block_input / 1048576.0);
 }
 
 // --memory-cap-mb on the GPU caps LibTorch's caching allocator: a run measured without a cap

@@ -59,7 +59,9 @@ TEST(SparsityMasks, NofMKeepsTheNLargestOfEveryMConsecutiveWeights) {
   // Ties: the lower index wins, so equal weights keep the group's first n.
   const auto ties = ops::n_of_m_mask(at::ones({1, 8}), 2, 4);
   EXPECT_TRUE(at::equal(ties, at::tensor({1, 1, 0, 0, 1, 1, 0, 0}).to(at::kBool).reshape({1, 8})));
-  EXPECT_TRUE(contains(error_of([] { ops::n_of_m_mask(at::ones({2, 6}), 2, 4); }),
+  EXPECT_TRUE(contains(error_of([] {
+                         ops::n_of_m_mask(at::ones({2, 6}), 2, 4);
+                       }),
                        "groups the last dimension by M = 4: a tensor of shape [2, 6]"));
 }
 
@@ -77,7 +79,9 @@ TEST(SparsityMasks, BlockScoresSumEachTileAndMasksSpreadToWholeTiles) {
   for (int64_t r = 0; r < 4; ++r)
     for (int64_t c = 0; c < 6; ++c)
       EXPECT_EQ(mask[r][c].item<bool>(), tiles[r / 2][c / 2].item<bool>()) << r << "," << c;
-  EXPECT_TRUE(contains(error_of([] { ops::block_scores(at::ones({4, 6}), 4); }),
+  EXPECT_TRUE(contains(error_of([] {
+                         ops::block_scores(at::ones({4, 6}), 4);
+                       }),
                        "tiles a 2-D weight by 4 x 4: shape [4, 6] does not divide"));
 }
 
@@ -97,8 +101,9 @@ TEST(SparsityThreshold, BisectionFindsTheKthLargestExactlyAlsoFromSummedPieces) 
     EXPECT_EQ((ka >= t[0]).sum().item<int64_t>(), k);
     EXPECT_EQ((kb >= t[1]).sum().item<int64_t>(), 7);
     // The threshold is the k-th largest value itself.
-    EXPECT_EQ(at::tensor({sorted_a[k - 1].item<double>()}, at::kDouble).view(at::kLong).item<int64_t>(),
-              t[0]);
+    EXPECT_EQ(
+        at::tensor({sorted_a[k - 1].item<double>()}, at::kDouble).view(at::kLong).item<int64_t>(),
+        t[0]);
   }
   // Keep nothing, everything, more than everything.
   auto t = ops::kth_largest_keys({0, 300}, count);
@@ -372,8 +377,9 @@ TEST(Pruning, ShapesThePatternCannotTileAreClearErrors) {
   auto c = prune_config(dir.path());
   c.prune.pattern = "block:48";
   const auto msg = error_of([&] { train::Trainer t(c); });
-  EXPECT_TRUE(contains(msg, "--prune-pattern block:48: 'transformer.h.0.attn.c_attn.weight' is "
-                            "[384, 128] on this rank"))
+  EXPECT_TRUE(contains(msg,
+                       "--prune-pattern block:48: 'transformer.h.0.attn.c_attn.weight' is "
+                       "[384, 128] on this rank"))
       << msg;
   c.prune.pattern = "3:7";
   c.prune.to = 0;

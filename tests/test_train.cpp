@@ -5,8 +5,8 @@
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <thread>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "loom/core/files.h"
 #include "loom/core/memory.h"

@@ -149,8 +149,9 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                "With --activation-checkpointing full: each block's saved input waits in host "
                "memory (pinned, copied on a side stream on a GPU) until its recompute");
   app.add_option("--memory-cap-mb", c.memory_cap_mb,
-                 "Fail any CPU allocation that would hold more than this many MiB on a rank "
-                 "(simulates a smaller device; 0: no cap)")
+                 "Fail any allocation that would hold more than this many MiB on a rank: host "
+                 "memory on the CPU, LibTorch's caching allocator (reserved bytes) with --device "
+                 "cuda (simulates a smaller device; 0: no cap)")
       ->capture_default_str();
   app.add_option("--prune-to", c.prune.to,
                  "Gradual magnitude pruning: the final sparsity, in [0, 1) (0: no pruning, unless "

@@ -177,7 +177,8 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
     parallel::memory::CheckpointOptions options;
     // The recompute runs with the position the forward had (a pipeline runs other
     // micro-batches' forwards in between), so it applies the same dropout masks.
-    if (is_training() && config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
+    if (is_training() && config_.dropout > 0)
+      options.dropout_streams.push_back(tp_->dropout_stream());
     // A custom module's own randomness (its dropout) draws from LibTorch's default generator
     // of the device it runs on.
     if (is_training() && config_.family == Family::kCustom)
@@ -258,13 +259,12 @@ at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4>
   const uint32_t site = ops::dropout_site(layer, ops::DropoutPlace::kAttentionProbs);
   auto run = [p, tp, backend, shape, site, attend](const std::vector<at::Tensor>& in) {
     const auto mask_options = in[0].options().dtype(ops::accumulation_dtype(in[0].scalar_type()));
-    return attend(in, ops::AttentionOptions{
-                          .causal = true,
-                          .dropout = p,
-                          .dropout_mask = pt::sharded_dropout_mask(
-                              {shape[0], shape[1], shape[2], shape[3]}, mask_options, p, *tp, 1,
-                              site),
-                          .backend = backend});
+    return attend(in, ops::AttentionOptions{.causal = true,
+                                            .dropout = p,
+                                            .dropout_mask = pt::sharded_dropout_mask(
+                                                {shape[0], shape[1], shape[2], shape[3]},
+                                                mask_options, p, *tp, 1, site),
+                                            .backend = backend});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
     return run(inputs);
@@ -291,12 +291,11 @@ at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias
   const int64_t t = qkv.size(1);
   std::vector<at::Tensor> inputs{qkv};
   if (bias.defined()) inputs.push_back(bias);
-  return attention_core(std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution,
-                        layer,
-                        [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
-                          return ops::attention_packed(in[0], o,
-                                                       in.size() > 1 ? in[1] : at::Tensor());
-                        });
+  return attention_core(
+      std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution, layer,
+      [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
+        return ops::attention_packed(in[0], o, in.size() > 1 ? in[1] : at::Tensor());
+      });
 }
 
 bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,

@@ -40,8 +40,8 @@ SparsityPattern SparsityPattern::parse(std::string_view text) {
   const auto colon = text.find(':');
   LOOM_CHECK(colon != std::string_view::npos, "{}", bad());
   p.kind = Kind::kNofM;
-  LOOM_CHECK(parse_int(text.substr(0, colon), p.n) && parse_int(text.substr(colon + 1), p.m),
-             "{}", bad());
+  LOOM_CHECK(parse_int(text.substr(0, colon), p.n) && parse_int(text.substr(colon + 1), p.m), "{}",
+             bad());
   LOOM_CHECK(p.n >= 1 && p.n < p.m,
              "--prune-pattern '{}': N:M keeps N of every M weights and needs 1 <= N < M (N {} and "
              "M {})",
@@ -72,8 +72,10 @@ void PruneSchedule::validate() const {
              "the initial sparsity {} must be in [0, --prune-to {}]", initial_sparsity,
              final_sparsity);
   LOOM_CHECK(start >= 0, "--prune-start {} must be >= 0 (optimizer steps completed)", start);
-  LOOM_CHECK(end >= start, "--prune-end {} is before --prune-start {}: the final step of the "
-             "schedule must be at or after its start", end, start);
+  LOOM_CHECK(end >= start,
+             "--prune-end {} is before --prune-start {}: the final step of the "
+             "schedule must be at or after its start",
+             end, start);
   LOOM_CHECK(every >= 1, "--prune-every {} must be >= 1 (steps between mask updates)", every);
 }
 
@@ -108,16 +110,14 @@ at::Tensor block_scores(const at::Tensor& w, int64_t block) {
              "a block mask tiles a 2-D weight by {} x {}: shape {} does not divide", block, block,
              fmt::format("[{}]", fmt::join(w.sizes(), ", ")));
   const int64_t r = w.size(0) / block, c = w.size(1) / block;
-  return w.detach()
-      .abs()
-      .to(at::kDouble)
-      .reshape({r, block, c, block})
-      .sum(at::IntArrayRef{1, 3});
+  return w.detach().abs().to(at::kDouble).reshape({r, block, c, block}).sum(at::IntArrayRef{1, 3});
 }
 
 at::Tensor expand_block_mask(const at::Tensor& tile_mask, int64_t block) {
   const int64_t r = tile_mask.size(0), c = tile_mask.size(1);
-  return tile_mask.reshape({r, 1, c, 1}).expand({r, block, c, block}).reshape({r * block, c * block});
+  return tile_mask.reshape({r, 1, c, 1})
+      .expand({r, block, c, block})
+      .reshape({r * block, c * block});
 }
 
 at::Tensor score_keys(const at::Tensor& scores) {

@@ -135,9 +135,10 @@ void PruneConfig::validate(int64_t steps) const {
                "--prune-targets '{}': embeddings and the output head are never pruned (a pruned "
                "row would erase a token); prune mlp and attention linears",
                targets);
-    LOOM_CHECK(item == "mlp" || item == "attention",
-               "--prune-targets '{}': '{}' is not a target; valid: mlp, attention (comma-separated)",
-               targets, item);
+    LOOM_CHECK(
+        item == "mlp" || item == "attention",
+        "--prune-targets '{}': '{}' is not a target; valid: mlp, attention (comma-separated)",
+        targets, item);
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
   }
 }

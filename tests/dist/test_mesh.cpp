@@ -126,17 +126,17 @@ TEST(BackendPlan, EachGroupGetsNcclOnlyWhereItsRanksHaveDistinctGpus) {
     for (size_t r = 0; r < ids.size(); ++r) out[r].gpu_id = ids[r];
     return out;
   };
-  EXPECT_EQ(dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-bb"}), automatic, nccl)
-                .of(dist::Dim::dp),
-            Transport::nccl);
-  EXPECT_EQ(dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-aa"}), automatic, nccl)
-                .of(dist::Dim::dp),
-            Transport::mpi_staged);
-  EXPECT_TRUE(contains(error_of([&] {
-                         dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-aa"}),
-                                             dist::BackendChoice::nccl, nccl);
-                       }),
-                       "ranks 0 and 1 share cuda:0 (GPU-aa) of node0"));
+  EXPECT_EQ(
+      dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-bb"}), automatic, nccl).of(dist::Dim::dp),
+      Transport::nccl);
+  EXPECT_EQ(
+      dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-aa"}), automatic, nccl).of(dist::Dim::dp),
+      Transport::mpi_staged);
+  EXPECT_TRUE(contains(
+      error_of([&] {
+        dist::plan_backends(dp2, with_ids({"GPU-aa", "GPU-aa"}), dist::BackendChoice::nccl, nccl);
+      }),
+      "ranks 0 and 1 share cuda:0 (GPU-aa) of node0"));
   // --dist-backend mpi: MPI even where NCCL could run; CUDA-aware MPI takes device memory.
   EXPECT_EQ(
       dist::plan_backends(dp2, gpus({0, 1}), dist::BackendChoice::mpi, nccl).of(dist::Dim::dp),

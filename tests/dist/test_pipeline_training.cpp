@@ -115,8 +115,8 @@ void expect_layout_trains_like_one_process(
     single[key] = loom::testing::run(t);
   }
   config = layout.applied_to(config);
-  train::Trainer t(
-      config, loom::testing::layout_mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
+  train::Trainer t(config,
+                   loom::testing::layout_mesh({.dp = layout.dp, .tp = layout.tp, .pp = layout.pp}));
   EXPECT_EQ(t.runtime().find_strategy("pipeline") != nullptr, layout.pp > 1);
   EXPECT_EQ(static_cast<int64_t>(t.chunks().size()), layout.v);
   EXPECT_EQ(t.zero() ? t.zero()->stage() : 0, layout.zero);

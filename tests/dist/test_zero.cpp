@@ -662,7 +662,6 @@ TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   loom::testing::write_shared_corpus(dir, 60000, 4000);
   auto config = zero_config(dir.path(), 2, 1);
   config.comm_hook = "bf16";
-  EXPECT_TRUE(
-      contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),
-               "--comm-hook bf16 compresses plain data parallelism"));
+  EXPECT_TRUE(contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),
+                       "--comm-hook bf16 compresses plain data parallelism"));
 }

@@ -40,8 +40,8 @@ inline std::string test_device() {
 inline dist::MeshPtr layout_mesh(dist::MeshShape shape) {
   const auto device = test_device();
   if (device == "cpu") return runtime().mesh(shape);
-  const int cuda = dist::rank_cuda_device(device, runtime().local_rank(),
-                                          ops::cuda_device_count(), ops::built_with_cuda());
+  const int cuda = dist::rank_cuda_device(device, runtime().local_rank(), ops::cuda_device_count(),
+                                          ops::built_with_cuda());
   return runtime().mesh(shape, dist::BackendChoice::automatic, cuda);
 }
 
@@ -142,7 +142,9 @@ inline RunDifference compare_runs(const RunResult& got, const RunResult& want) {
     const auto diff = q - p;
     diff2 += diff.pow(2).sum().item<double>();
     norm2 += p.pow(2).sum().item<double>();
-    const double rel = (diff.norm() / p.norm()).item<double>();
+    // Relative to the reference tensor; absolute where it is all zeros (a pruned weight).
+    const double ref_norm = p.norm().item<double>();
+    const double rel = diff.norm().item<double>() / (ref_norm > 0 ? ref_norm : 1.0);
     if (!std::isnan(d.tensor) && (std::isnan(rel) || rel > d.tensor)) {
       d.tensor = rel;  // a NaN counts as the worst, and stays
       d.tensor_name = name;

@@ -11,12 +11,12 @@ namespace loom::train {
 // Gradual magnitude pruning (Zhu & Gupta's cubic schedule; ops/sparsity.h), the --prune-* flags.
 // On when `to` > 0 or the pattern is N:M.
 struct PruneConfig {
-  double to = 0;                        // --prune-to: the final sparsity, in [0, 1)
-  std::string pattern = "unstructured";  // --prune-pattern: unstructured | N:M | block:B
-  int64_t start = 0;                    // --prune-start: first mask update (steps completed)
-  int64_t end = 0;                      // --prune-end: the final sparsity from here; 0: --steps
-  int64_t every = 10;                   // --prune-every: steps between mask updates
-  std::string scope = "layer";          // --prune-scope: layer | global threshold
+  double to = 0;                          // --prune-to: the final sparsity, in [0, 1)
+  std::string pattern = "unstructured";   // --prune-pattern: unstructured | N:M | block:B
+  int64_t start = 0;                      // --prune-start: first mask update (steps completed)
+  int64_t end = 0;                        // --prune-end: the final sparsity from here; 0: --steps
+  int64_t every = 10;                     // --prune-every: steps between mask updates
+  std::string scope = "layer";            // --prune-scope: layer | global threshold
   std::string targets = "mlp,attention";  // --prune-targets: which linears (comma-separated)
 
   bool enabled() const;
@@ -93,13 +93,13 @@ struct TrainConfig {
   std::string activation_checkpointing = "none";  // none | full | selective
   bool offload_optimizer = false;    // with --zero: optimizer state and step on the host
   bool offload_activations = false;  // with full checkpointing: block inputs wait on the host
-  double memory_cap_mb = 0;          // CPU: refuse allocations above this per rank (0: none)
+  double memory_cap_mb = 0;  // refuse allocations above this per rank (CUDA: the device; 0: none)
 
   // Sparsity: weights pruned during training (the "prune" strategy).
   PruneConfig prune;
 
-  // Device and kernels. One process per device: --device cuda trains on GPU 0 (cuda:N on GPU
-  // N) in one process; multi-rank CUDA runs are not wired yet (the Trainer refuses them).
+  // Device and kernels. --device cuda puts each rank on its node's GPU by local rank (cuda:N on
+  // GPU N); the mesh's groups go over NCCL or staged MPI (dist/backend_plan.h).
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)

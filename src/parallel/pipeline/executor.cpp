@@ -20,9 +20,9 @@ double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// A message is a fixed header (its id, number of dimensions, dtype, sizes), then the tensor: the receiver
-// allocates from the header, so stages may send any shape (sequence-parallel chunks, a last
-// micro-batch of another size).
+// A message is a fixed header (its id, number of dimensions, dtype, sizes), then the tensor: the
+// receiver allocates from the header, so stages may send any shape (sequence-parallel chunks, a
+// last micro-batch of another size).
 constexpr int64_t kMaxDims = 6;
 constexpr int64_t kHeaderLength = kMaxDims + 3;
 

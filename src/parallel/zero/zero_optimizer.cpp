@@ -2,8 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -509,9 +509,9 @@ double ZeroOptimizer::grad_norm_squared() {
           b.segment_norm_weights[k]);
   }
   // A rank with no buckets still joins the sum, on the device its group takes.
-  auto total = dist::on_comm_device(*comm_, squares.empty()
-                                                ? at::zeros({1}, at::kDouble)
-                                                : at::stack(squares).sum().reshape({1}));
+  auto total =
+      dist::on_comm_device(*comm_, squares.empty() ? at::zeros({1}, at::kDouble)
+                                                   : at::stack(squares).sum().reshape({1}));
   comm_->all_reduce(total, dist::ReduceOp::Sum);  // then one host sync
   return total.item<double>();
 }

@@ -195,7 +195,8 @@ class PipelineStrategy final : public Strategy {
     } else if (config.pp_devices == "measured") {
       // Each rank times one block; a pipeline rank is as fast as the slowest rank of its stage
       // (its tp and dp peers), and speeds are relative to the fastest stage.
-      const double mine = time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
+      const double mine =
+          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
       auto times = at::zeros({run.mesh->world_size()}, at::kDouble);
       auto t = at::full({1}, mine, at::kDouble);
       run.mesh->world().all_gather(times, t);

@@ -29,7 +29,7 @@ using ops::SparsityPattern;
 
 struct Target {
   std::string name;
-  at::Tensor weight;  // this rank's piece (a view into ZeRO's flat buffer under ZeRO-1/2)
+  at::Tensor weight;     // this rank's piece (a view into ZeRO's flat buffer under ZeRO-1/2)
   int64_t replicas = 1;  // tp ranks holding this same piece
   at::Tensor mask;       // bool, the weight's shape; undefined until the first update
 };
@@ -39,8 +39,8 @@ bool selected(const std::string& name, const std::string& targets) {
   const bool attention = targets.find("attention") != std::string::npos;
   if (!name.ends_with(".weight")) return false;
   if (mlp && name.find(".mlp.") != std::string::npos) return true;
-  return attention &&
-         (name.find(".attn.") != std::string::npos || name.find(".self_attn.") != std::string::npos);
+  return attention && (name.find(".attn.") != std::string::npos ||
+                       name.find(".self_attn.") != std::string::npos);
 }
 
 class Pruning final : public Strategy {
@@ -49,8 +49,8 @@ class Pruning final : public Strategy {
   std::string name() const override { return "prune"; }
   StrategyTraits traits() const override {
     return {{dist::Dim::tp, dist::Dim::pp},
-            {"prune_to", "prune_pattern", "prune_start", "prune_end", "prune_every",
-             "prune_scope", "prune_targets"}};
+            {"prune_to", "prune_pattern", "prune_start", "prune_end", "prune_every", "prune_scope",
+             "prune_targets"}};
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
@@ -126,8 +126,8 @@ class Pruning final : public Strategy {
       LOOM_CHECK(p.size(1) % pattern_.m == 0,
                  "--prune-pattern {}: '{}' holds {} {} on this rank, whose rows of {} do not "
                  "split into groups of {}",
-                 pattern_.describe(), name, shape, spec.sharded() ? "(its tp shard)" : "", p.size(1),
-                 pattern_.m);
+                 pattern_.describe(), name, shape, spec.sharded() ? "(its tp shard)" : "",
+                 p.size(1), pattern_.m);
     if (pattern_.kind == SparsityPattern::Kind::kBlock) {
       const int64_t rows_per_part = p.size(0) / std::max<int64_t>(1, spec.parts);
       LOOM_CHECK(rows_per_part % pattern_.block == 0 && p.size(1) % pattern_.block == 0,
@@ -177,8 +177,8 @@ class Pruning final : public Strategy {
       // Weights pruned earlier stay pruned (their score is 0, below any threshold that keeps
       // fewer than the weights still alive).
       auto w = t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach();
-      keys.push_back(ops::score_keys(blocks ? ops::block_scores(w, pattern_.block) : w.abs())
-                         .flatten());
+      keys.push_back(
+          ops::score_keys(blocks ? ops::block_scores(w, pattern_.block) : w.abs()).flatten());
     }
     const auto count = [&](const std::vector<int64_t>& thresholds) {
       std::vector<int64_t> local(targets_.size());
@@ -197,8 +197,8 @@ class Pruning final : public Strategy {
       auto mask = keys[i] >= thresholds[global ? 0 : i];
       if (blocks) {
         const int64_t b = pattern_.block;
-        mask = ops::expand_block_mask(
-            mask.reshape({t.weight.size(0) / b, t.weight.size(1) / b}), b);
+        mask =
+            ops::expand_block_mask(mask.reshape({t.weight.size(0) / b, t.weight.size(1) / b}), b);
       }
       mask = mask.reshape(t.weight.sizes());
       t.mask = t.mask.defined() ? t.mask & mask : mask;
