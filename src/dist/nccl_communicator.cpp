@@ -114,6 +114,12 @@ class CudaWork : public Work {
 
  protected:
   bool test() override {
+    // After the watchdog's abort the handle is gone and the op's kernels were cut short, even if
+    // its event has fired: the result is not to be used, and the handle not to be asked.
+    if (comm_->aborted.load()) {
+      record_error(fmt::format("{}: its NCCL communicator was aborted", info().describe()));
+      return true;
+    }
     const auto e = cudaEventQuery(done_);
     if (e == cudaSuccess) return true;
     if (e != cudaErrorNotReady) {
@@ -208,6 +214,9 @@ class NcclCommunicator : public Communicator {
   }
 
   WorkPtr launch(Call c) override {
+    LOOM_CHECK(!handle_->aborted.load(),
+               "{}: the NCCL communicator '{}' was aborted (the watchdog ended its ops)",
+               c.info.describe(), name());
     if (c.debug && c.kind() != OpKind::Send && c.kind() != OpKind::Recv) {
       std::vector<OpFingerprint> all(static_cast<size_t>(size()));
       auto mine =

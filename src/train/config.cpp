@@ -122,6 +122,9 @@ void PruneConfig::validate(int64_t steps) const {
              "--prune-pattern {} keeps {} of every {} weights, a sparsity of {}; --prune-to {} "
              "contradicts it (leave --prune-to out, or give {})",
              pattern, p.n, p.m, p.fixed_sparsity(), to, p.fixed_sparsity());
+  LOOM_CHECK(p.kind != ops::SparsityPattern::Kind::kBlock || to > 0,
+             "--prune-pattern {} drops whole tiles: give the fraction to drop with --prune-to S",
+             pattern);
   LOOM_CHECK(scope == "layer" || scope == "global",
              "--prune-scope '{}' is not valid: layer (a threshold per weight) or global (one "
              "threshold over every pruned weight)",
@@ -185,14 +188,6 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
-  // The masks follow the schedule step by step (extending --steps moves a default --prune-end).
-  same("--prune-to", saved.prune.to, prune.to);
-  same("--prune-pattern", saved.prune.pattern, prune.pattern);
-  same("--prune-start", saved.prune.start, prune.start);
-  same("--prune-end", saved.prune.end_step(saved.steps), prune.end_step(steps));
-  same("--prune-every", saved.prune.every, prune.every);
-  same("--prune-scope", saved.prune.scope, prune.scope);
-  same("--prune-targets", saved.prune.targets, prune.targets);
   // A registered strategy may change what is computed (local SGD, compression): the same list.
   same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
        fmt::format("[{}]", fmt::join(strategies, " ")));
@@ -200,6 +195,16 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
              "--layers {} differs from the checkpoint's {}: the model's shape comes from the "
              "checkpoint",
              layers, saved.layers);
+  // The masks follow the schedule step by step (extending --steps moves a default --prune-end),
+  // so a pruned run resumes only with the same schedule.
+  if (!saved.prune.enabled() && !prune.enabled()) return;
+  same("--prune-to", saved.prune.to, prune.to);
+  same("--prune-pattern", saved.prune.pattern, prune.pattern);
+  same("--prune-start", saved.prune.start, prune.start);
+  same("--prune-end", saved.prune.end_step(saved.steps), prune.end_step(steps));
+  same("--prune-every", saved.prune.every, prune.every);
+  same("--prune-scope", saved.prune.scope, prune.scope);
+  same("--prune-targets", saved.prune.targets, prune.targets);
 }
 
 TrainConfig TrainConfig::from_json(const nlohmann::json& j) {

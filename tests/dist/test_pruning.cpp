@@ -82,7 +82,7 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
   }
 }
 
-TEST(TrainerPrune, ZeroThreeIsRefusedBeforeTraining) {
+TEST(TrainerPrune, ZeroThreeAndOptimizerOffloadAreRefusedBeforeTraining) {
   if (world().size() < 2) GTEST_SKIP() << "needs dp 2";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
@@ -90,4 +90,8 @@ TEST(TrainerPrune, ZeroThreeIsRefusedBeforeTraining) {
   config.zero = 3;
   const auto msg = error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); });
   EXPECT_TRUE(contains(msg, "strategy 'prune' with --zero 3")) << msg;
+  config.zero = 2;
+  config.offload_optimizer = true;
+  const auto offload = error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); });
+  EXPECT_TRUE(contains(offload, "strategy 'prune' with --offload-optimizer")) << offload;
 }

@@ -57,6 +57,10 @@ class Pruning final : public Strategy {
     LOOM_CHECK(!run.custom_model,
                "strategy 'prune' (--prune-*) prunes the linears of loom's GPT-2 and Llama blocks; "
                "a custom model names no such linears");
+    LOOM_CHECK(!run.config.offload_optimizer,
+               "strategy 'prune' with --offload-optimizer: the offloaded optimizer keeps master "
+               "weights on the host, which the masks do not reach yet; train without "
+               "--offload-optimizer");
     LOOM_CHECK(run.config.zero != 3,
                "strategy 'prune' with --zero 3: ZeRO-3 holds each weight as flat dp shards, and "
                "pruning them is not built yet; use --zero 1 or 2 (the weights stay whole)");
@@ -166,7 +170,10 @@ class Pruning final : public Strategy {
   void update_masks(RunContext& run) {
     torch::NoGradGuard no_grad;
     if (pattern_.kind == SparsityPattern::Kind::kNofM) {
-      for (auto& t : targets_) t.mask = ops::n_of_m_mask(t.weight, pattern_.n, pattern_.m);
+      // From the weights as masked so far: the step just taken moved the pruned ones too.
+      for (auto& t : targets_)
+        t.mask = ops::n_of_m_mask(t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach(),
+                                  pattern_.n, pattern_.m);
       measure(run);
       return;
     }
@@ -181,9 +188,16 @@ class Pruning final : public Strategy {
           ops::score_keys(blocks ? ops::block_scores(w, pattern_.block) : w.abs()).flatten());
     }
     const auto count = [&](const std::vector<int64_t>& thresholds) {
-      std::vector<int64_t> local(targets_.size());
+      // One host copy per round for all targets (a GPU would sync once per .item()).
+      std::vector<at::Tensor> sums;
       for (size_t i = 0; i < targets_.size(); ++i)
-        local[i] = (keys[i] >= thresholds[global ? 0 : i]).sum().item<int64_t>();
+        sums.push_back((keys[i] >= thresholds[global ? 0 : i]).sum());
+      std::vector<int64_t> local(targets_.size());
+      if (!sums.empty()) {
+        const auto host = at::stack(sums).cpu();
+        for (size_t i = 0; i < local.size(); ++i)
+          local[i] = host[static_cast<int64_t>(i)].item<int64_t>();
+      }
       return reduce_counts(run, local, global);
     };
     const double sparsity = schedule_.at(run.step);
