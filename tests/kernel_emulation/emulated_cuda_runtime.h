@@ -28,7 +28,8 @@
 //  - every thread waits for all of its cp.async groups before it exits;
 //  - a fault (an access beyond a guard page, a fiber stack overflow) names the block and thread.
 // Not emulated: timing, the hardware's warp scheduling and memory ordering beyond the barriers,
-// registers and occupancy. Fibers run one at a time, so global-memory atomics are plain adds.
+// registers and occupancy. Fibers run one at a time, so global-memory atomics are plain adds
+// (and plain minima).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <driver_types.h>
@@ -116,7 +117,7 @@ struct WarpExchange {
   int variant[32];  // e.g. the shuffle's lane mask: must match too
   float value[32];
   size_t address[32];
-  uint32_t registers[32][6];
+  uint32_t registers[32][12];  // mma.sp: a[4], b[4], e
   float accumulator[32][4];
 };
 
@@ -493,6 +494,13 @@ void launch(void (*kernel)(Args), dim3 grid, dim3 block_dim, size_t shared_bytes
 }  // namespace emulation
 
 // ---- CUDA built-ins the kernel calls ------------------------------------------------------------
+
+// One fiber runs at a time: a plain read-modify-write is atomic.
+inline long long atomicMin(long long* address, long long value) {
+  const long long old = *address;
+  if (value < old) *address = value;
+  return old;
+}
 
 inline void __syncthreads() {
   emulation::arrive_and_wait(emulation::current_block->barrier);

@@ -1,7 +1,8 @@
 """Rewrites a CUDA kernel source so that the host compiler can build it and run it on the CPU.
 
 Part of the kernel-emulation tests (tests/kernel_emulation, docs/gpu.md): CMake runs this on a
-kernel source (kernels/attention/flash_attention.cu, kernels/dropout/dropout.cu) at build time and
+kernel source (kernels/attention/flash_attention.cu, kernels/dropout/dropout.cu,
+kernels/sparse/sparse24.cu) at build time and
 compiles the output, together with the emulation headers next to this script, into the kernel's
 emulated test program. Everything that is not a
 rewrite listed here stays as written, so the test runs the kernel's real index math, fragment
@@ -10,7 +11,8 @@ layouts and barriers.
 Rewrites:
   - `#include <cuda_runtime.h>` -> the emulated runtime (emulated_cuda_runtime.h): threads as
     fibers, __syncthreads, shuffles, the launch, the runtime API calls the host code makes;
-  - the PTX wrapper functions (inline asm: cp.async, ldmatrix, mma.sync, the float2 atomic add)
+  - the PTX wrapper functions (inline asm: cp.async, ldmatrix, mma.sync, mma.sp, the float2
+    atomic add)
     -> the emulated instructions (emulated_ptx_*.h), included where the first wrapper was;
   - `extern __shared__ ... name[];` -> a pointer to the emulated block's shared memory;
   - `kernel<<<grid, block, smem, stream>>>(args)` -> emulated_launch(kernel, grid, block, smem,
@@ -24,8 +26,8 @@ arrays, __CUDA_ARCH__ branches, a launch syntax not matched), this exits non-zer
 naming it. A kernel edit that breaks the emulation stops the build instead of being skipped.
 
 Usage: transform.py INPUT.cu OUTPUT [--wrappers NAME,...] [--no-shared] [--mutate OLD NEW]...
---wrappers names the PTX wrappers the kernel must define (default: all of EMULATED_WRAPPERS, which
-is flash_attention.cu's set; an empty list for a kernel without inline PTX); --no-shared: the
+--wrappers names the PTX wrappers the kernel must define (default: DEFAULT_WRAPPERS, which is
+flash_attention.cu's set; an empty list for a kernel without inline PTX); --no-shared: the
 kernel has no extern __shared__ array. Either way a wrapper or array the kernel has but the
 command line does not name is left behind and caught by the leftover checks.
 --mutate replaces the first occurrence of OLD by NEW in the input first (OLD must occur): a
@@ -45,8 +47,12 @@ EMULATED_WRAPPERS = {
     "ldmatrix_x4": "emulated_ptx_memory.h",
     "ldmatrix_x4_trans": "emulated_ptx_memory.h",
     "mma_16816": "emulated_ptx_mma.h",
+    "mma_sp_16832": "emulated_ptx_mma.h",
     "atomic_add2": "emulated_atomics.h",
 }
+# The default --wrappers: flash_attention.cu's set.
+DEFAULT_WRAPPERS = ["smem_u32", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4",
+                    "ldmatrix_x4_trans", "mma_16816", "atomic_add2"]
 RUNTIME_INCLUDE = "#include <cuda_runtime.h>"
 EMULATED_RUNTIME_INCLUDE = '#include "emulated_cuda_runtime.h"'
 EXTERN_SHARED = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
@@ -128,7 +134,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("input", help="the kernel source (.cu)")
     parser.add_argument("output", help="the rewritten source to write")
-    parser.add_argument("--wrappers", default=",".join(EMULATED_WRAPPERS),
+    parser.add_argument("--wrappers", default=",".join(DEFAULT_WRAPPERS),
                         help="comma-separated PTX wrappers the kernel defines (may be empty)")
     parser.add_argument("--no-shared", action="store_true",
                         help="the kernel has no extern __shared__ array")
