@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "loom/apps/cli.h"
 #include "loom/loom.h"
 #include "loom/ops/cpu_attention.h"
@@ -41,31 +42,6 @@ struct Options {
   std::string device = "cuda";
   double min_ms = 100;
 };
-
-// Seconds per call of fn, over enough calls to fill min_ms (the device synchronized around it).
-double seconds_per_call(const std::function<void()>& fn, double min_ms, bool cuda) {
-  using Clock = std::chrono::steady_clock;
-  auto synchronize = [cuda] {
-    if (cuda) torch::cuda::synchronize();
-  };
-  fn();
-  fn();
-  synchronize();
-  int64_t calls = 0;
-  const auto start = Clock::now();
-  double elapsed_ms = 0;
-  while (elapsed_ms < min_ms || calls < 3) {
-    fn();
-    ++calls;
-    if (calls % 4 == 0 || elapsed_ms == 0) {
-      synchronize();
-      elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    }
-  }
-  synchronize();
-  elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  return elapsed_ms / 1e3 / static_cast<double>(calls);
-}
 
 void run(const Options& o) {
   LOOM_CHECK(o.device == "cuda" || o.device == "cpu", "--device '{}' must be cuda or cpu",
@@ -115,9 +91,9 @@ void run(const Options& o) {
         auto time = [&](const Attn& attn, bool backward) {
           if (!backward) {
             torch::NoGradGuard no_grad;
-            return seconds_per_call([&] { attn(); }, o.min_ms, cuda);
+            return loom::bench::seconds_per_call([&] { attn(); }, o.min_ms, cuda);
           }
-          return seconds_per_call(
+          return loom::bench::seconds_per_call(
               [&] {
                 q.mutable_grad() = k.mutable_grad() = v.mutable_grad() = at::Tensor();
                 attn().backward(d_o);

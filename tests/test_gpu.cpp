@@ -19,7 +19,9 @@
 #include "flash_attention_host_run.h"
 #include "loom/loom.h"
 #include "loom/ops/flash_attention.h"
+#include "loom/ops/sparse24.h"
 #include "loom/train/mfu.h"
+#include "sparse24_util.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -247,6 +249,45 @@ TEST(FusedAttentionGpu, UnalignedStridesGiveTheContiguousResult) {
 
 // ops::attention on CUDA picks the fused kernel (kAuto), takes strided views ([B, T, H, D]
 // transposed, as models produce them) and carries gradients through autograd.
+// The 2:4 kernels on the GPU (kernels/sparse/sparse24.cu). Compression: the same values and
+// metadata as the host reference, and the first chunk that is not 2:4 named. Product: within the
+// bound of the fp64 value, with 2 x in fp32 roundings of the running sum allowed (tensor cores add
+// in an order of their own and may truncate, so a rounding may cost a whole fp32 ulp, 2^-23, not
+// half of one); a wrong fragment or metadata layout misses it by orders of magnitude. Shapes:
+// partial row and token tiles, one k-step, and GPT-2's MLP shapes.
+TEST(Sparse24Gpu, CompressionAndProductMatchTheHostReferenceAndTheFp64Product) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int64_t out, in, tokens;
+  };
+  for (const auto dtype : {at::kBFloat16, at::kHalf})
+    for (const Shape& s : std::vector<Shape>{{16, 32, 1}, {144, 96, 130}, {3072, 768, 257},
+                                             {768, 3072, 64}}) {
+      SCOPED_TRACE(fmt::format("{} [{} x {}] x [{} x {}]^T", c10::toString(dtype), s.tokens, s.in,
+                               s.out, s.in));
+      const auto w = loom::testing::random_24_weight(s.out, s.in, dtype);
+      const auto x = at::randn({s.tokens, s.in}).to(dtype);
+      const auto host = ops::sparse24_compress(w);
+      const auto gpu = ops::sparse24_compress(w.cuda());
+      EXPECT_TRUE(at::equal(gpu.values.cpu(), host.values));
+      EXPECT_TRUE(at::equal(gpu.meta.cpu(), host.meta));
+      const auto y = ops::sparse24_linear(x.cuda(), gpu).cpu().to(at::kDouble);
+      const auto x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
+      const auto exact = at::matmul(x64, w64.t());
+      const auto bound = loom::testing::sparse24_bound(
+          exact, at::matmul(x64.abs(), w64.abs().t()), dtype, 2 * s.in, s.in);
+      const auto ratio = ((y - exact).abs() / bound).max().item<double>();
+      EXPECT_LE(ratio, 1.0) << "worst |y - exact| / bound";
+      std::printf("sparse24 %s [%lld x %lld] x [%lld x %lld]^T: worst error / bound %.3f\n",
+                  c10::toString(dtype), (long long)s.tokens, (long long)s.in, (long long)s.out,
+                  (long long)s.in, ratio);
+    }
+  auto bad = loom::testing::random_24_weight(32, 64, at::kBFloat16);
+  bad.index_put_({7, at::indexing::Slice(4, 8)}, 1.0);
+  const auto message = error_of([&] { ops::sparse24_compress(bad.cuda()); });
+  EXPECT_TRUE(contains(message, "row 7, columns 4..7")) << message;
+}
+
 TEST(FusedAttentionGpu, OpsAttentionDispatchesCudaTensorsToTheKernel) {
   SKIP_WITHOUT_GPU();
   const at::Device cuda(at::kCUDA, 0);

@@ -13,13 +13,18 @@
 #include <vector>
 
 #include "attention/flash_attention_host.h"
+#include "common/float16.h"
 #include "flash_attention_host_run.h"
+#include "loom/core/error.h"
+#include "loom/ops/sparse24.h"
+#include "sparse24_util.h"
 
 namespace kernels = loom::kernels;
 
 namespace {
 
 using loom::testing::attention_strides_of;
+using loom::testing::random_24_weight;
 
 // [batch, heads, seq, dim] fp32 filled with NaN (so an element the reference never writes shows);
 // strided: a transposed view of a [batch, seq, heads, dim] tensor, as attention inputs usually are.
@@ -296,4 +301,96 @@ TEST(FlashAttentionChecks, RejectWhatTheKernelCannotRunWithClearMessages) {
   EXPECT_TRUE(contains(message(bad, false), "scale"));
 }
 
+// ---- 2:4 sparse (kernels/sparse) ------------------------------------------------------------
+
+// The host conversions the references round with agree with c10's (round to nearest even) on
+// every kind of value: normal, fp16-subnormal, halfway cases, overflow to inf, zeros of both signs.
+TEST(Float16Host, ConversionsRoundLikeC10) {
+  std::vector<float> values = {0.f, -0.f, 1.f, -1.f, 65504.f, 65519.f, 65520.f, 1e9f, -1e9f,
+                               6.1035156e-05f, 5.9604645e-08f, 2.9802322e-08f, 8.9406967e-08f,
+                               1.0e-10f, 3.0e-39f};
+  const auto random = at::randn({20000}, at::TensorOptions().dtype(at::kDouble));
+  const auto exponents = at::randint(-30, 20, {20000}, at::TensorOptions().dtype(at::kDouble));
+  const auto wide = (random * at::pow(2.0, exponents)).to(at::kFloat);
+  for (int64_t i = 0; i < wide.numel(); ++i) values.push_back(wide[i].item<float>());
+  // Exactly halfway between two bf16 / fp16 values: ties go to even.
+  for (uint32_t m = 0; m < 64; ++m) {
+    values.push_back(kernels::bits_float(0x3f800000u | (m << 16) | 0x8000u));
+    values.push_back(kernels::bits_float(0x3f800000u | (m << 13) | 0x1000u));
+  }
+  for (const float v : values) {
+    const c10::BFloat16 b(v);
+    const c10::Half h(v);
+    ASSERT_EQ(kernels::float_to_bf16(v), b.x) << v;
+    ASSERT_EQ(kernels::float_to_fp16(v), h.x) << v;
+    ASSERT_EQ(kernels::bf16_to_float(b.x), static_cast<float>(b)) << v;
+    ASSERT_EQ(kernels::fp16_to_float(h.x), static_cast<float>(h)) << v;
+  }
+}
+
+TEST(Sparse24Host, CompressionRoundTripsAndNamesTheChunkThatIsNot24) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const auto w = random_24_weight(48, 96, dtype);
+    const auto c = loom::ops::sparse24_compress(w);
+    EXPECT_EQ(c.values.sizes(), (at::IntArrayRef{48, 48}));
+    EXPECT_EQ(c.meta.sizes(), (at::IntArrayRef{3, 48}));
+    EXPECT_TRUE(at::equal(c.to_dense(), w));
+  }
+  auto w = random_24_weight(16, 64, at::kBFloat16);
+  w.index_put_({5, at::indexing::Slice(36, 40)}, 1.0);  // row 5, columns 36..39: four nonzeros
+  w.index_put_({9, at::indexing::Slice(0, 3)}, 2.0);    // row 9 comes later in row-major order
+  try {
+    loom::ops::sparse24_compress(w);
+    FAIL() << "a weight that is not 2:4 was compressed";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("row 5, columns 36..39"), std::string::npos) << e.what();
+  }
+  for (const auto& [bad, what] : std::vector<std::pair<at::Tensor, std::string>>{
+           {at::zeros({16, 48}, at::kBFloat16), "48"},
+           {at::zeros({16, 64}, at::kFloat), "Float"},
+           {at::zeros({4, 4, 32}, at::kHalf), "[4, 4, 32]"}}) {
+    try {
+      loom::ops::sparse24_compress(bad);
+      FAIL() << "compressed a bad weight: " << what;
+    } catch (const loom::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The host reference of the mma.sp product against the fp64 matmul of the same rounded values:
+// within one rounding to the element type plus one fp32 rounding of the running sum per k-step
+// (and the double sums inside a step), the order it sums in (sparse24.h). Also: extra leading
+// dimensions, and the refusals with the value named.
+TEST(Sparse24Host, ProductIsTheFp64MatmulWithinTheStatedBound) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const int64_t out = 80, in = 160;
+    const auto w = random_24_weight(out, in, dtype);
+    const auto x = at::randn({3, 7, in}).to(dtype);
+    const auto y = loom::ops::sparse24_linear(x, loom::ops::sparse24_compress(w));
+    ASSERT_EQ(y.sizes(), (at::IntArrayRef{3, 7, out}));
+    ASSERT_EQ(y.scalar_type(), dtype);
+    const auto x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
+    const auto exact = at::matmul(x64, w64.t());
+    const auto magnitude = at::matmul(x64.abs(), w64.abs().t());
+    const auto bound = loom::testing::sparse24_bound(exact, magnitude, dtype, in / 32, in);
+    const auto error = (y.to(at::kDouble) - exact).abs();
+    EXPECT_TRUE((error <= bound).all().item<bool>())
+        << c10::toString(dtype) << ": worst error / bound "
+        << (error / bound).max().item<double>();
+  }
+  const auto w = loom::ops::sparse24_compress(random_24_weight(32, 64, at::kBFloat16));
+  const auto why_shape = loom::ops::sparse24_unsupported(at::zeros({2, 32}, at::kBFloat16), w);
+  ASSERT_TRUE(why_shape.has_value());
+  EXPECT_NE(why_shape->find("[..., 64]"), std::string::npos) << *why_shape;
+  const auto why_dtype = loom::ops::sparse24_unsupported(at::zeros({2, 64}, at::kHalf), w);
+  ASSERT_TRUE(why_dtype.has_value());
+  EXPECT_NE(why_dtype->find("Half"), std::string::npos) << *why_dtype;
+  const auto odd_rows = loom::ops::sparse24_compress(random_24_weight(24, 64, at::kBFloat16));
+  const auto why_rows = loom::ops::sparse24_unsupported(at::zeros({2, 64}, at::kBFloat16), odd_rows);
+  ASSERT_TRUE(why_rows.has_value());
+  EXPECT_NE(why_rows->find("24"), std::string::npos) << *why_rows;
+}
+
 }  // namespace
+

@@ -11,7 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/ops/block_sparse.h"
+#include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
+#include "loom/parallel/tensor/layers.h"
 #include "loom/train/config.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
@@ -382,6 +384,84 @@ TEST(Pruning, ResumeContinuesTheMasksAndTheLossCurveExactly) {
   // Changing the schedule on resume would change the masks: refused.
   c.prune.to = 0.6;
   EXPECT_TRUE(contains(error_of([&] { train::Trainer again(c); }), "--prune-to was 0.5"));
+}
+
+// The paths of the pruned layers' product: the block-sparse CPU product from 70% of the tiles
+// dropped, the masked dense product below (and for 2:4 off CUDA), each with its reason; the
+// block path equals the dense product of the weight with its zeros (fp64: the same sums in
+// another order).
+TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
+  using Format = ops::SparseLinearFormat;
+  const auto x = at::randn({5, 64}, at::kDouble);
+  auto weight_keeping = [](int64_t kept_tiles) {
+    auto tiles = at::zeros({16}, at::kBool);
+    tiles.slice(0, 0, kept_tiles).fill_(true);
+    const auto mask = ops::expand_block_mask(tiles.index_select(0, at::randperm(16)).view({4, 4}), 16);
+    return at::randn({64, 64}, at::kDouble) * mask;
+  };
+  const Format block{Format::Kind::kBlock, 16};
+  const auto sparse_w = weight_keeping(2);  // 87.5% of the tiles dropped
+  const auto choice = ops::choose_sparse_linear(x, sparse_w, block);
+  EXPECT_EQ(choice.path, ops::SparseLinearPath::kBlockCpu) << ops::describe(choice);
+  const auto y = ops::sparse_linear(x, sparse_w, block, choice);
+  EXPECT_LE((y - at::linear(x, sparse_w)).abs().max().item<double>(), 1e-12);
+
+  const auto half = ops::choose_sparse_linear(x, weight_keeping(8), block);
+  EXPECT_EQ(half.path, ops::SparseLinearPath::kMaskedDense);
+  EXPECT_TRUE(contains(half.reason, "50% of the 16x16 tiles are dropped, below the 70%"))
+      << half.reason;
+  const auto two_four =
+      ops::choose_sparse_linear(x.to(at::kBFloat16), sparse_w, {Format::Kind::kTwoFour, 0});
+  EXPECT_EQ(two_four.path, ops::SparseLinearPath::kMaskedDense);
+  EXPECT_TRUE(contains(ops::describe(two_four), "masked dense product (the 2:4 kernel runs on "
+                                                "CUDA; the input is on cpu)"))
+      << ops::describe(two_four);
+  EXPECT_EQ(ops::choose_sparse_linear(x, sparse_w, {}).path, ops::SparseLinearPath::kDense);
+}
+
+// With block:16 at 87.5% the pruned layers take the block-sparse CPU product from the update that
+// reaches that sparsity; the run equals the one with --prune-kernels off (the masked dense
+// product) in fp64 within 1e-9 relative (sums in another order, as the layout tests bound them).
+// Gradient clipping (0.05) acts at every step, so the two agree only if a pruned weight gets no
+// gradient on the dense path either (the block path gives its dropped tiles none): this checks
+// the prune strategy's gradient mask too.
+TEST(Pruning, BlockSparseProductTrainsLikeTheMaskedDenseProduct) {
+  TempDir dir;
+  loom::testing::write_corpus_data(dir.path(), 50000, 5000);
+  auto c = prune_config(dir.path());
+  c.precision = "fp64";
+  c.prune.pattern = "block:16";
+  c.prune.to = 0.875;
+  c.prune.start = 2;
+  c.prune.end = 4;
+  c.grad_clip = 0.05;
+  auto run = [&](const std::string& kernels, std::vector<ops::SparseLinearPath>& paths) {
+    auto config = c;
+    config.prune.kernels = kernels;
+    train::Trainer t(config);
+    std::vector<double> losses;
+    while (t.step() < config.steps) {
+      const auto r = t.train_step();
+      EXPECT_GT(r.grad_norm, config.grad_clip) << "clipping must act for this test to see it";
+      losses.push_back(r.loss);
+    }
+    for (const auto& item : t.model().named_modules())
+      if (const auto* l = dynamic_cast<loom::parallel::tensor::PrunableLinear*>(item.value().get()))
+        if (is_target(item.key() + ".weight", at::zeros({1, 1}))) paths.push_back(l->last_path());
+    return std::make_pair(losses, targets_of(t));
+  };
+  std::vector<ops::SparseLinearPath> block_paths, dense_paths;
+  const auto [block_losses, block_weights] = run("auto", block_paths);
+  const auto [dense_losses, dense_weights] = run("off", dense_paths);
+  ASSERT_EQ(block_paths.size(), block_weights.size());  // every target weight's layer was found
+  for (const auto p : block_paths) EXPECT_EQ(p, ops::SparseLinearPath::kBlockCpu);
+  for (const auto p : dense_paths) EXPECT_EQ(p, ops::SparseLinearPath::kDense);
+  for (size_t s = 0; s < block_losses.size(); ++s)
+    EXPECT_NEAR(block_losses[s], dense_losses[s], 1e-9 * std::abs(dense_losses[s])) << "step " << s;
+  for (const auto& [name, w] : block_weights) {
+    const auto& d = dense_weights.at(name);
+    EXPECT_LE((w - d).abs().max().item<double>(), 1e-9 * d.abs().max().item<double>()) << name;
+  }
 }
 
 TEST(Pruning, ShapesThePatternCannotTileAreClearErrors) {

@@ -177,6 +177,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "Which linears are pruned: mlp, attention, or both (comma-separated); "
                  "embeddings, the output head and norms never are")
       ->capture_default_str();
+  app.add_option("--prune-kernels", c.prune.kernels,
+                 "auto: pruned linears use a sparse kernel where the pattern has one on the "
+                 "device (2:4 on CUDA, block:B on the CPU at >= 70% of tiles dropped), and say "
+                 "which in the log | off: always the masked dense product")
+      ->capture_default_str();
   app.add_option("--strategy", c.strategies,
                  "A registered strategy, NAME or NAME:key=value,... (repeatable; the binary "
                  "must register it, see docs/strategies.md). Registered here: " +

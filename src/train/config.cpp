@@ -129,6 +129,10 @@ void PruneConfig::validate(int64_t steps) const {
              "--prune-scope '{}' is not valid: layer (a threshold per weight) or global (one "
              "threshold over every pruned weight)",
              scope);
+  LOOM_CHECK(kernels == "auto" || kernels == "off",
+             "--prune-kernels '{}' is not valid: auto (a sparse kernel where the pattern has one "
+             "on the device) or off (always the masked dense product)",
+             kernels);
   LOOM_CHECK(!targets.empty(), "--prune-targets is empty: give mlp, attention or both");
   std::string_view rest = targets;
   while (!rest.empty()) {
@@ -147,7 +151,7 @@ void PruneConfig::validate(int64_t steps) const {
 }
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PruneConfig, to, pattern, start, end, every, scope,
-                                                targets)
+                                                targets, kernels)
 
 // One list of fields for both directions; keys missing from older checkpoints keep defaults.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(

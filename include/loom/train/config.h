@@ -18,6 +18,7 @@ struct PruneConfig {
   int64_t every = 10;                     // --prune-every: steps between mask updates
   std::string scope = "layer";            // --prune-scope: layer | global threshold
   std::string targets = "mlp,attention";  // --prune-targets: which linears (comma-separated)
+  std::string kernels = "auto";           // --prune-kernels: auto (sparse kernels) | off
 
   bool enabled() const;
   // The schedule's last step for a run of `steps` steps.

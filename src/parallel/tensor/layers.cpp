@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <spdlog/spdlog.h>
+
 #include "loom/core/error.h"
 #include "loom/parallel/tensor/mappings.h"
 
@@ -24,7 +26,7 @@ TpGroupPtr or_single(TpGroupPtr tp) {
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp,
                                            ColumnParallelOptions options, const std::string& what)
-    : tp_(or_single(std::move(tp))) {
+    : PrunableLinear(what), tp_(or_single(std::move(tp))) {
   spec_.dim = 0;
   spec_.full = out;
   spec_.padded = options.padded_out;
@@ -36,12 +38,25 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr t
   if (options.bias) bias = register_parameter("bias", zeros({local}));
 }
 
+at::Tensor PrunableLinear::product(const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  if (format_.kind == ops::SparseLinearFormat::Kind::kDense) return at::linear(x, weight, bias);
+  const auto choice = ops::choose_sparse_linear(x, weight, format_);
+  if (!logged_ || choice.path != last_path_)
+    spdlog::info("{}: {}", what_, ops::describe(choice));
+  logged_ = true;
+  last_path_ = choice.path;
+  if (choice.path == ops::SparseLinearPath::kMaskedDense) return at::linear(x, weight, bias);
+  auto y = ops::sparse_linear(x, weight, format_, choice);
+  return bias ? y + bias->to(y.scalar_type()) : y;
+}
+
 at::Tensor ColumnParallelLinear::forward(const at::Tensor& x) {
-  return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  return product(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
 }
 
 at::Tensor ColumnParallelLinear::forward_without_bias(const at::Tensor& x) {
-  return at::linear(x, weight);
+  return product(x, weight, std::nullopt);
 }
 
 std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
@@ -52,7 +67,7 @@ std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
 
 RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, bool bias_on,
                                      int64_t units, const std::string& what)
-    : tp_(or_single(std::move(tp))) {
+    : PrunableLinear(what), tp_(or_single(std::move(tp))) {
   spec_.dim = 1;
   spec_.full = in;
   spec_.units = units;
@@ -67,10 +82,10 @@ RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, boo
 
 at::Tensor RowParallelLinear::forward(const at::Tensor& x) {
   const auto b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  if (tp_->size() == 1) return at::linear(x, weight, b);  // exactly nn::Linear
+  if (tp_->size() == 1) return product(x, weight, b);  // exactly nn::Linear when dense
   // The bias is added once, after the sum, in the activation's dtype (bf16 under autocast, as
   // nn::Linear would).
-  auto y = exit_tp_region(at::linear(x, weight), *tp_, 1);
+  auto y = exit_tp_region(product(x, weight, std::nullopt), *tp_, 1);
   return b ? y + b->to(y.scalar_type()) : y;
 }
 

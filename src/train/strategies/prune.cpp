@@ -5,18 +5,27 @@
 // them (global); where the weights are split over tensor- or pipeline-parallel ranks the ranks
 // find it together, by an exact bisection on counts (ops::kth_largest_keys), so the masks are the
 // single-process ones without any rank gathering a weight. The masks are the zeros of the
-// weights: checkpoints, resharding and export carry them with the weights. See docs/sparsity.md.
+// weights: checkpoints, resharding and export carry them with the weights. As in the paper's
+// masked forward (W * M), a pruned weight gets no gradient: a hook zeroes it before it is
+// accumulated, so gradient clipping and every layout see the masked gradient. Once masks exist,
+// the pruned layers take a sparse kernel where the pattern has one on the device
+// (ops/sparse_linear.h; --prune-kernels off keeps the masked dense product). See
+// docs/sparsity.md.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "builtin.h"
 #include "loom/core/error.h"
+#include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
+#include "loom/parallel/tensor/layers.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
@@ -32,6 +41,9 @@ struct Target {
   at::Tensor weight;     // this rank's piece (a view into ZeRO's flat buffer under ZeRO-1/2)
   int64_t replicas = 1;  // tp ranks holding this same piece
   at::Tensor mask;       // bool, the weight's shape; undefined until the first update
+  // What the gradient hook multiplies by: the mask, shared with the hook.
+  std::shared_ptr<at::Tensor> grad_mask = std::make_shared<at::Tensor>();
+  parallel::tensor::PrunableLinear* layer = nullptr;  // the layer whose weight this is
 };
 
 bool selected(const std::string& name, const std::string& targets) {
@@ -50,7 +62,7 @@ class Pruning final : public Strategy {
   StrategyTraits traits() const override {
     return {{dist::Dim::tp, dist::Dim::pp},
             {"prune_to", "prune_pattern", "prune_start", "prune_end", "prune_every", "prune_scope",
-             "prune_targets"}};
+             "prune_targets", "prune_kernels"}};
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
@@ -78,12 +90,38 @@ class Pruning final : public Strategy {
     schedule_.validate();
     const int64_t tp = run.size(dist::Dim::tp);
     for (size_t chunk = 0; chunk < run.chunks.size(); ++chunk) {
+      std::map<std::string, parallel::tensor::PrunableLinear*> layers;
+      for (const auto& item : run.chunks[chunk]->named_modules())
+        if (auto* l = dynamic_cast<parallel::tensor::PrunableLinear*>(item.value().get()))
+          layers[item.key()] = l;
       for (const auto& [name, p] : run.named_parameters(chunk)) {
         if (!selected(name, c.targets) || p.dim() != 2) continue;
         const auto& spec = run.chunks[chunk]->shard_spec(name);
         check_divides(name, p, spec);
-        targets_.push_back({name, p, spec.sharded() ? spec.replicas(tp) : tp, {}});
+        Target t{name, p, spec.sharded() ? spec.replicas(tp) : tp, {}};
+        const auto layer = layers.find(name.substr(0, name.size() - std::string(".weight").size()));
+        if (layer != layers.end()) t.layer = layer->second;
+        // A pruned weight's gradient is zero (the masked forward's), whatever the product was.
+        auto p_mut = p;
+        p_mut.register_hook([mask = t.grad_mask](const at::Tensor& grad) {
+          return mask->defined() ? grad * *mask : at::Tensor();
+        });
+        targets_.push_back(std::move(t));
       }
+    }
+    if (c.kernels == "off") {
+      kernels_ = "off (--prune-kernels off): the masked dense product";
+    } else if (pattern_.kind == SparsityPattern::Kind::kNofM && pattern_.n == 2 &&
+               pattern_.m == 4) {
+      format_ = {ops::SparseLinearFormat::Kind::kTwoFour, 0};
+      kernels_ = "2:4 tensor-core kernel on CUDA in bf16/fp16, else the masked dense product";
+    } else if (pattern_.kind == SparsityPattern::Kind::kBlock) {
+      format_ = {ops::SparseLinearFormat::Kind::kBlock, pattern_.block};
+      kernels_ = fmt::format("block-sparse CPU product from {:.0f}% of tiles dropped, else the "
+                             "masked dense product",
+                             100 * ops::kBlockSparseMinTileSparsity);
+    } else {
+      kernels_ = fmt::format("the masked dense product (no kernel for {})", pattern_.describe());
     }
   }
 
@@ -99,6 +137,7 @@ class Pruning final : public Strategy {
     if (run.step < schedule_.start) return;
     for (auto& t : targets_) t.mask = t.weight.detach() != 0;
     measure(run);
+    publish_masks();
   }
 
   void save_state(RunContext& /*run*/, nlohmann::json& state,
@@ -115,9 +154,9 @@ class Pruning final : public Strategy {
     const auto& c = run.config.prune;
     return fmt::format(
         "pruning: {} to sparsity {:.3g} over steps {}..{} (masks every {} steps, {} threshold), "
-        "{} weights on this rank ({})",
+        "{} weights on this rank ({}); products: {}",
         pattern_.describe(), schedule_.final_sparsity, schedule_.start, schedule_.end,
-        schedule_.every, c.scope, targets_.size(), c.targets);
+        schedule_.every, c.scope, targets_.size(), c.targets, kernels_);
   }
 
  private:
@@ -175,6 +214,7 @@ class Pruning final : public Strategy {
         t.mask = ops::n_of_m_mask(t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach(),
                                   pattern_.n, pattern_.m);
       measure(run);
+      publish_masks();
       return;
     }
     const bool global = run.config.prune.scope == "global";
@@ -218,6 +258,16 @@ class Pruning final : public Strategy {
       t.mask = t.mask.defined() ? t.mask & mask : mask;
     }
     measure(run);
+    publish_masks();
+  }
+
+  // The gradient hooks mask with the new masks, and the layers take the pattern's product.
+  void publish_masks() {
+    for (auto& t : targets_) {
+      *t.grad_mask = t.mask;
+      if (t.layer != nullptr)
+        t.layer->set_sparse_format(format_, t.name.substr(0, t.name.rfind('.')));
+    }
   }
 
   // The fraction of zeros among every target weight of the model (all ranks' pieces, once).
@@ -234,6 +284,8 @@ class Pruning final : public Strategy {
   SparsityPattern pattern_;
   ops::PruneSchedule schedule_;
   std::vector<Target> targets_;
+  ops::SparseLinearFormat format_;  // what the layers take once masks exist
+  std::string kernels_;             // the products, for the setup log
   double sparsity_ = 0;
 };
 

@@ -13,9 +13,11 @@
 #include <torch/nn/module.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "loom/ops/sparse_linear.h"
 #include "loom/parallel/tensor/shard_spec.h"
 #include "loom/parallel/tensor/tp_group.h"
 
@@ -29,6 +31,36 @@ class ShardedModule {
   virtual std::map<std::string, ShardSpec> shard_specs() const = 0;
 };
 
+// A linear layer whose weight the prune strategy may prune: the product it then takes
+// (ops/sparse_linear.h: a sparse kernel where the mask shape has one on the input's device, else
+// the masked dense product), chosen per call; the log says which, once per layer and whenever it
+// changes. With the default format (dense) it is at::linear.
+class PrunableLinear {
+ public:
+  virtual ~PrunableLinear() = default;
+  // `name` is what the log calls the layer (its parameter-name prefix).
+  void set_sparse_format(const ops::SparseLinearFormat& format, std::string name) {
+    format_ = format;
+    what_ = std::move(name);
+    logged_ = false;
+  }
+  const ops::SparseLinearFormat& sparse_format() const { return format_; }
+  // The path of the last product (kDense before any format is set).
+  ops::SparseLinearPath last_path() const { return last_path_; }
+
+ protected:
+  explicit PrunableLinear(std::string what) : what_(std::move(what)) {}
+  // x weight^T (+ bias, in the product's dtype).
+  at::Tensor product(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias);
+
+ private:
+  std::string what_;
+  ops::SparseLinearFormat format_;
+  ops::SparseLinearPath last_path_ = ops::SparseLinearPath::kDense;
+  bool logged_ = false;
+};
+
 struct ColumnParallelOptions {
   bool bias = true;
   int64_t parts = 1;       // fused projections split part by part (GPT-2's q, k, v: 3)
@@ -36,7 +68,9 @@ struct ColumnParallelOptions {
   int64_t padded_out = 0;  // output features padded to this (a vocabulary head); 0: none
 };
 
-class ColumnParallelLinear : public torch::nn::Module, public ShardedModule {
+class ColumnParallelLinear : public torch::nn::Module,
+                             public ShardedModule,
+                             public PrunableLinear {
  public:
   // Throws loom::Error naming `what` when tp cannot split the output this way.
   ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, ColumnParallelOptions options,
@@ -55,7 +89,7 @@ class ColumnParallelLinear : public torch::nn::Module, public ShardedModule {
   ShardSpec spec_;
 };
 
-class RowParallelLinear : public torch::nn::Module, public ShardedModule {
+class RowParallelLinear : public torch::nn::Module, public ShardedModule, public PrunableLinear {
  public:
   // units: heads the input features are grouped in (0: rows split evenly).
   RowParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, bool bias, int64_t units,

@@ -1,0 +1,49 @@
+#pragma once
+// The product of a linear layer whose weight has been pruned (docs/sparsity.md, "Sparse
+// products"): where the weight's mask shape has a kernel on the input's device, that kernel;
+// elsewhere the dense product of the weight with its zeros (the masked dense product), which is
+// what an unpruned layer computes. The layers of parallel/tensor call it with the format the
+// prune strategy set on them, and log the path taken.
+//   2:4 (--prune-pattern 2:4) on CUDA in bf16/fp16 (the tensor's dtype or autocast's): the
+//     forward by loom's mma.sp kernel (ops/sparse24.h) on the weight compressed for that call,
+//     the backward by dense products (a 2:4 W is not 2:4 along the other dimension);
+//   block:B on the CPU, once at least 70% of the tiles are dropped: ops::block_sparse_linear,
+//     forward and backward from the kept tiles alone (below that the dense product is faster on
+//     the CPU: docs/benchmarks.md); on CUDA there is no block-sparse kernel yet.
+// Every path gives the same values up to the order of the sums, and the same gradients where the
+// weight is nonzero; a pruned weight's own gradient is not used (the prune strategy zeroes it).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace loom::ops {
+
+struct SparseLinearFormat {
+  enum class Kind { kDense, kTwoFour, kBlock };
+  Kind kind = Kind::kDense;
+  int64_t block = 0;  // kBlock: the tile side
+};
+
+enum class SparseLinearPath { kDense, kMaskedDense, kTwoFourCuda, kBlockCpu };
+
+struct SparseLinearChoice {
+  SparseLinearPath path = SparseLinearPath::kDense;
+  std::string reason;  // kMaskedDense: why no kernel applies; else empty
+};
+
+// The fraction of dropped tiles at which the block-sparse CPU product starts to pay.
+constexpr double kBlockSparseMinTileSparsity = 0.7;
+
+// Which product y = x weight^T takes for this input, weight and format.
+SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& weight,
+                                        const SparseLinearFormat& format);
+
+// y = x weight^T by the chosen path (no bias): differentiable in x and weight.
+at::Tensor sparse_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const SparseLinearFormat& format, const SparseLinearChoice& choice);
+
+// "2:4 sparse tensor cores (loom's mma.sp kernel)", "masked dense product: <reason>", ...
+std::string describe(const SparseLinearChoice& choice);
+
+}  // namespace loom::ops

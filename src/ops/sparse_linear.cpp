@@ -1,0 +1,129 @@
+#include "loom/ops/sparse_linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+#include "loom/ops/block_sparse.h"
+#include "loom/ops/sparse24.h"
+
+namespace loom::ops {
+
+namespace {
+
+// The dtype a linear layer computes in on x's device: autocast's where it is on, else x's.
+at::ScalarType compute_dtype(const at::Tensor& x) {
+  const auto device = x.device().type();
+  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
+    return at::autocast::get_autocast_dtype(device);
+  return x.scalar_type();
+}
+
+// Tiles of `block` x `block` that hold a nonzero: bool [out / B, in / B].
+at::Tensor kept_tiles(const at::Tensor& weight, int64_t block) {
+  const int64_t out = weight.size(0), in = weight.size(1);
+  return weight.detach().ne(0).reshape({out / block, block, in / block, block}).any(3).any(1);
+}
+
+// Forward on the 2:4 kernel; backward by dense products in the compute dtype.
+struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, at::ScalarType dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const auto xc = x.to(dtype);
+    const auto wc = weight.to(dtype);
+    ctx->save_for_backward({xc, wc});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return sparse24_linear(xc, sparse24_compress(wc));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const auto& wc = saved[1];
+    const auto gy = grads[0].to(wc.scalar_type());
+    const auto gx = at::matmul(gy, wc).to(
+        static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    const auto gw = at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)}))
+                        .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    return {gx, gw, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& weight,
+                                        const SparseLinearFormat& format) {
+  using Kind = SparseLinearFormat::Kind;
+  auto dense = [](std::string why) {
+    return SparseLinearChoice{SparseLinearPath::kMaskedDense, std::move(why)};
+  };
+  switch (format.kind) {
+    case Kind::kDense:
+      return {};
+    case Kind::kTwoFour: {
+      if (!x.is_cuda())
+        return dense(fmt::format("the 2:4 kernel runs on CUDA; the input is on {}",
+                                 x.device().str()));
+      const auto dtype = compute_dtype(x);
+      if (dtype != at::kBFloat16 && dtype != at::kHalf)
+        return dense(fmt::format("the 2:4 kernel takes bf16 or fp16; this layer computes in {}",
+                                 c10::toString(dtype)));
+      // What the kernel asks of the shapes and the device, on a stand-in of the compressed weight.
+      Sparse24Weight shape;
+      shape.out_features = weight.size(0);
+      shape.in_features = weight.size(1);
+      shape.values = at::empty({0}, x.options().dtype(dtype));
+      if (auto why = sparse24_unsupported(at::empty({0, weight.size(1)}, shape.values.options()),
+                                          shape))
+        return dense(*why);
+      return {SparseLinearPath::kTwoFourCuda, ""};
+    }
+    case Kind::kBlock: {
+      if (!x.is_cpu())
+        return dense(fmt::format("no block-sparse kernel on {} yet", x.device().str()));
+      const auto tiles = kept_tiles(weight, format.block);
+      const double dropped = 1.0 - tiles.to(at::kDouble).mean().item<double>();
+      if (dropped < kBlockSparseMinTileSparsity)
+        return dense(fmt::format("{:.0f}% of the {}x{} tiles are dropped, below the {:.0f}% at "
+                                 "which the block-sparse CPU product is faster",
+                                 100 * dropped, format.block, format.block,
+                                 100 * kBlockSparseMinTileSparsity));
+      return {SparseLinearPath::kBlockCpu, ""};
+    }
+  }
+  return {};
+}
+
+at::Tensor sparse_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const SparseLinearFormat& format, const SparseLinearChoice& choice) {
+  switch (choice.path) {
+    case SparseLinearPath::kDense:
+    case SparseLinearPath::kMaskedDense:
+      return at::linear(x, weight);
+    case SparseLinearPath::kTwoFourCuda:
+      return TwoFourLinear::apply(x, weight, compute_dtype(x));
+    case SparseLinearPath::kBlockCpu:
+      return block_sparse_linear(x, weight, kept_tiles(weight, format.block), format.block);
+  }
+  return at::linear(x, weight);
+}
+
+std::string describe(const SparseLinearChoice& choice) {
+  switch (choice.path) {
+    case SparseLinearPath::kDense:
+      return "dense product";
+    case SparseLinearPath::kMaskedDense:
+      return "masked dense product (" + choice.reason + ")";
+    case SparseLinearPath::kTwoFourCuda:
+      return "2:4 sparse tensor cores (loom's mma.sp kernel) forward, dense backward";
+    case SparseLinearPath::kBlockCpu:
+      return "block-sparse CPU product (kept tiles only, forward and backward)";
+  }
+  return "?";
+}
+
+}  // namespace loom::ops

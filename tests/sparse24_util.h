@@ -1,0 +1,33 @@
+#pragma once
+// What the 2:4 tests on the CPU (test_kernels.cpp) and the GPU (test_gpu.cpp) share: random 2:4
+// weights, and the error bound of the product y = x W^T against its fp64 value.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace loom::testing {
+
+// [out, in] in `dtype`, 2:4 along the rows: each 4-wide chunk keeps 0, 1 or 2 (mostly 2) random
+// elements of N(0, 1).
+inline at::Tensor random_24_weight(int64_t out, int64_t in, at::ScalarType dtype) {
+  const auto w = at::randn({out, in / 4, 4});
+  const auto order = at::rand({out, in / 4, 4}).argsort(-1);
+  const auto kept = at::randint(0, 4, {out, in / 4, 1}).clamp_max(2);  // 0, 1, 2, 2
+  return (w * (order < kept)).reshape({out, in}).to(dtype);
+}
+
+// Per element of y: one rounding to the element type (2^-8 of |y| in bf16, 2^-11 in fp16, with
+// 1% for the fp32 error under it) plus `fp32_roundings` roundings of the fp32 running sum, each
+// at most 2^-24 of sum |w x|, plus the fp64 sums (2^-53 per term). `exact` and `magnitude` are
+// x W^T and |x| |W|^T in fp64.
+inline at::Tensor sparse24_bound(const at::Tensor& exact, const at::Tensor& magnitude,
+                                 at::ScalarType dtype, int64_t fp32_roundings, int64_t in) {
+  const double unit = dtype == at::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  return unit * 1.01 * exact.abs() +
+         (double(fp32_roundings) * std::ldexp(1.0, -24) + double(in) * std::ldexp(1.0, -53)) *
+             magnitude +
+         1e-30;
+}
+
+}  // namespace loom::testing
