@@ -32,10 +32,16 @@ struct Options {
   double min_ms = 100;
 };
 
+// Each element's rank within its group along the last dimension (0: the largest).
+at::Tensor ops_rank(const at::Tensor& v) {
+  const auto order = std::get<1>(v.sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true));
+  return std::get<1>(order.sort(/*stable=*/true, /*dim=*/-1, /*descending=*/false));
+}
+
 // A 2:4 weight: in each chunk of four, the two largest of four N(0, 1) draws.
 at::Tensor pruned_24(int64_t out, int64_t in, const at::TensorOptions& opts) {
   const auto w = at::randn({out, in / 4, 4}, opts.dtype(at::kFloat));
-  const auto keep = w.abs().argsort(-1, /*descending=*/true).argsort(-1) < 2;
+  const auto keep = ops_rank(w.abs()) < 2;
   return (w * keep).reshape({out, in}).to(opts.dtype());
 }
 

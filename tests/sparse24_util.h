@@ -12,7 +12,7 @@ namespace loom::testing {
 // elements of N(0, 1).
 inline at::Tensor random_24_weight(int64_t out, int64_t in, at::ScalarType dtype) {
   const auto w = at::randn({out, in / 4, 4});
-  const auto order = at::rand({out, in / 4, 4}).argsort(-1);
+  const auto order = std::get<1>(at::rand({out, in / 4, 4}).sort(-1));
   const auto kept = at::randint(0, 4, {out, in / 4, 1}).clamp_max(2);  // 0, 1, 2, 2
   return (w * (order < kept)).reshape({out, in}).to(dtype);
 }

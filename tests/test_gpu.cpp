@@ -20,6 +20,8 @@
 #include "loom/loom.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/ops/sparse24.h"
+#include "loom/ops/sparse_linear.h"
+#include "loom/ops/sparsity.h"
 #include "loom/train/mfu.h"
 #include "sparse24_util.h"
 #include "test_util.h"
@@ -286,6 +288,38 @@ TEST(Sparse24Gpu, CompressionAndProductMatchTheHostReferenceAndTheFp64Product) {
   bad.index_put_({7, at::indexing::Slice(4, 8)}, 1.0);
   const auto message = error_of([&] { ops::sparse24_compress(bad.cuda()); });
   EXPECT_TRUE(contains(message, "row 7, columns 4..7")) << message;
+}
+
+// A pruned layer's product on the GPU through ops::sparse_linear: a transposable 2:4 weight
+// (2:4t) takes the kernel for the forward and, on W^T, for the input gradient; the weight
+// gradient is a dense product. Each within the bound of the fp64 value (r = 2 K fp32 roundings,
+// K the length of its sums: in, out, tokens).
+TEST(Sparse24Gpu, TransposableWeightTakesTheKernelForForwardAndInputGradient) {
+  SKIP_WITHOUT_GPU();
+  const int64_t tokens = 192, in = 256, out = 384;
+  const auto dense = at::randn({out, in}, at::kDouble);
+  const auto w0 = (dense * ops::transposable_n_of_m_mask(dense, 2, 4)).to(at::kBFloat16);
+  const auto x0 = at::randn({tokens, in}).to(at::kBFloat16);
+  const auto gy0 = at::randn({tokens, out}).to(at::kBFloat16);
+  auto x = x0.cuda().requires_grad_(true), w = w0.cuda().requires_grad_(true);
+  const ops::SparseLinearFormat format{ops::SparseLinearFormat::Kind::kTwoFour, 0, true};
+  const auto choice = ops::choose_sparse_linear(x, w, format);
+  ASSERT_EQ(choice.path, ops::SparseLinearPath::kTwoFourCuda) << ops::describe(choice);
+  const auto y = ops::sparse_linear(x, w, format, choice);
+  y.backward(gy0.cuda());
+  const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
+  auto check = [](const at::Tensor& got, const at::Tensor& a, const at::Tensor& b, int64_t k,
+                  const char* what) {
+    const auto exact = at::matmul(a, b);
+    const auto bound = loom::testing::sparse24_bound(exact, at::matmul(a.abs(), b.abs()),
+                                                     at::kBFloat16, 2 * k, k);
+    const auto ratio = ((got.cpu().to(at::kDouble) - exact).abs() / bound).max().item<double>();
+    EXPECT_LE(ratio, 1.0) << what;
+    std::printf("sparse24 2:4t %s: worst error / bound %.3f\n", what, ratio);
+  };
+  check(y, x64, w64.t(), in, "y");
+  check(x.grad(), gy64, w64, out, "dx");
+  check(w.grad(), gy64.t(), x64, tokens, "dw");
 }
 
 TEST(FusedAttentionGpu, OpsAttentionDispatchesCudaTensorsToTheKernel) {

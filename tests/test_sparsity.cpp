@@ -69,6 +69,49 @@ TEST(SparsityMasks, NofMKeepsTheNLargestOfEveryMConsecutiveWeights) {
                        "groups the last dimension by M = 4: a tensor of shape [2, 6]"));
 }
 
+// Transposable N:M: every M x M block keeps exactly N per row and per column, so w and w^T are
+// both N:M; of all such block patterns it keeps the one of largest kept magnitude (checked by
+// brute force over the 2^16 masks of each 4 x 4 block).
+TEST(SparsityMasks, TransposableNofMKeepsNPerRowAndColumnAndTheLargestSuchPattern) {
+  const auto w = at::randn({8, 12}, at::kDouble);
+  for (const int64_t n : {1, 2, 3}) {
+    const auto mask = ops::transposable_n_of_m_mask(w, n, 4);
+    EXPECT_TRUE(at::all(mask.reshape({-1, 4}).sum(1) == n).item<bool>()) << n << ":4t rows";
+    EXPECT_TRUE(at::all(mask.t().contiguous().reshape({-1, 4}).sum(1) == n).item<bool>())
+        << n << ":4t columns";
+  }
+  const auto mask = ops::transposable_n_of_m_mask(w, 2, 4);
+  const auto a = w.abs();
+  for (int64_t br = 0; br < 2; ++br)
+    for (int64_t bc = 0; bc < 3; ++bc) {
+      const auto block = a.slice(0, 4 * br, 4 * br + 4).slice(1, 4 * bc, 4 * bc + 4);
+      double best = -1;
+      for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+        bool ok = true;
+        double sum = 0;
+        for (int i = 0; i < 4 && ok; ++i) {
+          int row = 0, col = 0;
+          for (int j = 0; j < 4; ++j) {
+            row += (bits >> (4 * i + j)) & 1;
+            col += (bits >> (4 * j + i)) & 1;
+            if ((bits >> (4 * i + j)) & 1) sum += block[i][j].item<double>();
+          }
+          ok = row == 2 && col == 2;
+        }
+        if (ok) best = std::max(best, sum);
+      }
+      const auto kept = (block * mask.slice(0, 4 * br, 4 * br + 4).slice(1, 4 * bc, 4 * bc + 4))
+                            .sum()
+                            .item<double>();
+      EXPECT_NEAR(kept, best, 1e-12) << "block " << br << ", " << bc;
+    }
+  EXPECT_TRUE(contains(error_of([&] { ops::transposable_n_of_m_mask(at::randn({8, 6}), 2, 4); }),
+                       "[8, 6] does not divide"));
+  EXPECT_EQ(ops::SparsityPattern::parse("2:4t").describe(), "2:4t");
+  EXPECT_TRUE(ops::SparsityPattern::parse("2:4t").transposable);
+  EXPECT_TRUE(contains(error_of([] { ops::SparsityPattern::parse("2:8t"); }), "M <= 4 (M 8)"));
+}
+
 TEST(SparsityMasks, BlockScoresSumEachTileAndMasksSpreadToWholeTiles) {
   const auto w = at::arange(24, at::kDouble).reshape({4, 6}) - 12;
   const auto scores = ops::block_scores(w, 2);
@@ -289,12 +332,20 @@ TEST(Pruning, GlobalScopeSharesOneThresholdAcrossLayers) {
   t.fit();
   int64_t all = 0, pruned = 0;
   std::vector<double> fractions;
+  std::vector<at::Tensor> kept;
   for (const auto& [name, w] : targets_of(t)) {
     all += w.numel();
     pruned += zeros(w);
     fractions.push_back(static_cast<double>(zeros(w)) / static_cast<double>(w.numel()));
+    kept.push_back(w.abs().flatten().index({w.flatten() != 0}));
   }
-  EXPECT_EQ(pruned, all - std::llround(0.5 * static_cast<double>(all)));
+  // Half are kept, more only where several weights equal the smallest kept magnitude (among
+  // 786 k fp32 values a tie there happens about one run in 50).
+  const auto magnitudes = at::cat(kept);
+  const int64_t at_threshold = (magnitudes == magnitudes.min()).sum().item<int64_t>();
+  const int64_t keep = std::llround(0.5 * static_cast<double>(all));
+  EXPECT_LE(pruned, all - keep);
+  EXPECT_GE(pruned, all - keep - (at_threshold - 1)) << at_threshold << " at the threshold";
   const auto [lo, hi] = std::minmax_element(fractions.begin(), fractions.end());
   EXPECT_GT(*hi - *lo, 0.05) << "global pruning left every layer at the same sparsity";
 }
@@ -325,6 +376,19 @@ TEST(Pruning, NofMAndBlockPatternsHoldThroughTraining) {
         }
       }
       previous = now;
+    }
+  }
+  {  // transposable 2:4: every weight and its transpose are 2:4 once pruned
+    auto c = prune_config(dir.path());
+    c.prune.to = 0;
+    c.prune.pattern = "2:4t";
+    c.steps = 3;
+    train::Trainer t(c);
+    t.fit();
+    for (const auto& [name, w] : targets_of(t)) {
+      EXPECT_TRUE(at::all((w.reshape({-1, 4}) != 0).sum(1) == 2).item<bool>()) << name;
+      EXPECT_TRUE(at::all((w.t().contiguous().reshape({-1, 4}) != 0).sum(1) == 2).item<bool>())
+          << name << " transposed";
     }
   }
   {

@@ -30,13 +30,13 @@ at::Tensor kept_tiles(const at::Tensor& weight, int64_t block) {
 // Forward on the 2:4 kernel; backward by dense products in the compute dtype.
 struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, at::ScalarType dtype) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+                            const at::Tensor& weight, at::ScalarType dtype, bool transposable) {
     const auto xc = x.to(dtype);
     const auto wc = weight.to(dtype);
     ctx->save_for_backward({xc, wc});
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["transposable"] = transposable;
     return sparse24_linear(xc, sparse24_compress(wc));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -45,11 +45,16 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
     const auto& xc = saved[0];
     const auto& wc = saved[1];
     const auto gy = grads[0].to(wc.scalar_type());
-    const auto gx = at::matmul(gy, wc).to(
-        static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    // dy W = dy (W^T)^T: the kernel on W^T when that is 2:4 too and its shape fits the kernel.
+    const bool sparse_dx = ctx->saved_data["transposable"].toBool() && wc.size(1) % 16 == 0 &&
+                           wc.size(0) % 32 == 0;
+    const auto gx = (sparse_dx ? sparse24_linear(gy.contiguous(),
+                                                 sparse24_compress(wc.t().contiguous()))
+                               : at::matmul(gy, wc))
+                        .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     const auto gw = at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)}))
                         .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
-    return {gx, gw, at::Tensor()};
+    return {gx, gw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -105,7 +110,7 @@ at::Tensor sparse_linear(const at::Tensor& x, const at::Tensor& weight,
     case SparseLinearPath::kMaskedDense:
       return at::linear(x, weight);
     case SparseLinearPath::kTwoFourCuda:
-      return TwoFourLinear::apply(x, weight, compute_dtype(x));
+      return TwoFourLinear::apply(x, weight, compute_dtype(x), format.transposable);
     case SparseLinearPath::kBlockCpu:
       return block_sparse_linear(x, weight, kept_tiles(weight, format.block), format.block);
   }
@@ -119,7 +124,7 @@ std::string describe(const SparseLinearChoice& choice) {
     case SparseLinearPath::kMaskedDense:
       return "masked dense product (" + choice.reason + ")";
     case SparseLinearPath::kTwoFourCuda:
-      return "2:4 sparse tensor cores (loom's mma.sp kernel) forward, dense backward";
+      return "2:4 sparse tensor cores (loom's mma.sp kernel)";
     case SparseLinearPath::kBlockCpu:
       return "block-sparse CPU product (kept tiles only, forward and backward)";
   }

@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <vector>
 
 #include "loom/core/error.h"
 
@@ -28,7 +30,8 @@ SparsityPattern SparsityPattern::parse(std::string_view text) {
   const auto bad = [&] {
     return fmt::format(
         "--prune-pattern '{}' is not valid: unstructured, N:M (keep N of every M consecutive "
-        "weights of a row, 1 <= N < M, e.g. 2:4) or block:B (B x B tiles, B >= 1)",
+        "weights of a row, 1 <= N < M, e.g. 2:4), N:Mt (transposable: N of M along rows and "
+        "columns, M <= 4, e.g. 2:4t) or block:B (B x B tiles, B >= 1)",
         text);
   };
   if (text == "unstructured") return p;
@@ -40,12 +43,20 @@ SparsityPattern SparsityPattern::parse(std::string_view text) {
   const auto colon = text.find(':');
   LOOM_CHECK(colon != std::string_view::npos, "{}", bad());
   p.kind = Kind::kNofM;
-  LOOM_CHECK(parse_int(text.substr(0, colon), p.n) && parse_int(text.substr(colon + 1), p.m), "{}",
-             bad());
+  auto m_text = text.substr(colon + 1);
+  if (m_text.ends_with('t')) {
+    p.transposable = true;
+    m_text.remove_suffix(1);
+  }
+  LOOM_CHECK(parse_int(text.substr(0, colon), p.n) && parse_int(m_text, p.m), "{}", bad());
   LOOM_CHECK(p.n >= 1 && p.n < p.m,
              "--prune-pattern '{}': N:M keeps N of every M weights and needs 1 <= N < M (N {} and "
              "M {})",
              text, p.n, p.m);
+  LOOM_CHECK(!p.transposable || p.m <= 4,
+             "--prune-pattern '{}': a transposable N:M pattern is searched exhaustively over M x M "
+             "blocks, which needs M <= 4 (M {})",
+             text, p.m);
   return p;
 }
 
@@ -54,7 +65,7 @@ std::string SparsityPattern::describe() const {
     case Kind::kUnstructured:
       return "unstructured";
     case Kind::kNofM:
-      return fmt::format("{}:{}", n, m);
+      return fmt::format("{}:{}{}", n, m, transposable ? "t" : "");
     case Kind::kBlock:
       return fmt::format("block:{}", block);
   }
@@ -103,6 +114,49 @@ at::Tensor n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m) {
   auto keep = at::zeros_like(groups, groups.options().dtype(at::kBool));
   keep.scatter_(1, order.narrow(1, 0, n), true);
   return keep.reshape(w.sizes());
+}
+
+at::Tensor transposable_n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m) {
+  LOOM_CHECK(m >= 1 && m <= 4 && n >= 1 && n < m,
+             "a transposable N:M mask needs 1 <= N < M <= 4; got {}:{}", n, m);
+  LOOM_CHECK(w.dim() == 2 && w.size(0) % m == 0 && w.size(1) % m == 0,
+             "a transposable N:M mask tiles a 2-D weight by {} x {}: shape {} does not divide", m,
+             m, fmt::format("[{}]", fmt::join(w.sizes(), ", ")));
+  // Every m x m pattern with n ones per row and per column, as the positions it keeps.
+  std::vector<int64_t> positions;
+  int64_t patterns = 0;
+  for (uint32_t bits = 0; bits < (1u << (m * m)); ++bits) {
+    bool ok = true;
+    for (int64_t i = 0; i < m && ok; ++i) {
+      int64_t row = 0, col = 0;
+      for (int64_t j = 0; j < m; ++j) {
+        row += (bits >> (i * m + j)) & 1u;
+        col += (bits >> (j * m + i)) & 1u;
+      }
+      ok = row == n && col == n;
+    }
+    if (!ok) continue;
+    for (int64_t k = 0; k < m * m; ++k)
+      if ((bits >> k) & 1u) positions.push_back(k);
+    ++patterns;
+  }
+  const auto index = at::tensor(positions, at::kLong).view({patterns, n * m});
+  const int64_t r = w.size(0) / m, c = w.size(1) / m;
+  const auto blocks = w.detach().abs().to(at::kDouble).cpu().reshape({r, m, c, m}).permute(
+      {0, 2, 1, 3}).reshape({r * c, m * m});
+  auto best = at::empty({r * c}, at::kLong);
+  // In chunks (the scores are blocks x patterns), each score a sum in the pattern's position
+  // order: elementwise adds, so the same on every rank whatever the chunk.
+  constexpr int64_t kChunk = 16384;
+  for (int64_t first = 0; first < r * c; first += kChunk) {
+    const auto part = blocks.narrow(0, first, std::min(kChunk, r * c - first));
+    auto score = at::zeros({part.size(0), patterns}, at::kDouble);
+    for (int64_t j = 0; j < n * m; ++j) score += part.index_select(1, index.select(1, j));
+    best.narrow(0, first, part.size(0)).copy_(score.argmax(1));  // the first of equal maxima
+  }
+  auto keep = at::zeros({r * c, m * m}, at::kBool);
+  keep.scatter_(1, index.index_select(0, best), true);
+  return keep.reshape({r, c, m, m}).permute({0, 2, 1, 3}).reshape(w.sizes()).to(w.device());
 }
 
 at::Tensor block_scores(const at::Tensor& w, int64_t block) {

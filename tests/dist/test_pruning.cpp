@@ -5,12 +5,15 @@
 
 #include "../test_util.h"
 #include "dist_util.h"
+#include "loom/ops/sparse_linear.h"
+#include "loom/parallel/tensor/layers.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
 using loom::testing::contains;
 using loom::testing::error_of;
 using loom::testing::world;
+namespace ops = loom::ops;
 namespace train = loom::train;
 namespace fs = std::filesystem;
 
@@ -18,9 +21,9 @@ namespace {
 
 // 4 fp64 steps, 2 micro-batches (the pipeline's), pruned to 50 % over steps 1..3.
 train::TrainConfig pruned_config(const fs::path& dir, const std::string& pattern,
-                                 const std::string& scope) {
+                                 const std::string& scope, double to) {
   auto c = loom::testing::small_run_config(dir, 2);
-  c.prune.to = 0.5;
+  c.prune.to = to;
   c.prune.pattern = pattern;
   c.prune.scope = scope;
   c.prune.start = 1;
@@ -32,8 +35,10 @@ train::TrainConfig pruned_config(const fs::path& dir, const std::string& pattern
 struct PruneLayout {
   int64_t dp, tp, pp, zero;
   std::string pattern, scope;
+  double to = 0.5;
   std::string describe() const {
-    return fmt::format("dp {} x tp {} x pp {}, zero {}, {} {}", dp, tp, pp, zero, pattern, scope);
+    return fmt::format("dp {} x tp {} x pp {}, zero {}, {} {} to {}", dp, tp, pp, zero, pattern,
+                       scope, to);
   }
 };
 
@@ -45,7 +50,10 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
   if (n == 2) {
     layouts = {{2, 1, 1, 0, "unstructured", "global"}, {1, 2, 1, 0, "unstructured", "global"},
                {1, 2, 1, 0, "block:16", "layer"},      {1, 1, 2, 0, "unstructured", "global"},
-               {1, 1, 2, 0, "2:4", "layer"},           {2, 1, 1, 1, "unstructured", "layer"}};
+               {1, 1, 2, 0, "2:4", "layer"},           {2, 1, 1, 1, "unstructured", "layer"},
+               // Transposable 2:4; block:16 at 87.5 %, where the layers take the block-sparse
+               // CPU product (at tp 2: the column and row shards each their own).
+               {1, 2, 1, 0, "2:4t", "layer"},          {1, 2, 1, 0, "block:16", "layer", 0.875}};
   } else if (n == 4) {
     layouts = {{2, 2, 1, 0, "unstructured", "global"},
                {1, 2, 2, 0, "unstructured", "global"},
@@ -58,8 +66,8 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
   std::map<std::string, loom::testing::RunResult> single;  // by pattern + scope
   for (const auto& l : layouts) {
     SCOPED_TRACE(l.describe());
-    const auto key = l.pattern + " " + l.scope;
-    auto config = pruned_config(dir.path(), l.pattern, l.scope);
+    const auto key = fmt::format("{} {} {}", l.pattern, l.scope, l.to);
+    auto config = pruned_config(dir.path(), l.pattern, l.scope, l.to);
     if (!single.count(key)) {
       train::Trainer t(config);
       single[key] = loom::testing::run(t);
@@ -70,6 +78,13 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
     train::Trainer t(config, loom::testing::layout_mesh({.dp = l.dp, .tp = l.tp, .pp = l.pp}));
     const auto got = loom::testing::run(t);
     const auto& want = single.at(key);
+    if (l.pattern.starts_with("block") && l.to >= ops::kBlockSparseMinTileSparsity) {
+      int64_t block_sparse = 0;
+      for (const auto& item : t.model().named_modules())
+        if (const auto* p = dynamic_cast<loom::parallel::tensor::PrunableLinear*>(item.value().get()))
+          block_sparse += p->last_path() == ops::SparseLinearPath::kBlockCpu;
+      EXPECT_GT(block_sparse, 0) << "no layer took the block-sparse product";
+    }
     // The same weights pruned, exactly, and the same training otherwise.
     int64_t pruned = 0;
     for (const auto& [name, w] : want.params) {
@@ -86,7 +101,7 @@ TEST(TrainerPrune, ZeroThreeAndOptimizerOffloadAreRefusedBeforeTraining) {
   if (world().size() < 2) GTEST_SKIP() << "needs dp 2";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
-  auto config = pruned_config(dir.path(), "unstructured", "layer");
+  auto config = pruned_config(dir.path(), "unstructured", "layer", 0.5);
   config.zero = 3;
   const auto msg = error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); });
   EXPECT_TRUE(contains(msg, "strategy 'prune' with --zero 3")) << msg;

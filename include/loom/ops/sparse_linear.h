@@ -6,7 +6,9 @@
 // prune strategy set on them, and log the path taken.
 //   2:4 (--prune-pattern 2:4) on CUDA in bf16/fp16 (the tensor's dtype or autocast's): the
 //     forward by loom's mma.sp kernel (ops/sparse24.h) on the weight compressed for that call,
-//     the backward by dense products (a 2:4 W is not 2:4 along the other dimension);
+//     the backward by dense products (a 2:4 W is not 2:4 along the other dimension), except the
+//     input gradient dy W = dy (W^T)^T of a transposable 2:4 W (2:4t), which takes the kernel on
+//     W^T;
 //   block:B on the CPU, once at least 70% of the tiles are dropped: ops::block_sparse_linear,
 //     forward and backward from the kept tiles alone (below that the dense product is faster on
 //     the CPU: docs/benchmarks.md); on CUDA there is no block-sparse kernel yet.
@@ -22,7 +24,8 @@ namespace loom::ops {
 struct SparseLinearFormat {
   enum class Kind { kDense, kTwoFour, kBlock };
   Kind kind = Kind::kDense;
-  int64_t block = 0;  // kBlock: the tile side
+  int64_t block = 0;          // kBlock: the tile side
+  bool transposable = false;  // kTwoFour: W^T is 2:4 too (the input gradient takes the kernel)
 };
 
 enum class SparseLinearPath { kDense, kMaskedDense, kTwoFourCuda, kBlockCpu };

@@ -18,10 +18,12 @@ struct SparsityPattern {
   enum class Kind { kUnstructured, kNofM, kBlock };
   Kind kind = Kind::kUnstructured;
   int64_t n = 0, m = 0;  // N of every M consecutive weights along a row are kept
-  int64_t block = 0;     // block x block tiles kept or dropped whole
+  // N:Mt: also N of every M along a column, in each M x M block (so W^T is N:M too); M <= 4.
+  bool transposable = false;
+  int64_t block = 0;  // block x block tiles kept or dropped whole
 
-  // "unstructured" | "N:M" (2:4, ...) | "block:B"; anything else is a loom::Error naming the value
-  // and the forms. N:M needs 1 <= N < M; B >= 1.
+  // "unstructured" | "N:M" (2:4, ...) | "N:Mt" (transposable, M <= 4) | "block:B"; anything else
+  // is a loom::Error naming the value and the forms. N:M needs 1 <= N < M; B >= 1.
   static SparsityPattern parse(std::string_view text);
   std::string describe() const;  // as parse() reads it
   // The sparsity an N:M pattern fixes (1 - N/M); 0 for the others.
@@ -48,6 +50,13 @@ struct PruneSchedule {
 // Keeps the `n` largest magnitudes of every `m` consecutive elements along the last dimension
 // (ties: the lower index); a bool tensor of w's shape. The last dimension must divide by m.
 at::Tensor n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m);
+
+// Transposable N:M (Hubara et al. 2021): in each M x M block of a 2-D tensor, the mask with
+// exactly N kept per row and per column whose kept magnitudes sum the most, so that both w and
+// w^T are N:M along their rows. Exhaustive over every such block pattern (90 for 2:4), summed in
+// a fixed order (the same mask on every rank and at any batch of blocks); ties: the first pattern
+// in the order of their bits. Both dimensions must divide by M; M <= 4.
+at::Tensor transposable_n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m);
 
 // The sum of |w| over each block x block tile of a 2-D tensor, in float64: [rows/B, cols/B].
 // Both dimensions must divide by `block`.

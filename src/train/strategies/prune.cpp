@@ -113,8 +113,12 @@ class Pruning final : public Strategy {
       kernels_ = "off (--prune-kernels off): the masked dense product";
     } else if (pattern_.kind == SparsityPattern::Kind::kNofM && pattern_.n == 2 &&
                pattern_.m == 4) {
-      format_ = {ops::SparseLinearFormat::Kind::kTwoFour, 0};
-      kernels_ = "2:4 tensor-core kernel on CUDA in bf16/fp16, else the masked dense product";
+      format_ = {ops::SparseLinearFormat::Kind::kTwoFour, 0, pattern_.transposable};
+      kernels_ = pattern_.transposable
+                     ? "2:4 tensor-core kernel on CUDA in bf16/fp16 for the forward and the input "
+                       "gradient, else the masked dense product"
+                     : "2:4 tensor-core kernel on CUDA in bf16/fp16 for the forward, else the "
+                       "masked dense product";
     } else if (pattern_.kind == SparsityPattern::Kind::kBlock) {
       format_ = {ops::SparseLinearFormat::Kind::kBlock, pattern_.block};
       kernels_ = fmt::format("block-sparse CPU product from {:.0f}% of tiles dropped, else the "
@@ -171,6 +175,13 @@ class Pruning final : public Strategy {
                  "split into groups of {}",
                  pattern_.describe(), name, shape, spec.sharded() ? "(its tp shard)" : "",
                  p.size(1), pattern_.m);
+    if (pattern_.kind == SparsityPattern::Kind::kNofM && pattern_.transposable) {
+      const int64_t rows_per_part = p.size(0) / std::max<int64_t>(1, spec.parts);
+      LOOM_CHECK(rows_per_part % pattern_.m == 0,
+                 "--prune-pattern {}: '{}' is {} on this rank ({} part(s) of {} rows), whose "
+                 "columns do not split into groups of {} within a part",
+                 pattern_.describe(), name, shape, spec.parts, rows_per_part, pattern_.m);
+    }
     if (pattern_.kind == SparsityPattern::Kind::kBlock) {
       const int64_t rows_per_part = p.size(0) / std::max<int64_t>(1, spec.parts);
       LOOM_CHECK(rows_per_part % pattern_.block == 0 && p.size(1) % pattern_.block == 0,
@@ -210,9 +221,11 @@ class Pruning final : public Strategy {
     torch::NoGradGuard no_grad;
     if (pattern_.kind == SparsityPattern::Kind::kNofM) {
       // From the weights as masked so far: the step just taken moved the pruned ones too.
-      for (auto& t : targets_)
-        t.mask = ops::n_of_m_mask(t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach(),
-                                  pattern_.n, pattern_.m);
+      for (auto& t : targets_) {
+        const auto alive = t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach();
+        t.mask = pattern_.transposable ? ops::transposable_n_of_m_mask(alive, pattern_.n, pattern_.m)
+                                       : ops::n_of_m_mask(alive, pattern_.n, pattern_.m);
+      }
       measure(run);
       publish_masks();
       return;
