@@ -23,8 +23,9 @@
 // softmax (and the masks) could not be applied in registers: S would go to shared memory and back
 // for every tile. The mma.sync layouts are fixed by the PTX ISA, and the accumulator layout of one
 // product is exactly the A-operand layout of the next (P of S = Q K^T feeds P V; dS^T feeds dS^T
-// Q), which is what lets S, P, dP and dS live in registers. The layouts used are written out below,
-// next to the only functions that depend on them (load_a, load_a_trans, load_b_nk, load_b_kn, the
+// Q), which is what lets S, P, dP and dS live in registers. The instructions' layouts are written
+// out beside their wrappers (common/ptx.h); the ones this kernel builds on them are below, next
+// to the only functions that depend on them (load_a, load_a_trans, load_b_nk, load_b_kn, the
 // accumulator index helpers); everything else goes through those functions.
 //
 // Masked scores are -inf before the softmax. A row whose keys are all masked (only with kv_len 0)
@@ -41,6 +42,7 @@
 #include <utility>
 
 #include "attention/flash_attention.h"
+#include "common/ptx.h"
 
 namespace loom::kernels {
 
@@ -54,77 +56,6 @@ constexpr int kPreRowsPerBlock = 8;  // preprocess / convert kernels: one warp p
 constexpr int kBwdLenPad = 64;       // Delta and lse2 rows are padded to a multiple of this
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kBwdLenPad % bwd_block_m(64) == 0 && kBwdLenPad % bwd_block_m(128) == 0);
-
-// ---- PTX wrappers ------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte asynchronous copy global -> shared; fill == false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) {
-  const int src_bytes = fill ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
-               "l"(__cvta_generic_to_global(gmem)), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// ldmatrix.m8n8.x4.b16: lane L supplies the shared address of row (L % 8) of 8x8 matrix j = L / 8
-// (8 contiguous 16-bit elements, 16-byte aligned); matrix j lands in register r[j]. With g = L / 4
-// and t = L % 4:
-//   no .trans: r[j] = { M_j[g][2t], M_j[g][2t+1] }   (low 16 bits, high 16 bits)
-//   .trans:    r[j] = { M_j[2t][g], M_j[2t+1][g] }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem))
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem))
-               : "memory");
-}
-
-// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: D[16x8] = A[16x16] B[16x8] + C, per warp.
-// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
-// g = lane / 4 and t = lane % 4; each 32-bit register holds two 16-bit elements, the lower column
-// (A) or lower row (B) in the low 16 bits:
-//   A (row-major 16x16), a[0..3]:  a[0] = A[g][2t..2t+1]     a[1] = A[g+8][2t..2t+1]
-//                                  a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
-//   B ("col": 16x8, k x n), b0, b1: b0 = B[2t..2t+1][g]      b1 = B[2t+8..2t+9][g]
-//   C, D (16x8 fp32), c[0..3]:      c[0] = C[g][2t]  c[1] = C[g][2t+1]
-//                                   c[2] = C[g+8][2t]  c[3] = C[g+8][2t+1]
-// So for an accumulator tile that spans 16 columns as two n8 tiles c_lo (columns 0-7) and c_hi
-// (8-15), {pack(c_lo[0], c_lo[1]), pack(c_lo[2], c_lo[3]), pack(c_hi[0], c_hi[1]),
-// pack(c_hi[2], c_hi[3])} is exactly an A fragment of the same 16x16 block (acc_to_a below).
-template <typename E>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    static_assert(std::is_same_v<E, __half>);
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
 
 // Where accumulator element c[i] of n8 tile j sits, relative to the tile origin: row g + 8 (i / 2),
 // column 8 j + 2 t + (i % 2).

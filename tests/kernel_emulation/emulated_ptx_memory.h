@@ -1,9 +1,9 @@
 #pragma once
 // cp.async and ldmatrix, emulated for the kernel-emulation test (tests/kernel_emulation,
-// docs/gpu.md). transform.py includes this file in place of the kernel's PTX wrappers
-// cp_async_16, cp_async_commit, cp_async_wait and ldmatrix_x4(_trans), inside the kernel's
-// namespace, so it includes nothing itself: emulated_cuda_runtime.h (included earlier) provides
-// the emulation. Written by the loom authors for this test.
+// docs/gpu.md): the wrappers cp_async_16, cp_async_commit, cp_async_wait and ldmatrix_x4(_trans)
+// of kernels/common/ptx.h. emulated_ptx.h includes it where a kernel includes that header; it
+// includes nothing itself: emulated_cuda_runtime.h (included earlier) provides the emulation.
+// Written by the loom authors for this test.
 //
 // Semantics from the PTX ISA ("cp.async", "cp.async.commit_group", "cp.async.wait_group",
 // "ldmatrix"):

@@ -1,10 +1,10 @@
 #pragma once
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 and (below) the sparse
 // mma.sp m16n8k32, emulated for the kernel-emulation test (tests/kernel_emulation, docs/gpu.md).
-// transform.py includes this file in place of the kernel's PTX wrappers mma_16816 and
-// mma_sp_16832, inside the kernel's namespace, so it includes
-// nothing itself: emulated_cuda_runtime.h (included earlier) provides the emulation. Written by
-// the loom authors for this test.
+// They replace the wrappers mma_16816 and mma_sp_16832 of kernels/common/ptx.h (emulated_ptx.h
+// includes this file where a kernel includes that header), so it includes nothing itself:
+// emulated_cuda_runtime.h (included earlier) provides the emulation. Written by the loom authors
+// for this test.
 //
 // D[16x8] = A[16x16] B[16x8] + C, per warp. The fragment layouts are taken from the PTX ISA
 // ("Matrix Fragments for mma.m16n8k16 with floating point type"), independently of the kernel's

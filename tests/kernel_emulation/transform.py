@@ -11,9 +11,10 @@ layouts and barriers.
 Rewrites:
   - `#include <cuda_runtime.h>` -> the emulated runtime (emulated_cuda_runtime.h): threads as
     fibers, __syncthreads, shuffles, the launch, the runtime API calls the host code makes;
-  - the PTX wrapper functions (inline asm: cp.async, ldmatrix, mma.sync, mma.sp, the float2
-    atomic add)
-    -> the emulated instructions (emulated_ptx_*.h), included where the first wrapper was;
+  - `#include "common/ptx.h"` (the shared PTX wrappers: cp.async, ldmatrix, mma.sync, mma.sp)
+    -> `#include "emulated_ptx.h"` (their emulation);
+  - a kernel's own PTX wrapper functions (inline asm: flash attention's float2 atomic add)
+    -> the emulated instructions (emulated_*.h), included where the first wrapper was;
   - `extern __shared__ ... name[];` -> a pointer to the emulated block's shared memory;
   - `kernel<<<grid, block, smem, stream>>>(args)` -> emulated_launch(kernel, grid, block, smem,
     stream, args).
@@ -38,23 +39,17 @@ import os
 import re
 import sys
 
-# PTX wrappers of the kernel, by function name, and the header that emulates each one.
+# A kernel's own PTX wrappers, by function name, and the header that emulates each one.
 EMULATED_WRAPPERS = {
-    "smem_u32": "emulated_ptx_memory.h",  # shared-window address; only the wrappers use it
-    "cp_async_16": "emulated_ptx_memory.h",
-    "cp_async_commit": "emulated_ptx_memory.h",
-    "cp_async_wait": "emulated_ptx_memory.h",
-    "ldmatrix_x4": "emulated_ptx_memory.h",
-    "ldmatrix_x4_trans": "emulated_ptx_memory.h",
-    "mma_16816": "emulated_ptx_mma.h",
-    "mma_sp_16832": "emulated_ptx_mma.h",
     "atomic_add2": "emulated_atomics.h",
 }
-# The default --wrappers: flash_attention.cu's set.
-DEFAULT_WRAPPERS = ["smem_u32", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4",
-                    "ldmatrix_x4_trans", "mma_16816", "atomic_add2"]
+# The default --wrappers: flash_attention.cu's own (the others are in common/ptx.h).
+DEFAULT_WRAPPERS = ["atomic_add2"]
 RUNTIME_INCLUDE = "#include <cuda_runtime.h>"
 EMULATED_RUNTIME_INCLUDE = '#include "emulated_cuda_runtime.h"'
+# The shared PTX wrappers (kernels/common/ptx.h) and their emulation.
+PTX_INCLUDE = '#include "common/ptx.h"'
+EMULATED_PTX_INCLUDE = '#include "emulated_ptx.h"'
 EXTERN_SHARED = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
 
@@ -93,6 +88,13 @@ def transform(source, wrappers, shared):
         raise TransformError(
             f"anchor '{RUNTIME_INCLUDE}' found {len(runtime)} times (expected once)")
     lines[runtime[0]] = EMULATED_RUNTIME_INCLUDE
+    ptx = [i for i, line in enumerate(lines) if line == PTX_INCLUDE]
+    if len(ptx) > 1:
+        raise TransformError(f"'{PTX_INCLUDE}' found {len(ptx)} times (expected at most once)")
+    for i in ptx:
+        if i < runtime[0]:
+            raise TransformError(f"'{PTX_INCLUDE}' comes before '{RUNTIME_INCLUDE}'")
+        lines[i] = EMULATED_PTX_INCLUDE
 
     starts = {name: remove_function(lines, name) for name in wrappers}
     if starts:
