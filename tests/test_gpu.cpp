@@ -19,6 +19,7 @@
 #include "flash_attention_host_run.h"
 #include "loom/loom.h"
 #include "loom/ops/flash_attention.h"
+#include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
 #include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
@@ -320,6 +321,52 @@ TEST(Sparse24Gpu, TransposableWeightTakesTheKernelForForwardAndInputGradient) {
   check(y, x64, w64.t(), in, "y");
   check(x.grad(), gy64, w64, out, "dx");
   check(w.grad(), gy64.t(), x64, tokens, "dw");
+}
+
+// A block-pruned layer on the GPU: 64 x 64 tiles, 80 % dropped (an empty tile row and column
+// among them), through ops::sparse_linear: the block-sparse kernel for y and dx, the masked dense
+// product for dW; each within the bound of its fp64 value (r = 2 K fp32 roundings), dW zero in
+// the dropped tiles. Then bsr_linear on its own equals the host reference's bound on 32-tiles.
+TEST(BsrGpu, BlockPrunedLayerTakesTheKernelForwardAndBackward) {
+  SKIP_WITHOUT_GPU();
+  const int64_t tokens = 200, in = 384, out = 320, block = 64;
+  auto tiles = at::rand({out / block, in / block}) < 0.25;
+  tiles.select(0, 1).fill_(false);
+  tiles.select(1, 2).fill_(false);
+  const auto mask = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1);
+  const auto w0 = (at::randn({out, in}) * mask).to(at::kBFloat16);
+  const auto x0 = at::randn({tokens, in}).to(at::kBFloat16);
+  const auto gy0 = at::randn({tokens, out}).to(at::kBFloat16);
+  auto x = x0.cuda().requires_grad_(true), w = w0.cuda().requires_grad_(true);
+  const ops::SparseLinearFormat format{ops::SparseLinearFormat::Kind::kBlock, block};
+  const auto choice = ops::choose_sparse_linear(x, w, format);
+  ASSERT_EQ(choice.path, ops::SparseLinearPath::kBlockCuda) << ops::describe(choice);
+  const auto y = ops::sparse_linear(x, w, format, choice);
+  y.backward(gy0.cuda());
+  const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
+  auto check = [](const at::Tensor& got, const at::Tensor& a, const at::Tensor& b, int64_t k,
+                  const char* what, at::ScalarType dtype = at::kBFloat16,
+                  const at::Tensor& keep = {}) {
+    auto exact = at::matmul(a, b);
+    if (keep.defined()) exact = exact * keep;
+    const auto bound = loom::testing::sparse24_bound(exact, at::matmul(a.abs(), b.abs()), dtype,
+                                                     2 * k, k);
+    const auto ratio = ((got.cpu().to(at::kDouble) - exact).abs() / bound).max().item<double>();
+    EXPECT_LE(ratio, 1.0) << what;
+    std::printf("bsr %s: worst error / bound %.3f\n", what, ratio);
+  };
+  check(y, x64, w64.t(), in, "y");
+  check(x.grad(), gy64, w64, out, "dx");
+  check(w.grad(), gy64.t(), x64, tokens, "dw", at::kBFloat16, mask);
+  EXPECT_EQ(w.grad().cpu().masked_select(~mask).abs().max().item<float>(), 0.f);
+  // 32-tiles straight through bsr_linear, fp16, against the host reference's bound.
+  const auto w32 = (at::randn({96, 128}) * (at::rand({3, 4}) < 0.5)
+                                              .repeat_interleave(32, 0)
+                                              .repeat_interleave(32, 1))
+                       .to(at::kHalf);
+  const auto x32 = at::randn({77, 128}).to(at::kHalf);
+  const auto y32 = ops::bsr_linear(x32.cuda(), ops::bsr_compress(w32.cuda(), 32));
+  check(y32, x32.to(at::kDouble), w32.to(at::kDouble).t(), 128, "y (32-tiles, fp16)", at::kHalf);
 }
 
 TEST(FusedAttentionGpu, OpsAttentionDispatchesCudaTensorsToTheKernel) {

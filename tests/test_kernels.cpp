@@ -16,6 +16,7 @@
 #include "common/float16.h"
 #include "flash_attention_host_run.h"
 #include "loom/core/error.h"
+#include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
 #include "sparse24_util.h"
 
@@ -390,6 +391,39 @@ TEST(Sparse24Host, ProductIsTheFp64MatmulWithinTheStatedBound) {
   const auto why_rows = loom::ops::sparse24_unsupported(at::zeros({2, 64}, at::kBFloat16), odd_rows);
   ASSERT_TRUE(why_rows.has_value());
   EXPECT_NE(why_rows->find("24"), std::string::npos) << *why_rows;
+}
+
+// The block-sparse host reference through ops::bsr_linear: the kept tiles found as the ones with
+// a nonzero (an empty tile row gives zeros), y within the fp64 bound with one fp32 rounding per
+// 16 columns; 32 and 64 tiles, bf16 and fp16; bad blocks are clear errors.
+TEST(BsrHost, ProductIsTheFp64MatmulWithinTheStatedBound) {
+  for (const int64_t block : {32, 64})
+    for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+      const int64_t out = 3 * block, in = 4 * block;
+      auto tiles = at::rand({3, 4}) < 0.5;
+      tiles.select(0, 1).fill_(false);
+      const auto w = (at::randn({out, in}) *
+                      tiles.repeat_interleave(block, 0).repeat_interleave(block, 1))
+                         .to(dtype);
+      const auto c = loom::ops::bsr_compress(w, block);
+      EXPECT_EQ(c.tile_col.numel(), tiles.sum().item<int64_t>());
+      EXPECT_EQ(c.row_start[2].item<int32_t>(), c.row_start[1].item<int32_t>());  // empty row
+      const auto x = at::randn({2, 9, in}).to(dtype);
+      const auto y = loom::ops::bsr_linear(x, c);
+      const auto x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
+      const auto exact = at::matmul(x64, w64.t());
+      const auto bound = loom::testing::sparse24_bound(
+          exact, at::matmul(x64.abs(), w64.abs().t()), dtype, in / 16, in);
+      EXPECT_TRUE(((y.to(at::kDouble) - exact).abs() <= bound).all().item<bool>())
+          << block << " " << c10::toString(dtype);
+      EXPECT_TRUE(at::all(y.select(-1, block + 3) == 0).item<bool>()) << "the empty tile row";
+    }
+  try {
+    loom::ops::bsr_compress(at::zeros({96, 96}, at::kBFloat16), 48);
+    FAIL() << "block 48 was taken";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block 48"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

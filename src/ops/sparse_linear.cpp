@@ -7,6 +7,7 @@
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/block_sparse.h"
+#include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
 
 namespace loom::ops {
@@ -58,6 +59,37 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
   }
 };
 
+// Forward and input gradient on the block-sparse kernel (W's tiles, then W^T's); the weight
+// gradient dense, masked to the kept tiles (a dropped tile gets none, as on the CPU path).
+struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, at::ScalarType dtype, int64_t block) {
+    const auto xc = x.to(dtype);
+    const auto wc = weight.to(dtype);
+    ctx->save_for_backward({xc, wc});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["block"] = block;
+    return bsr_linear(xc, bsr_compress(wc, block));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& xc = saved[0];
+    const auto& wc = saved[1];
+    const int64_t block = ctx->saved_data["block"].toInt();
+    const auto gy = grads[0].to(wc.scalar_type()).contiguous();
+    const auto gx = bsr_linear(gy, bsr_compress(wc.t().contiguous(), block))
+                        .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    const auto tiles = kept_tiles(wc, block);
+    const auto mask = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1);
+    const auto gw = (at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)})) *
+                     mask)
+                        .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    return {gx, gw, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -88,8 +120,24 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
       return {SparseLinearPath::kTwoFourCuda, ""};
     }
     case Kind::kBlock: {
-      if (!x.is_cpu())
-        return dense(fmt::format("no block-sparse kernel on {} yet", x.device().str()));
+      if (x.is_cuda()) {
+        const auto dtype = compute_dtype(x);
+        if (format.block != 32 && format.block != 64)
+          return dense(fmt::format("the block-sparse CUDA kernel takes 32 x 32 or 64 x 64 tiles, "
+                                   "not {} x {}",
+                                   format.block, format.block));
+        if (dtype != at::kBFloat16 && dtype != at::kHalf)
+          return dense(fmt::format("the block-sparse CUDA kernel takes bf16 or fp16; this layer "
+                                   "computes in {}",
+                                   c10::toString(dtype)));
+        BsrWeight shape{weight.size(0), weight.size(1), format.block, {}, {}, {}};
+        shape.values = at::empty({0}, x.options().dtype(dtype));
+        if (auto why = bsr_unsupported(at::empty({0, weight.size(1)}, shape.values.options()),
+                                       shape))
+          return dense(*why);
+      } else if (!x.is_cpu()) {
+        return dense(fmt::format("no block-sparse kernel on {}", x.device().str()));
+      }
       const auto tiles = kept_tiles(weight, format.block);
       const double dropped = 1.0 - tiles.to(at::kDouble).mean().item<double>();
       if (dropped < kBlockSparseMinTileSparsity)
@@ -97,7 +145,7 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
                                  "which the block-sparse CPU product is faster",
                                  100 * dropped, format.block, format.block,
                                  100 * kBlockSparseMinTileSparsity));
-      return {SparseLinearPath::kBlockCpu, ""};
+      return {x.is_cuda() ? SparseLinearPath::kBlockCuda : SparseLinearPath::kBlockCpu, ""};
     }
   }
   return {};
@@ -113,6 +161,8 @@ at::Tensor sparse_linear(const at::Tensor& x, const at::Tensor& weight,
       return TwoFourLinear::apply(x, weight, compute_dtype(x), format.transposable);
     case SparseLinearPath::kBlockCpu:
       return block_sparse_linear(x, weight, kept_tiles(weight, format.block), format.block);
+    case SparseLinearPath::kBlockCuda:
+      return BlockCudaLinear::apply(x, weight, compute_dtype(x), format.block);
   }
   return at::linear(x, weight);
 }
@@ -127,6 +177,8 @@ std::string describe(const SparseLinearChoice& choice) {
       return "2:4 sparse tensor cores (loom's mma.sp kernel)";
     case SparseLinearPath::kBlockCpu:
       return "block-sparse CPU product (kept tiles only, forward and backward)";
+    case SparseLinearPath::kBlockCuda:
+      return "block-sparse tensor cores (loom's BSR kernel: forward and input gradient)";
   }
   return "?";
 }

@@ -9,9 +9,11 @@
 //     the backward by dense products (a 2:4 W is not 2:4 along the other dimension), except the
 //     input gradient dy W = dy (W^T)^T of a transposable 2:4 W (2:4t), which takes the kernel on
 //     W^T;
-//   block:B on the CPU, once at least 70% of the tiles are dropped: ops::block_sparse_linear,
-//     forward and backward from the kept tiles alone (below that the dense product is faster on
-//     the CPU: docs/benchmarks.md); on CUDA there is no block-sparse kernel yet.
+//   block:B, once at least 70% of the tiles are dropped (below that the dense product is faster
+//     on the CPU: docs/benchmarks.md): on the CPU ops::block_sparse_linear, forward and backward
+//     from the kept tiles alone; on CUDA with B 32 or 64 in bf16/fp16, loom's block-sparse
+//     tensor-core kernel (ops/bsr.h) for the forward and, on W^T's tiles, the input gradient,
+//     and a dense product masked to the kept tiles for the weight gradient.
 // Every path gives the same values up to the order of the sums, and the same gradients where the
 // weight is nonzero; a pruned weight's own gradient is not used (the prune strategy zeroes it).
 #include <ATen/core/Tensor.h>
@@ -28,7 +30,7 @@ struct SparseLinearFormat {
   bool transposable = false;  // kTwoFour: W^T is 2:4 too (the input gradient takes the kernel)
 };
 
-enum class SparseLinearPath { kDense, kMaskedDense, kTwoFourCuda, kBlockCpu };
+enum class SparseLinearPath { kDense, kMaskedDense, kTwoFourCuda, kBlockCpu, kBlockCuda };
 
 struct SparseLinearChoice {
   SparseLinearPath path = SparseLinearPath::kDense;

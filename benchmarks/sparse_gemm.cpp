@@ -1,7 +1,9 @@
-// loom-bench-sparse24: the forward product of a 2:4-pruned linear layer on a GPU, y = x W^T with
-// x [tokens, in] and W [out, in] in bf16: loom's mma.sp kernel (ops::sparse24_linear) against
-// cuBLAS on the dense W (at::matmul, what an unpruned layer costs) and, where the torch build has
-// it, cuSPARSELt on the same 2:4 W (at::_cslt_sparse_mm, as torchao's 2:4 path calls it).
+// loom-bench-sparse-gemm: the forward product of a pruned linear layer on a GPU, y = x W^T with
+// x [tokens, in] and W [out, in] in bf16. 2:4 rows: loom's mma.sp kernel (ops::sparse24_linear)
+// against cuBLAS on the dense W (at::matmul, what an unpruned layer costs) and, where the torch
+// build has it, cuSPARSELt on the same 2:4 W (at::_cslt_sparse_mm, as torchao's 2:4 path calls
+// it). Block rows: loom's block-sparse kernel (ops::bsr_linear) on 64 x 64 tiles at each of
+// --block-sparsities (random tiles dropped) against cuBLAS on the same W, dense with its zeros.
 //
 // FLOP/s count the dense product's 2 tokens out in FLOPs for all three, so the columns compare
 // times. Each row also records the largest difference from the dense result relative to the
@@ -20,6 +22,7 @@
 #include "bench_util.h"
 #include "loom/apps/cli.h"
 #include "loom/loom.h"
+#include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
 
 namespace {
@@ -29,6 +32,8 @@ struct Options {
   // (out, in) pairs: GPT-2 124M's MLP up and down, a Llama-8B-class MLP up and down and its
   // attention projection.
   std::vector<int64_t> shapes{3072, 768, 768, 3072, 14336, 4096, 4096, 14336, 4096, 4096};
+  std::vector<double> block_sparsities{0.5, 0.75, 0.9};
+  int64_t block = 64;
   double min_ms = 100;
 };
 
@@ -47,7 +52,7 @@ at::Tensor pruned_24(int64_t out, int64_t in, const at::TensorOptions& opts) {
 
 void run(const Options& o) {
   LOOM_CHECK(loom::ops::cuda_device_count() > 0,
-             "loom-bench-sparse24 needs a CUDA device (this machine has none{})",
+             "loom-bench-sparse-gemm needs a CUDA device (this machine has none{})",
              loom::ops::built_with_cuda() ? "" : "; and this loom was built without CUDA");
   LOOM_CHECK(o.shapes.size() % 2 == 0 && !o.shapes.empty(),
              "--shapes takes (out, in) pairs; got {} numbers", o.shapes.size());
@@ -103,6 +108,35 @@ void run(const Options& o) {
                  (long long)o.tokens, (long long)in, (long long)out, (long long)in,
                  flops / dense_s / 1e12, flops / loom_s / 1e12, dense_s / loom_s, loom_diff,
                  cslt.c_str());
+    for (const double sparsity : o.block_sparsities) {
+      if (out % o.block != 0 || in % o.block != 0) continue;
+      const auto tiles = at::rand({out / o.block, in / o.block}, opts.dtype(at::kFloat)) >= sparsity;
+      const auto wb = at::randn({out, in}, opts) *
+                      tiles.repeat_interleave(o.block, 0).repeat_interleave(o.block, 1);
+      const auto bsr = loom::ops::bsr_compress(wb, o.block);
+      const auto want = at::matmul(x, wb.t());
+      const double dense_b_s =
+          loom::bench::seconds_per_call([&] { at::matmul(x, wb.t()); }, o.min_ms, true);
+      const double bsr_s = loom::bench::seconds_per_call(
+          [&] { loom::ops::bsr_linear(x, bsr); }, o.min_ms, true);
+      const double diff = (loom::ops::bsr_linear(x, bsr).to(at::kFloat) - want.to(at::kFloat))
+                              .abs()
+                              .max()
+                              .item<double>() /
+                          std::max(want.abs().max().item<double>(), 1e-30);
+      const double kept = tiles.to(at::kDouble).mean().item<double>();
+      const nlohmann::json brow = {{"bench", "bsr"},         {"device", device_name},
+                                   {"tokens", o.tokens},     {"out", out},
+                                   {"in", in},               {"block", o.block},
+                                   {"tile_sparsity", 1 - kept},
+                                   {"dense_tflops", flops / dense_b_s / 1e12},
+                                   {"bsr_vs_dense", dense_b_s / bsr_s},
+                                   {"bsr_rel_diff", diff}};
+      std::printf("%s\n", brow.dump().c_str());
+      std::fflush(stdout);
+      std::fprintf(stderr, "  block %lld at %.0f%% dropped: %.2fx dense (rel diff %.1e)\n",
+                   (long long)o.block, 100 * (1 - kept), dense_b_s / bsr_s, diff);
+    }
   }
 }
 
@@ -110,13 +144,16 @@ void run(const Options& o) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "The forward product of a 2:4-pruned linear layer on a GPU: loom's mma.sp kernel against "
-      "dense cuBLAS and cuSPARSELt.",
-      "loom-bench-sparse24"};
+      "The forward product of a pruned linear layer on a GPU: loom's 2:4 and block-sparse kernels "
+      "against dense cuBLAS and cuSPARSELt.",
+      "loom-bench-sparse-gemm"};
   Options o;
   app.add_option("--tokens", o.tokens, "Rows of the activations (batch x sequence)")
       ->capture_default_str();
   app.add_option("--shapes", o.shapes, "(out, in) pairs of weight shapes")->capture_default_str();
+  app.add_option("--block-sparsities", o.block_sparsities, "Fractions of tiles dropped (block rows)")
+      ->capture_default_str();
+  app.add_option("--block", o.block, "Tile side of the block rows (32 or 64)")->capture_default_str();
   app.add_option("--min-ms", o.min_ms, "Milliseconds each op is timed for")->capture_default_str();
   return loom::apps::run_app(app, argc, argv, [&] { run(o); });
 }
