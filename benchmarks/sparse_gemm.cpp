@@ -75,9 +75,12 @@ void run(const Options& o) {
     const double loom_s = loom::bench::seconds_per_call(
         [&] { loom::ops::sparse24_linear(x, compressed); }, o.min_ms, true);
     const double loom_diff = rel_diff(loom::ops::sparse24_linear(x, compressed));
-    nlohmann::json row = {{"bench", "sparse24"},      {"device", device_name},
-                          {"tokens", o.tokens},       {"out", out},
-                          {"in", in},                 {"dense_tflops", flops / dense_s / 1e12},
+    nlohmann::json row = {{"bench", "sparse24"},
+                          {"device", device_name},
+                          {"tokens", o.tokens},
+                          {"out", out},
+                          {"in", in},
+                          {"dense_tflops", flops / dense_s / 1e12},
                           {"loom_tflops", flops / loom_s / 1e12},
                           {"loom_vs_dense", dense_s / loom_s},
                           {"loom_rel_diff", loom_diff}};
@@ -110,24 +113,28 @@ void run(const Options& o) {
                  cslt.c_str());
     for (const double sparsity : o.block_sparsities) {
       if (out % o.block != 0 || in % o.block != 0) continue;
-      const auto tiles = at::rand({out / o.block, in / o.block}, opts.dtype(at::kFloat)) >= sparsity;
+      const auto tiles =
+          at::rand({out / o.block, in / o.block}, opts.dtype(at::kFloat)) >= sparsity;
       const auto wb = at::randn({out, in}, opts) *
                       tiles.repeat_interleave(o.block, 0).repeat_interleave(o.block, 1);
       const auto bsr = loom::ops::bsr_compress(wb, o.block);
       const auto want = at::matmul(x, wb.t());
       const double dense_b_s =
           loom::bench::seconds_per_call([&] { at::matmul(x, wb.t()); }, o.min_ms, true);
-      const double bsr_s = loom::bench::seconds_per_call(
-          [&] { loom::ops::bsr_linear(x, bsr); }, o.min_ms, true);
+      const double bsr_s =
+          loom::bench::seconds_per_call([&] { loom::ops::bsr_linear(x, bsr); }, o.min_ms, true);
       const double diff = (loom::ops::bsr_linear(x, bsr).to(at::kFloat) - want.to(at::kFloat))
                               .abs()
                               .max()
                               .item<double>() /
                           std::max(want.abs().max().item<double>(), 1e-30);
       const double kept = tiles.to(at::kDouble).mean().item<double>();
-      const nlohmann::json brow = {{"bench", "bsr"},         {"device", device_name},
-                                   {"tokens", o.tokens},     {"out", out},
-                                   {"in", in},               {"block", o.block},
+      const nlohmann::json brow = {{"bench", "bsr"},
+                                   {"device", device_name},
+                                   {"tokens", o.tokens},
+                                   {"out", out},
+                                   {"in", in},
+                                   {"block", o.block},
                                    {"tile_sparsity", 1 - kept},
                                    {"dense_tflops", flops / dense_b_s / 1e12},
                                    {"bsr_vs_dense", dense_b_s / bsr_s},
@@ -151,9 +158,11 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "Rows of the activations (batch x sequence)")
       ->capture_default_str();
   app.add_option("--shapes", o.shapes, "(out, in) pairs of weight shapes")->capture_default_str();
-  app.add_option("--block-sparsities", o.block_sparsities, "Fractions of tiles dropped (block rows)")
+  app.add_option("--block-sparsities", o.block_sparsities,
+                 "Fractions of tiles dropped (block rows)")
       ->capture_default_str();
-  app.add_option("--block", o.block, "Tile side of the block rows (32 or 64)")->capture_default_str();
+  app.add_option("--block", o.block, "Tile side of the block rows (32 or 64)")
+      ->capture_default_str();
   app.add_option("--min-ms", o.min_ms, "Milliseconds each op is timed for")->capture_default_str();
   return loom::apps::run_app(app, argc, argv, [&] { run(o); });
 }

@@ -2,9 +2,11 @@
 // What the 2:4 tests on the CPU (test_kernels.cpp) and the GPU (test_gpu.cpp) share: random 2:4
 // weights, and the error bound of the product y = x W^T against its fp64 value.
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 
 namespace loom::testing {
 
@@ -28,6 +30,21 @@ inline at::Tensor sparse24_bound(const at::Tensor& exact, const at::Tensor& magn
          (double(fp32_roundings) * std::ldexp(1.0, -24) + double(in) * std::ldexp(1.0, -53)) *
              magnitude +
          1e-30;
+}
+
+// got (any device) against the fp64 product a b, optionally masked by `keep`, with 2 k fp32
+// roundings of sums of k terms (a GPU's tensor cores: their own order, possibly truncating);
+// prints the measured worst error / bound.
+inline void expect_product_within_bound(const at::Tensor& got, const at::Tensor& a,
+                                        const at::Tensor& b, int64_t k, const char* what,
+                                        at::ScalarType dtype = at::kBFloat16,
+                                        const at::Tensor& keep = {}) {
+  auto exact = at::matmul(a, b);
+  if (keep.defined()) exact = exact * keep;
+  const auto bound = sparse24_bound(exact, at::matmul(a.abs(), b.abs()), dtype, 2 * k, k);
+  const auto ratio = ((got.cpu().to(at::kDouble) - exact).abs() / bound).max().item<double>();
+  EXPECT_LE(ratio, 1.0) << what;
+  std::printf("%s: worst error / bound %.3f\n", what, ratio);
 }
 
 }  // namespace loom::testing

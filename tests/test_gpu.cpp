@@ -18,8 +18,8 @@
 
 #include "flash_attention_host_run.h"
 #include "loom/loom.h"
-#include "loom/ops/flash_attention.h"
 #include "loom/ops/bsr.h"
+#include "loom/ops/flash_attention.h"
 #include "loom/ops/sparse24.h"
 #include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
@@ -264,8 +264,8 @@ TEST(Sparse24Gpu, CompressionAndProductMatchTheHostReferenceAndTheFp64Product) {
     int64_t out, in, tokens;
   };
   for (const auto dtype : {at::kBFloat16, at::kHalf})
-    for (const Shape& s : std::vector<Shape>{{16, 32, 1}, {144, 96, 130}, {3072, 768, 257},
-                                             {768, 3072, 64}}) {
+    for (const Shape& s :
+         std::vector<Shape>{{16, 32, 1}, {144, 96, 130}, {3072, 768, 257}, {768, 3072, 64}}) {
       SCOPED_TRACE(fmt::format("{} [{} x {}] x [{} x {}]^T", c10::toString(dtype), s.tokens, s.in,
                                s.out, s.in));
       const auto w = loom::testing::random_24_weight(s.out, s.in, dtype);
@@ -277,8 +277,8 @@ TEST(Sparse24Gpu, CompressionAndProductMatchTheHostReferenceAndTheFp64Product) {
       const auto y = ops::sparse24_linear(x.cuda(), gpu).cpu().to(at::kDouble);
       const auto x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
       const auto exact = at::matmul(x64, w64.t());
-      const auto bound = loom::testing::sparse24_bound(
-          exact, at::matmul(x64.abs(), w64.abs().t()), dtype, 2 * s.in, s.in);
+      const auto bound = loom::testing::sparse24_bound(exact, at::matmul(x64.abs(), w64.abs().t()),
+                                                       dtype, 2 * s.in, s.in);
       const auto ratio = ((y - exact).abs() / bound).max().item<double>();
       EXPECT_LE(ratio, 1.0) << "worst |y - exact| / bound";
       std::printf("sparse24 %s [%lld x %lld] x [%lld x %lld]^T: worst error / bound %.3f\n",
@@ -309,18 +309,10 @@ TEST(Sparse24Gpu, TransposableWeightTakesTheKernelForForwardAndInputGradient) {
   const auto y = ops::sparse_linear(x, w, format, choice);
   y.backward(gy0.cuda());
   const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
-  auto check = [](const at::Tensor& got, const at::Tensor& a, const at::Tensor& b, int64_t k,
-                  const char* what) {
-    const auto exact = at::matmul(a, b);
-    const auto bound = loom::testing::sparse24_bound(exact, at::matmul(a.abs(), b.abs()),
-                                                     at::kBFloat16, 2 * k, k);
-    const auto ratio = ((got.cpu().to(at::kDouble) - exact).abs() / bound).max().item<double>();
-    EXPECT_LE(ratio, 1.0) << what;
-    std::printf("sparse24 2:4t %s: worst error / bound %.3f\n", what, ratio);
-  };
-  check(y, x64, w64.t(), in, "y");
-  check(x.grad(), gy64, w64, out, "dx");
-  check(w.grad(), gy64.t(), x64, tokens, "dw");
+  const auto check = loom::testing::expect_product_within_bound;
+  check(y, x64, w64.t(), in, "sparse24 2:4t y", at::kBFloat16, {});
+  check(x.grad(), gy64, w64, out, "sparse24 2:4t dx", at::kBFloat16, {});
+  check(w.grad(), gy64.t(), x64, tokens, "sparse24 2:4t dw", at::kBFloat16, {});
 }
 
 // A block-pruned layer on the GPU: 64 x 64 tiles, 80 % dropped (an empty tile row and column
@@ -344,29 +336,19 @@ TEST(BsrGpu, BlockPrunedLayerTakesTheKernelForwardAndBackward) {
   const auto y = ops::sparse_linear(x, w, format, choice);
   y.backward(gy0.cuda());
   const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
-  auto check = [](const at::Tensor& got, const at::Tensor& a, const at::Tensor& b, int64_t k,
-                  const char* what, at::ScalarType dtype = at::kBFloat16,
-                  const at::Tensor& keep = {}) {
-    auto exact = at::matmul(a, b);
-    if (keep.defined()) exact = exact * keep;
-    const auto bound = loom::testing::sparse24_bound(exact, at::matmul(a.abs(), b.abs()), dtype,
-                                                     2 * k, k);
-    const auto ratio = ((got.cpu().to(at::kDouble) - exact).abs() / bound).max().item<double>();
-    EXPECT_LE(ratio, 1.0) << what;
-    std::printf("bsr %s: worst error / bound %.3f\n", what, ratio);
-  };
-  check(y, x64, w64.t(), in, "y");
-  check(x.grad(), gy64, w64, out, "dx");
-  check(w.grad(), gy64.t(), x64, tokens, "dw", at::kBFloat16, mask);
+  const auto check = loom::testing::expect_product_within_bound;
+  check(y, x64, w64.t(), in, "bsr y", at::kBFloat16, {});
+  check(x.grad(), gy64, w64, out, "bsr dx", at::kBFloat16, {});
+  check(w.grad(), gy64.t(), x64, tokens, "bsr dw", at::kBFloat16, mask);
   EXPECT_EQ(w.grad().cpu().masked_select(~mask).abs().max().item<float>(), 0.f);
   // 32-tiles straight through bsr_linear, fp16, against the host reference's bound.
-  const auto w32 = (at::randn({96, 128}) * (at::rand({3, 4}) < 0.5)
-                                              .repeat_interleave(32, 0)
-                                              .repeat_interleave(32, 1))
+  const auto w32 = (at::randn({96, 128}) *
+                    (at::rand({3, 4}) < 0.5).repeat_interleave(32, 0).repeat_interleave(32, 1))
                        .to(at::kHalf);
   const auto x32 = at::randn({77, 128}).to(at::kHalf);
   const auto y32 = ops::bsr_linear(x32.cuda(), ops::bsr_compress(w32.cuda(), 32));
-  check(y32, x32.to(at::kDouble), w32.to(at::kDouble).t(), 128, "y (32-tiles, fp16)", at::kHalf);
+  check(y32, x32.to(at::kDouble), w32.to(at::kDouble).t(), 128, "bsr y (32-tiles, fp16)", at::kHalf,
+        {});
 }
 
 TEST(FusedAttentionGpu, OpsAttentionDispatchesCudaTensorsToTheKernel) {

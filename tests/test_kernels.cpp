@@ -307,9 +307,21 @@ TEST(FlashAttentionChecks, RejectWhatTheKernelCannotRunWithClearMessages) {
 // The host conversions the references round with agree with c10's (round to nearest even) on
 // every kind of value: normal, fp16-subnormal, halfway cases, overflow to inf, zeros of both signs.
 TEST(Float16Host, ConversionsRoundLikeC10) {
-  std::vector<float> values = {0.f, -0.f, 1.f, -1.f, 65504.f, 65519.f, 65520.f, 1e9f, -1e9f,
-                               6.1035156e-05f, 5.9604645e-08f, 2.9802322e-08f, 8.9406967e-08f,
-                               1.0e-10f, 3.0e-39f};
+  std::vector<float> values = {0.f,
+                               -0.f,
+                               1.f,
+                               -1.f,
+                               65504.f,
+                               65519.f,
+                               65520.f,
+                               1e9f,
+                               -1e9f,
+                               6.1035156e-05f,
+                               5.9604645e-08f,
+                               2.9802322e-08f,
+                               8.9406967e-08f,
+                               1.0e-10f,
+                               3.0e-39f};
   const auto random = at::randn({20000}, at::TensorOptions().dtype(at::kDouble));
   const auto exponents = at::randint(-30, 20, {20000}, at::TensorOptions().dtype(at::kDouble));
   const auto wide = (random * at::pow(2.0, exponents)).to(at::kFloat);
@@ -377,8 +389,7 @@ TEST(Sparse24Host, ProductIsTheFp64MatmulWithinTheStatedBound) {
     const auto bound = loom::testing::sparse24_bound(exact, magnitude, dtype, in / 32, in);
     const auto error = (y.to(at::kDouble) - exact).abs();
     EXPECT_TRUE((error <= bound).all().item<bool>())
-        << c10::toString(dtype) << ": worst error / bound "
-        << (error / bound).max().item<double>();
+        << c10::toString(dtype) << ": worst error / bound " << (error / bound).max().item<double>();
   }
   const auto w = loom::ops::sparse24_compress(random_24_weight(32, 64, at::kBFloat16));
   const auto why_shape = loom::ops::sparse24_unsupported(at::zeros({2, 32}, at::kBFloat16), w);
@@ -388,7 +399,8 @@ TEST(Sparse24Host, ProductIsTheFp64MatmulWithinTheStatedBound) {
   ASSERT_TRUE(why_dtype.has_value());
   EXPECT_NE(why_dtype->find("Half"), std::string::npos) << *why_dtype;
   const auto odd_rows = loom::ops::sparse24_compress(random_24_weight(24, 64, at::kBFloat16));
-  const auto why_rows = loom::ops::sparse24_unsupported(at::zeros({2, 64}, at::kBFloat16), odd_rows);
+  const auto why_rows =
+      loom::ops::sparse24_unsupported(at::zeros({2, 64}, at::kBFloat16), odd_rows);
   ASSERT_TRUE(why_rows.has_value());
   EXPECT_NE(why_rows->find("24"), std::string::npos) << *why_rows;
 }
@@ -402,9 +414,9 @@ TEST(BsrHost, ProductIsTheFp64MatmulWithinTheStatedBound) {
       const int64_t out = 3 * block, in = 4 * block;
       auto tiles = at::rand({3, 4}) < 0.5;
       tiles.select(0, 1).fill_(false);
-      const auto w = (at::randn({out, in}) *
-                      tiles.repeat_interleave(block, 0).repeat_interleave(block, 1))
-                         .to(dtype);
+      const auto w =
+          (at::randn({out, in}) * tiles.repeat_interleave(block, 0).repeat_interleave(block, 1))
+              .to(dtype);
       const auto c = loom::ops::bsr_compress(w, block);
       EXPECT_EQ(c.tile_col.numel(), tiles.sum().item<int64_t>());
       EXPECT_EQ(c.row_start[2].item<int32_t>(), c.row_start[1].item<int32_t>());  // empty row
@@ -412,8 +424,8 @@ TEST(BsrHost, ProductIsTheFp64MatmulWithinTheStatedBound) {
       const auto y = loom::ops::bsr_linear(x, c);
       const auto x64 = x.to(at::kDouble), w64 = w.to(at::kDouble);
       const auto exact = at::matmul(x64, w64.t());
-      const auto bound = loom::testing::sparse24_bound(
-          exact, at::matmul(x64.abs(), w64.abs().t()), dtype, in / 16, in);
+      const auto bound = loom::testing::sparse24_bound(exact, at::matmul(x64.abs(), w64.abs().t()),
+                                                       dtype, in / 16, in);
       EXPECT_TRUE(((y.to(at::kDouble) - exact).abs() <= bound).all().item<bool>())
           << block << " " << c10::toString(dtype);
       EXPECT_TRUE(at::all(y.select(-1, block + 3) == 0).item<bool>()) << "the empty tile row";
@@ -427,4 +439,3 @@ TEST(BsrHost, ProductIsTheFp64MatmulWithinTheStatedBound) {
 }
 
 }  // namespace
-

@@ -105,7 +105,9 @@ TEST(SparsityMasks, TransposableNofMKeepsNPerRowAndColumnAndTheLargestSuchPatter
                             .item<double>();
       EXPECT_NEAR(kept, best, 1e-12) << "block " << br << ", " << bc;
     }
-  EXPECT_TRUE(contains(error_of([&] { ops::transposable_n_of_m_mask(at::randn({8, 6}), 2, 4); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         ops::transposable_n_of_m_mask(at::randn({8, 6}), 2, 4);
+                       }),
                        "[8, 6] does not divide"));
   EXPECT_EQ(ops::SparsityPattern::parse("2:4t").describe(), "2:4t");
   EXPECT_TRUE(ops::SparsityPattern::parse("2:4t").transposable);
@@ -460,7 +462,8 @@ TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
   auto weight_keeping = [](int64_t kept_tiles) {
     auto tiles = at::zeros({16}, at::kBool);
     tiles.slice(0, 0, kept_tiles).fill_(true);
-    const auto mask = ops::expand_block_mask(tiles.index_select(0, at::randperm(16)).view({4, 4}), 16);
+    const auto mask =
+        ops::expand_block_mask(tiles.index_select(0, at::randperm(16)).view({4, 4}), 16);
     return at::randn({64, 64}, at::kDouble) * mask;
   };
   const Format block{Format::Kind::kBlock, 16};
@@ -477,8 +480,9 @@ TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
   const auto two_four =
       ops::choose_sparse_linear(x.to(at::kBFloat16), sparse_w, {Format::Kind::kTwoFour, 0});
   EXPECT_EQ(two_four.path, ops::SparseLinearPath::kMaskedDense);
-  EXPECT_TRUE(contains(ops::describe(two_four), "masked dense product (the 2:4 kernel runs on "
-                                                "CUDA; the input is on cpu)"))
+  EXPECT_TRUE(contains(ops::describe(two_four),
+                       "masked dense product (the 2:4 kernel runs on "
+                       "CUDA; the input is on cpu)"))
       << ops::describe(two_four);
   EXPECT_EQ(ops::choose_sparse_linear(x, sparse_w, {}).path, ops::SparseLinearPath::kDense);
 }

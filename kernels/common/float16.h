@@ -20,7 +20,9 @@ inline float bits_float(uint32_t x) {
   return f;
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_float(uint32_t(h) << 16);
+}
 
 inline uint16_t float_to_bf16(float f) {
   const uint32_t x = float_bits(f);
@@ -43,7 +45,7 @@ inline uint16_t float_to_fp16(float f) {
   const uint32_t x = float_bits(f);
   const auto sign = uint16_t((x >> 16) & 0x8000u);
   const uint32_t magnitude = x & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (magnitude > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
   if (magnitude >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal in fp16, in units of 2^-24
     // The scaling is exact and nearbyint rounds ties to even (the default rounding mode); 1024

@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/element_bits.h"
 #include "common/ptx.h"
 #include "sparse/bsr.h"
 
@@ -34,21 +35,14 @@ template <int B>
 struct BsrTile {
   static constexpr int kTokens = B == 32 ? 128 : 64;  // tokens per block
   static constexpr int kWarpTokens = kTokens / kWarps;
-  static constexpr int kM = B / 16;                   // m16 tiles per warp (all B rows)
-  static constexpr int kN = kWarpTokens / 8;          // n8 tiles per warp
-  static constexpr int kStride = B + 8;               // elements per shared row
+  static constexpr int kM = B / 16;           // m16 tiles per warp (all B rows)
+  static constexpr int kN = kWarpTokens / 8;  // n8 tiles per warp
+  static constexpr int kStride = B + 8;       // elements per shared row
   static constexpr int kTileBytes = B * kStride * 2;
   static constexpr int kStageBytes = kTileBytes + kTokens * kStride * 2;
   static constexpr int kSharedBytes = 2 * kStageBytes;
   static_assert(kN % 2 == 0 && kSharedBytes <= 48 * 1024 && kStageBytes % 16 == 0);
 };
-
-__device__ __forceinline__ uint16_t round_to(float v, __nv_bfloat16*) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-__device__ __forceinline__ uint16_t round_to(float v, __half*) {
-  return __half_as_ushort(__float2half_rn(v));
-}
 
 struct BsrArgs {
   const uint16_t* x;  // [tokens, cols]
@@ -121,9 +115,10 @@ __global__ void __launch_bounds__(kThreads) bsr_matmul_kernel(const BsrArgs a) {
         // Two n8 tiles: matrices (tokens 0-7, columns 0-7), (0-7, 8-15), (8-15, 0-7), (8-15,
         // 8-15), i.e. b0, b1 of the first tile, then of the second.
         uint32_t frag_b[4];
-        ldmatrix_x4(frag_b, xs + (warp * T::kWarpTokens + np * 16 + lane % 8 + 8 * (lane / 16)) *
-                                     T::kStride +
-                                 kk * 16 + 8 * (lane / 8 % 2));
+        ldmatrix_x4(
+            frag_b,
+            xs + (warp * T::kWarpTokens + np * 16 + lane % 8 + 8 * (lane / 16)) * T::kStride +
+                kk * 16 + 8 * (lane / 8 % 2));
 #pragma unroll
         for (int mi = 0; mi < T::kM; ++mi) {
           mma_16816<E>(acc[mi][2 * np], frag_a[mi], frag_b[0], frag_b[1]);
@@ -156,7 +151,9 @@ __global__ void __launch_bounds__(kThreads) bsr_matmul_kernel(const BsrArgs a) {
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 template <typename E, int B>
 Status launch(const BsrArgs& a, cudaStream_t stream) {
@@ -183,11 +180,12 @@ Status bsr_matmul(BsrDtype dtype, const void* x, int64_t tokens, const int32_t* 
   if (Status s = bsr_check(shape, tokens); !s.ok()) return s;
   if (tokens == 0 || shape.rows == 0) return Status::success();
   if (!aligned16(x) || !aligned16(values) || !aligned16(y) || row_start == nullptr)
-    return Status::invalid_argument("bsr_matmul: x, values and y must be 16-byte aligned and "
-                                    "row_start set");
-  const BsrArgs a{static_cast<const uint16_t*>(x), row_start, tile_col,
-                  static_cast<const uint16_t*>(values), static_cast<uint16_t*>(y), tokens,
-                  shape.rows, shape.cols};
+    return Status::invalid_argument(
+        "bsr_matmul: x, values and y must be 16-byte aligned and "
+        "row_start set");
+  const BsrArgs a{
+      static_cast<const uint16_t*>(x), row_start, tile_col,   static_cast<const uint16_t*>(values),
+      static_cast<uint16_t*>(y),       tokens,    shape.rows, shape.cols};
   const bool bf16 = dtype == BsrDtype::kBFloat16;
   if (shape.block == 32)
     return bf16 ? launch<__nv_bfloat16, 32>(a, stream) : launch<__half, 32>(a, stream);

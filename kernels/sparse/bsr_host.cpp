@@ -34,7 +34,8 @@ BsrHost bsr_from_dense_host(const uint16_t* dense, const BsrShape& s) {
       if (!kept) continue;
       out.tile_col.push_back(static_cast<int32_t>(c));
       for (int64_t i = 0; i < b; ++i)
-        for (int64_t j = 0; j < b; ++j) out.values.push_back(dense[(r * b + i) * s.cols + c * b + j]);
+        for (int64_t j = 0; j < b; ++j)
+          out.values.push_back(dense[(r * b + i) * s.cols + c * b + j]);
     }
     out.row_start.push_back(static_cast<int32_t>(out.tile_col.size()));
   }

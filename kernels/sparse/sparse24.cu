@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/element_bits.h"
 #include "common/ptx.h"
 #include "sparse/sparse24.h"
 #include "sparse/sparse24_chunk.h"
@@ -42,17 +43,10 @@ constexpr int kStageXBytes = kBlockTokens * kXStride * 2;
 constexpr int kStageMetaBytes = kBlockRows * 4;
 constexpr int kStageBytes = kStageValueBytes + kStageXBytes + kStageMetaBytes;
 constexpr int kSharedBytes =
-    2 * kStageBytes > kBlockTokens * kYStride * 2 ? 2 * kStageBytes : kBlockTokens * kYStride * 2;
+    2 * kStageBytes > kBlockTokens* kYStride * 2 ? 2 * kStageBytes : kBlockTokens* kYStride * 2;
 static_assert(kThreads == 256 && kStageBytes % 16 == 0 && kSharedBytes <= 48 * 1024);
 
 constexpr int kCompressThreads = 256;
-
-__device__ __forceinline__ uint16_t round_to(float v, __nv_bfloat16*) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-__device__ __forceinline__ uint16_t round_to(float v, __half*) {
-  return __half_as_ushort(__float2half_rn(v));
-}
 
 struct MatmulArgs {
   const uint16_t* x;       // [tokens, cols]
@@ -81,8 +75,8 @@ __device__ __forceinline__ void load_step(const MatmulArgs& a, unsigned char* st
   for (int q = 0; q < 2; ++q) {  // x: 128 tokens x 4 copies of 8 elements
     const int i = tid + q * kThreads, token = i / 4, part = i % 4;
     const bool in = token0 + token < a.tokens;
-    const uint16_t* src = in ? a.x + (token0 + token) * a.cols + step * kSparse24Step + part * 8
-                             : a.x;
+    const uint16_t* src =
+        in ? a.x + (token0 + token) * a.cols + step * kSparse24Step + part * 8 : a.x;
     cp_async_16(xs + token * kXStride + part * 8, src, in);
   }
   if (tid < kBlockRows / 4) {  // metadata: 128 words, 4 per copy (rows is a multiple of 16)
@@ -118,8 +112,8 @@ __global__ void __launch_bounds__(kThreads) sparse24_matmul_kernel(const MatmulA
   if (steps > 0) load_step(a, smem_raw, row0, token0, 0);
   cp_async_commit();
   for (int64_t step = 0; step < steps; ++step) {
-    if (step + 1 < steps) load_step(a, smem_raw + ((step + 1) % 2) * kStageBytes, row0, token0,
-                                    step + 1);
+    if (step + 1 < steps)
+      load_step(a, smem_raw + ((step + 1) % 2) * kStageBytes, row0, token0, step + 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -134,17 +128,17 @@ __global__ void __launch_bounds__(kThreads) sparse24_matmul_kernel(const MatmulA
       if (!tile_in[mi]) continue;
       const int r = warp_m * kWarpRows + mi * 16;
       // Matrices 0..3 of the x4 load: rows 0-7 / 8-15 of columns 0-7, then of columns 8-15.
-      ldmatrix_x4(frag_a[mi], values + (r + lane % 8 + 8 * (lane / 8 % 2)) * kValueStride +
-                                  8 * (lane / 16));
+      ldmatrix_x4(frag_a[mi],
+                  values + (r + lane % 8 + 8 * (lane / 8 % 2)) * kValueStride + 8 * (lane / 16));
       const uint32_t upper = meta[r + g + 8], lower = meta[r + g];
-      frag_e[mi] = t == 0 ? (lower & 0xffffu) | (upper << 16)
-                          : (lower >> 16) | (upper & 0xffff0000u);
+      frag_e[mi] =
+          t == 0 ? (lower & 0xffffu) | (upper << 16) : (lower >> 16) | (upper & 0xffff0000u);
     }
 #pragma unroll
     for (int ni = 0; ni < 8; ++ni) {
       uint32_t frag_b[4];  // matrix j: 8 tokens x columns 8j .. 8j + 7
-      ldmatrix_x4(frag_b, xs + (warp_n * kWarpTokens + ni * 8 + lane % 8) * kXStride +
-                              8 * (lane / 8));
+      ldmatrix_x4(frag_b,
+                  xs + (warp_n * kWarpTokens + ni * 8 + lane % 8) * kXStride + 8 * (lane / 8));
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
         if (tile_in[mi]) mma_sp_16832<E>(acc[mi][ni], frag_a[mi], frag_b, frag_e[mi]);
@@ -214,7 +208,9 @@ __global__ void __launch_bounds__(kCompressThreads) sparse24_compress_kernel(con
   if (violation >= 0) atomicMin(a.first_violation, violation);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 Status launched(const char* what) {
   const cudaError_t e = cudaGetLastError();
@@ -239,8 +235,12 @@ Status sparse24_compress(const void* dense, const Sparse24Shape& shape, void* va
     return Status::invalid_argument("sparse24_compress: " + std::to_string(work) +
                                     " (row, k-step) pairs is more than one launch covers");
   static_assert(sizeof(long long) == sizeof(int64_t));
-  CompressArgs a{static_cast<const uint16_t*>(dense), static_cast<uint16_t*>(values), meta,
-                 reinterpret_cast<long long*>(first_violation), shape.rows, shape.cols};
+  CompressArgs a{static_cast<const uint16_t*>(dense),
+                 static_cast<uint16_t*>(values),
+                 meta,
+                 reinterpret_cast<long long*>(first_violation),
+                 shape.rows,
+                 shape.cols};
   sparse24_compress_kernel<<<unsigned(blocks), kCompressThreads, 0, stream>>>(a);
   return launched("sparse24_compress");
 }
@@ -251,16 +251,22 @@ Status sparse24_matmul(Sparse24Dtype dtype, const void* x, int64_t tokens, const
   if (Status s = sparse24_matmul_check(shape, tokens); !s.ok()) return s;
   if (tokens == 0 || shape.rows == 0) return Status::success();
   if (!aligned16(x) || !aligned16(values) || !aligned16(meta) || !aligned16(y))
-    return Status::invalid_argument("sparse24_matmul: x, values, meta and y must be 16-byte "
-                                    "aligned");
+    return Status::invalid_argument(
+        "sparse24_matmul: x, values, meta and y must be 16-byte "
+        "aligned");
   const int64_t token_blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
   const int64_t row_blocks = (shape.rows + kBlockRows - 1) / kBlockRows;
   if (token_blocks > 0x7fffffff || row_blocks > 65535)
     return Status::invalid_argument("sparse24_matmul: " + std::to_string(tokens) + " tokens x " +
                                     std::to_string(shape.rows) +
                                     " rows is more than one launch covers (rows < 8388608)");
-  MatmulArgs a{static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), meta,
-               static_cast<uint16_t*>(y), tokens, shape.rows, shape.cols};
+  MatmulArgs a{static_cast<const uint16_t*>(x),
+               static_cast<const uint16_t*>(values),
+               meta,
+               static_cast<uint16_t*>(y),
+               tokens,
+               shape.rows,
+               shape.cols};
   const dim3 grid{unsigned(token_blocks), unsigned(row_blocks), 1u};
   if (dtype == Sparse24Dtype::kBFloat16)
     sparse24_matmul_kernel<__nv_bfloat16><<<grid, kThreads, kSharedBytes, stream>>>(a);
@@ -277,8 +283,7 @@ Status sparse24_device_check(int device) {
                               " cannot be selected");
   }
   cudaFuncAttributes attributes{};
-  const cudaError_t e =
-      cudaFuncGetAttributes(&attributes, sparse24_matmul_kernel<__nv_bfloat16>);
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, sparse24_matmul_kernel<__nv_bfloat16>);
   cudaSetDevice(previous);
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -44,7 +44,9 @@ struct Sparse24Shape {
 };
 
 // Sizes of the compressed form, in elements (values) and in 32-bit words (meta).
-inline int64_t sparse24_values_size(const Sparse24Shape& s) { return s.rows * (s.cols / 2); }
+inline int64_t sparse24_values_size(const Sparse24Shape& s) {
+  return s.rows * (s.cols / 2);
+}
 inline int64_t sparse24_meta_size(const Sparse24Shape& s) {
   return (s.cols / kSparse24Step) * s.rows;
 }
@@ -68,8 +70,8 @@ int64_t sparse24_decompress_host(const uint16_t* values, const uint32_t* meta,
 
 // y = x W^T on the host, in the kernel's summation order (above); y in the element type.
 void sparse24_matmul_host(Sparse24Dtype dtype, const uint16_t* x, int64_t tokens,
-                          const uint16_t* values, const uint32_t* meta,
-                          const Sparse24Shape& shape, uint16_t* y);
+                          const uint16_t* values, const uint32_t* meta, const Sparse24Shape& shape,
+                          uint16_t* y);
 
 // The same on the GPU: device pointers, asynchronous on `stream`.
 //   compress: `first_violation` points at one device int64 that the caller sets to -1 (or any

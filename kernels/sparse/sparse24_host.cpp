@@ -86,8 +86,8 @@ int64_t sparse24_decompress_host(const uint16_t* values, const uint32_t* meta,
 }
 
 void sparse24_matmul_host(Sparse24Dtype dtype, const uint16_t* x, int64_t tokens,
-                          const uint16_t* values, const uint32_t* meta,
-                          const Sparse24Shape& shape, uint16_t* y) {
+                          const uint16_t* values, const uint32_t* meta, const Sparse24Shape& shape,
+                          uint16_t* y) {
   const int64_t steps = shape.cols / kSparse24Step;
   for (int64_t r = 0; r < shape.rows; ++r) {
     for (int64_t t = 0; t < tokens; ++t) {
@@ -107,8 +107,8 @@ void sparse24_matmul_host(Sparse24Dtype dtype, const uint16_t* x, int64_t tokens
         }
         double step_sum = sum;
         for (int k = 0; k < kSparse24Step; ++k)
-          step_sum += double(w[k]) *
-                      double(to_float(dtype, x[t * shape.cols + s * kSparse24Step + k]));
+          step_sum +=
+              double(w[k]) * double(to_float(dtype, x[t * shape.cols + s * kSparse24Step + k]));
         sum = float(step_sum);
       }
       y[t * shape.rows + r] = from_float(dtype, sum);

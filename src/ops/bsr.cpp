@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -18,7 +19,9 @@ namespace {
 
 namespace k = loom::kernels;
 
-k::BsrShape shape_of(const BsrWeight& w) { return {w.out_features, w.in_features, w.block}; }
+k::BsrShape shape_of(const BsrWeight& w) {
+  return {w.out_features, w.in_features, w.block};
+}
 
 k::BsrDtype dtype_of(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 ? k::BsrDtype::kBFloat16 : k::BsrDtype::kFloat16;
@@ -41,30 +44,16 @@ BsrWeight bsr_compress(const at::Tensor& w, int64_t block) {
   const auto index = kept.flatten().nonzero().flatten();
   out.values = tiles.reshape({r * c, block, block}).index_select(0, index).contiguous();
   out.tile_col = (index % c).to(at::kInt).contiguous();
-  out.row_start = at::cat({at::zeros({1}, kept.options().dtype(at::kLong)),
-                           kept.sum(1).cumsum(0)})
+  out.row_start = at::cat({at::zeros({1}, kept.options().dtype(at::kLong)), kept.sum(1).cumsum(0)})
                       .to(at::kInt)
                       .contiguous();
   return out;
 }
 
 std::optional<std::string> bsr_unsupported(const at::Tensor& x, const BsrWeight& w) {
-  if (x.dim() < 1 || x.size(-1) != w.in_features)
-    return fmt::format("x must be [..., {}] (the weight's input features); got shape {}",
-                       w.in_features, x.sizes());
-  if (x.scalar_type() != w.values.scalar_type())
-    return fmt::format("x is {} but the weight is {}", c10::toString(x.scalar_type()),
-                       c10::toString(w.values.scalar_type()));
-  if (x.device() != w.values.device())
-    return fmt::format("x is on {} but the weight on {}", x.device().str(),
-                       w.values.device().str());
+  if (auto why = detail::linear_input_problem(x, w.in_features, w.values)) return why;
   if (!x.is_cuda()) return std::nullopt;
-  if (!built_with_cuda()) return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";
-  const int cc = cuda_compute_capability(x.device().index());
-  if (cc < 80)
-    return fmt::format("the block-sparse kernel needs compute capability 8.0 or newer; {} has {}",
-                       x.device().str(), cc < 0 ? "none" : fmt::format("{}.{}", cc / 10, cc % 10));
-  return std::nullopt;
+  return detail::sm80_problem(x, "the block-sparse kernel (mma.sync)");
 }
 
 at::Tensor bsr_linear(const at::Tensor& x, const BsrWeight& w) {
@@ -76,10 +65,10 @@ at::Tensor bsr_linear(const at::Tensor& x, const BsrWeight& w) {
   if (x2.is_cuda()) {
 #ifdef LOOM_WITH_CUDA
     const c10::cuda::CUDAGuard guard(x2.device());
-    const auto s = k::bsr_matmul(dtype_of(x2), x2.data_ptr(), tokens,
-                                 w.row_start.data_ptr<int32_t>(), w.tile_col.data_ptr<int32_t>(),
-                                 w.values.data_ptr(), shape_of(w), y.data_ptr(),
-                                 c10::cuda::getCurrentCUDAStream().stream());
+    const auto s =
+        k::bsr_matmul(dtype_of(x2), x2.data_ptr(), tokens, w.row_start.data_ptr<int32_t>(),
+                      w.tile_col.data_ptr<int32_t>(), w.values.data_ptr(), shape_of(w),
+                      y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(s.ok(), "bsr_linear: {}", s.message);
 #endif
   } else {

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -24,18 +25,8 @@ namespace {
 // Whether this build has the kernel for `device` (asked once per device: it does not change).
 std::optional<std::string> kernel_image_missing(int device) {
 #ifdef LOOM_WITH_CUDA
-  static std::mutex mutex;
-  static std::map<int, std::optional<std::string>> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    const auto status = kernels::flash_attention_device_check(device);
-    it = known
-             .emplace(device,
-                      status.ok() ? std::nullopt : std::optional<std::string>(status.message))
-             .first;
-  }
-  return it->second;
+  return detail::kernel_image_missing("flash_attention", device,
+                                      kernels::flash_attention_device_check);
 #else
   (void)device;
   return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";

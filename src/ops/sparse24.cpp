@@ -2,9 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include <map>
-#include <mutex>
-
+#include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -21,31 +19,17 @@ namespace {
 
 namespace k = loom::kernels;
 
-k::Sparse24Shape shape_of(const Sparse24Weight& w) { return {w.out_features, w.in_features}; }
+k::Sparse24Shape shape_of(const Sparse24Weight& w) {
+  return {w.out_features, w.in_features};
+}
 
 k::Sparse24Dtype dtype_of(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 ? k::Sparse24Dtype::kBFloat16
                                           : k::Sparse24Dtype::kFloat16;
 }
 
-const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
-
-// Whether this build has the kernels for `device` (asked once per device).
-std::optional<std::string> kernel_image_missing(int device) {
-#ifdef LOOM_WITH_CUDA
-  static std::mutex mutex;
-  static std::map<int, std::optional<std::string>> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find(device);
-  if (it == known.end()) {
-    const auto status = k::sparse24_device_check(device);
-    it = known.emplace(device, status.ok() ? std::nullopt : std::optional(status.message)).first;
-  }
-  return it->second;
-#else
-  (void)device;
-  return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";
-#endif
+const uint16_t* bits(const at::Tensor& t) {
+  return static_cast<const uint16_t*>(t.data_ptr());
 }
 
 bool aligned16(const at::Tensor& t) {
@@ -93,10 +77,9 @@ Sparse24Weight sparse24_compress(const at::Tensor& w) {
     const c10::cuda::CUDAGuard guard(dense.device());
     const int64_t none = out.out_features * out.in_features;
     auto violation = at::full({1}, none, dense.options().dtype(at::kLong));
-    const auto s = k::sparse24_compress(dense.data_ptr(), shape, out.values.data_ptr(),
-                                        static_cast<uint32_t*>(out.meta.data_ptr()),
-                                        violation.data_ptr<int64_t>(),
-                                        c10::cuda::getCurrentCUDAStream().stream());
+    const auto s = k::sparse24_compress(
+        dense.data_ptr(), shape, out.values.data_ptr(), static_cast<uint32_t*>(out.meta.data_ptr()),
+        violation.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(s.ok(), "sparse24_compress: {}", s.message);
     first_violation = violation.item<int64_t>();
     if (first_violation == none) first_violation = -1;
@@ -116,24 +99,17 @@ Sparse24Weight sparse24_compress(const at::Tensor& w) {
 }
 
 std::optional<std::string> sparse24_unsupported(const at::Tensor& x, const Sparse24Weight& w) {
-  if (x.dim() < 1 || x.size(-1) != w.in_features)
-    return fmt::format("x must be [..., {}] (the weight's input features); got shape {}",
-                       w.in_features, x.sizes());
-  if (x.scalar_type() != w.values.scalar_type())
-    return fmt::format("x is {} but the weight is {}", c10::toString(x.scalar_type()),
-                       c10::toString(w.values.scalar_type()));
-  if (x.device() != w.values.device())
-    return fmt::format("x is on {} but the weight on {}", x.device().str(),
-                       w.values.device().str());
+  if (auto why = detail::linear_input_problem(x, w.in_features, w.values)) return why;
   const auto status = k::sparse24_matmul_check(shape_of(w), 0);
   if (!status.ok()) return status.message;
   if (!x.is_cuda()) return std::nullopt;
-  if (!built_with_cuda()) return "this loom was built without CUDA (LOOM_WITH_CUDA=OFF)";
-  const int cc = cuda_compute_capability(x.device().index());
-  if (cc < 80)
-    return fmt::format("the 2:4 kernel needs compute capability 8.0 or newer (mma.sp); {} has {}",
-                       x.device().str(), cc < 0 ? "none" : fmt::format("{}.{}", cc / 10, cc % 10));
-  return kernel_image_missing(static_cast<int>(x.device().index()));
+  if (auto why = detail::sm80_problem(x, "the 2:4 kernel (mma.sp)")) return why;
+#ifdef LOOM_WITH_CUDA
+  return detail::kernel_image_missing("sparse24", static_cast<int>(x.device().index()),
+                                      k::sparse24_device_check);
+#else
+  return std::nullopt;
+#endif
 }
 
 at::Tensor sparse24_linear(const at::Tensor& x, const Sparse24Weight& w) {
@@ -148,9 +124,9 @@ at::Tensor sparse24_linear(const at::Tensor& x, const Sparse24Weight& w) {
     const c10::cuda::CUDAGuard guard(x2.device());
     LOOM_CHECK(aligned16(w.values) && aligned16(w.meta),
                "sparse24_linear: the weight's values and metadata must start 16-byte aligned");
-    const auto s = k::sparse24_matmul(dtype_of(x2), x2.data_ptr(), tokens, w.values.data_ptr(),
-                                      meta, shape_of(w), y.data_ptr(),
-                                      c10::cuda::getCurrentCUDAStream().stream());
+    const auto s =
+        k::sparse24_matmul(dtype_of(x2), x2.data_ptr(), tokens, w.values.data_ptr(), meta,
+                           shape_of(w), y.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(s.ok(), "sparse24_linear: {}", s.message);
 #endif
   } else {

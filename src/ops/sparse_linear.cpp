@@ -4,6 +4,8 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <utility>
+
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/block_sparse.h"
@@ -28,15 +30,31 @@ at::Tensor kept_tiles(const at::Tensor& weight, int64_t block) {
   return weight.detach().ne(0).reshape({out / block, block, in / block, block}).any(3).any(1);
 }
 
+// The operands in the compute dtype, saved for backward with the dtypes the gradients go back to.
+std::pair<at::Tensor, at::Tensor> save_operands(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& weight,
+                                                at::ScalarType dtype) {
+  auto xc = x.to(dtype), wc = weight.to(dtype);
+  ctx->save_for_backward({xc, wc});
+  ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+  ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+  return {xc, wc};
+}
+
+at::ScalarType saved_dtype(torch::autograd::AutogradContext* ctx, const char* name) {
+  return static_cast<at::ScalarType>(ctx->saved_data[name].toInt());
+}
+
+// The weight gradient dy^T x over every token.
+at::Tensor weight_grad(const at::Tensor& gy, const at::Tensor& xc) {
+  return at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)}));
+}
+
 // Forward on the 2:4 kernel; backward by dense products in the compute dtype.
 struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, at::ScalarType dtype, bool transposable) {
-    const auto xc = x.to(dtype);
-    const auto wc = weight.to(dtype);
-    ctx->save_for_backward({xc, wc});
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    const auto [xc, wc] = save_operands(ctx, x, weight, dtype);
     ctx->saved_data["transposable"] = transposable;
     return sparse24_linear(xc, sparse24_compress(wc));
   }
@@ -47,14 +65,13 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
     const auto& wc = saved[1];
     const auto gy = grads[0].to(wc.scalar_type());
     // dy W = dy (W^T)^T: the kernel on W^T when that is 2:4 too and its shape fits the kernel.
-    const bool sparse_dx = ctx->saved_data["transposable"].toBool() && wc.size(1) % 16 == 0 &&
-                           wc.size(0) % 32 == 0;
-    const auto gx = (sparse_dx ? sparse24_linear(gy.contiguous(),
-                                                 sparse24_compress(wc.t().contiguous()))
-                               : at::matmul(gy, wc))
-                        .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
-    const auto gw = at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)}))
-                        .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    const bool sparse_dx =
+        ctx->saved_data["transposable"].toBool() && wc.size(1) % 16 == 0 && wc.size(0) % 32 == 0;
+    const auto gx =
+        (sparse_dx ? sparse24_linear(gy.contiguous(), sparse24_compress(wc.t().contiguous()))
+                   : at::matmul(gy, wc))
+            .to(saved_dtype(ctx, "x_dtype"));
+    const auto gw = weight_grad(gy, xc).to(saved_dtype(ctx, "w_dtype"));
     return {gx, gw, at::Tensor(), at::Tensor()};
   }
 };
@@ -64,11 +81,7 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
 struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, at::ScalarType dtype, int64_t block) {
-    const auto xc = x.to(dtype);
-    const auto wc = weight.to(dtype);
-    ctx->save_for_backward({xc, wc});
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    const auto [xc, wc] = save_operands(ctx, x, weight, dtype);
     ctx->saved_data["block"] = block;
     return bsr_linear(xc, bsr_compress(wc, block));
   }
@@ -79,13 +92,11 @@ struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
     const auto& wc = saved[1];
     const int64_t block = ctx->saved_data["block"].toInt();
     const auto gy = grads[0].to(wc.scalar_type()).contiguous();
-    const auto gx = bsr_linear(gy, bsr_compress(wc.t().contiguous(), block))
-                        .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    const auto gx =
+        bsr_linear(gy, bsr_compress(wc.t().contiguous(), block)).to(saved_dtype(ctx, "x_dtype"));
     const auto tiles = kept_tiles(wc, block);
     const auto mask = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1);
-    const auto gw = (at::matmul(gy.reshape({-1, gy.size(-1)}).t(), xc.reshape({-1, xc.size(-1)})) *
-                     mask)
-                        .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    const auto gw = (weight_grad(gy, xc) * mask).to(saved_dtype(ctx, "w_dtype"));
     return {gx, gw, at::Tensor(), at::Tensor()};
   }
 };
@@ -103,8 +114,8 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
       return {};
     case Kind::kTwoFour: {
       if (!x.is_cuda())
-        return dense(fmt::format("the 2:4 kernel runs on CUDA; the input is on {}",
-                                 x.device().str()));
+        return dense(
+            fmt::format("the 2:4 kernel runs on CUDA; the input is on {}", x.device().str()));
       const auto dtype = compute_dtype(x);
       if (dtype != at::kBFloat16 && dtype != at::kHalf)
         return dense(fmt::format("the 2:4 kernel takes bf16 or fp16; this layer computes in {}",
@@ -114,8 +125,8 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
       shape.out_features = weight.size(0);
       shape.in_features = weight.size(1);
       shape.values = at::empty({0}, x.options().dtype(dtype));
-      if (auto why = sparse24_unsupported(at::empty({0, weight.size(1)}, shape.values.options()),
-                                          shape))
+      if (auto why =
+              sparse24_unsupported(at::empty({0, weight.size(1)}, shape.values.options()), shape))
         return dense(*why);
       return {SparseLinearPath::kTwoFourCuda, ""};
     }
@@ -123,17 +134,19 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
       if (x.is_cuda()) {
         const auto dtype = compute_dtype(x);
         if (format.block != 32 && format.block != 64)
-          return dense(fmt::format("the block-sparse CUDA kernel takes 32 x 32 or 64 x 64 tiles, "
-                                   "not {} x {}",
-                                   format.block, format.block));
+          return dense(
+              fmt::format("the block-sparse CUDA kernel takes 32 x 32 or 64 x 64 tiles, "
+                          "not {} x {}",
+                          format.block, format.block));
         if (dtype != at::kBFloat16 && dtype != at::kHalf)
-          return dense(fmt::format("the block-sparse CUDA kernel takes bf16 or fp16; this layer "
-                                   "computes in {}",
-                                   c10::toString(dtype)));
+          return dense(
+              fmt::format("the block-sparse CUDA kernel takes bf16 or fp16; this layer "
+                          "computes in {}",
+                          c10::toString(dtype)));
         BsrWeight shape{weight.size(0), weight.size(1), format.block, {}, {}, {}};
         shape.values = at::empty({0}, x.options().dtype(dtype));
-        if (auto why = bsr_unsupported(at::empty({0, weight.size(1)}, shape.values.options()),
-                                       shape))
+        if (auto why =
+                bsr_unsupported(at::empty({0, weight.size(1)}, shape.values.options()), shape))
           return dense(*why);
       } else if (!x.is_cpu()) {
         return dense(fmt::format("no block-sparse kernel on {}", x.device().str()));
@@ -141,10 +154,10 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
       const auto tiles = kept_tiles(weight, format.block);
       const double dropped = 1.0 - tiles.to(at::kDouble).mean().item<double>();
       if (dropped < kBlockSparseMinTileSparsity)
-        return dense(fmt::format("{:.0f}% of the {}x{} tiles are dropped, below the {:.0f}% at "
-                                 "which the block-sparse CPU product is faster",
-                                 100 * dropped, format.block, format.block,
-                                 100 * kBlockSparseMinTileSparsity));
+        return dense(fmt::format(
+            "{:.0f}% of the {}x{} tiles are dropped, below the {:.0f}% at "
+            "which the block-sparse CPU product is faster",
+            100 * dropped, format.block, format.block, 100 * kBlockSparseMinTileSparsity));
       return {x.is_cuda() ? SparseLinearPath::kBlockCuda : SparseLinearPath::kBlockCpu, ""};
     }
   }

@@ -142,8 +142,13 @@ at::Tensor transposable_n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m) {
   }
   const auto index = at::tensor(positions, at::kLong).view({patterns, n * m});
   const int64_t r = w.size(0) / m, c = w.size(1) / m;
-  const auto blocks = w.detach().abs().to(at::kDouble).cpu().reshape({r, m, c, m}).permute(
-      {0, 2, 1, 3}).reshape({r * c, m * m});
+  const auto blocks = w.detach()
+                          .abs()
+                          .to(at::kDouble)
+                          .cpu()
+                          .reshape({r, m, c, m})
+                          .permute({0, 2, 1, 3})
+                          .reshape({r * c, m * m});
   auto best = at::empty({r * c}, at::kLong);
   // In chunks (the scores are blocks x patterns), each score a sum in the pattern's position
   // order: elementwise adds, so the same on every rank whatever the chunk.

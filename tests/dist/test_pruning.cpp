@@ -48,12 +48,16 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
   const int64_t n = world().size();
   std::vector<PruneLayout> layouts;
   if (n == 2) {
-    layouts = {{2, 1, 1, 0, "unstructured", "global"}, {1, 2, 1, 0, "unstructured", "global"},
-               {1, 2, 1, 0, "block:16", "layer"},      {1, 1, 2, 0, "unstructured", "global"},
-               {1, 1, 2, 0, "2:4", "layer"},           {2, 1, 1, 1, "unstructured", "layer"},
+    layouts = {{2, 1, 1, 0, "unstructured", "global"},
+               {1, 2, 1, 0, "unstructured", "global"},
+               {1, 2, 1, 0, "block:16", "layer"},
+               {1, 1, 2, 0, "unstructured", "global"},
+               {1, 1, 2, 0, "2:4", "layer"},
+               {2, 1, 1, 1, "unstructured", "layer"},
                // Transposable 2:4; block:16 at 87.5 %, where the layers take the block-sparse
                // CPU product (at tp 2: the column and row shards each their own).
-               {1, 2, 1, 0, "2:4t", "layer"},          {1, 2, 1, 0, "block:16", "layer", 0.875}};
+               {1, 2, 1, 0, "2:4t", "layer"},
+               {1, 2, 1, 0, "block:16", "layer", 0.875}};
   } else if (n == 4) {
     layouts = {{2, 2, 1, 0, "unstructured", "global"},
                {1, 2, 2, 0, "unstructured", "global"},
@@ -81,7 +85,8 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
     if (l.pattern.starts_with("block") && l.to >= ops::kBlockSparseMinTileSparsity) {
       int64_t block_sparse = 0;
       for (const auto& item : t.model().named_modules())
-        if (const auto* p = dynamic_cast<loom::parallel::tensor::PrunableLinear*>(item.value().get()))
+        if (const auto* p =
+                dynamic_cast<loom::parallel::tensor::PrunableLinear*>(item.value().get()))
           block_sparse += p->last_path() == ops::SparseLinearPath::kBlockCpu;
       EXPECT_GT(block_sparse, 0) << "no layer took the block-sparse product";
     }

@@ -18,9 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "common/float16.h"
-#include "emulated_cuda_runtime.h"
-#include "guarded_buffer.h"
+#include "emulated_test_util.h"
 #include "sparse/bsr.h"
 
 namespace {
@@ -29,27 +27,13 @@ namespace k = loom::kernels;
 using k::BsrDtype;
 using k::BsrShape;
 
-constexpr uint16_t kNaN16 = 0x7FFF;
-
-float to_float(BsrDtype dtype, uint16_t bits) {
-  return dtype == BsrDtype::kBFloat16 ? k::bf16_to_float(bits) : k::fp16_to_float(bits);
-}
-
-uint16_t from_float(BsrDtype dtype, float v) {
-  return dtype == BsrDtype::kBFloat16 ? k::float_to_bf16(v) : k::float_to_fp16(v);
-}
-
-template <typename T>
-T* guarded_copy(GuardedBuffer& buffer, const std::vector<T>& v) {
-  buffer = GuardedBuffer(std::max<size_t>(v.size(), 1) * sizeof(T));
-  T* p = static_cast<T*>(buffer.data());
-  if (!v.empty()) std::memcpy(p, v.data(), v.size() * sizeof(T));
-  return p;
-}
+using emulated_test::guarded_copy;
+using emulated_test::kNaN16;
 
 // `kept` of every tile kept at random; tile row 1 (when there is one) empty, the last one full.
 bool run(BsrDtype dtype, const BsrShape& s, int64_t tokens, double kept, uint32_t seed) {
   const int errors_before = emulation::error_count;
+  const bool bf16 = dtype == BsrDtype::kBFloat16;
   std::mt19937 gen(seed);
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<double> uniform;
@@ -61,11 +45,12 @@ bool run(BsrDtype dtype, const BsrShape& s, int64_t tokens, double kept, uint32_
       if (!keep) continue;
       for (int64_t i = 0; i < b; ++i)
         for (int64_t j = 0; j < b; ++j)
-          dense[size_t((r * b + i) * s.cols + c * b + j)] = from_float(dtype, normal(gen));
+          dense[size_t((r * b + i) * s.cols + c * b + j)] =
+              emulated_test::from_float(bf16, normal(gen));
     }
   const auto bsr = k::bsr_from_dense_host(dense.data(), s);
   std::vector<uint16_t> x(size_t(tokens * s.cols));
-  for (auto& e : x) e = from_float(dtype, normal(gen));
+  for (auto& e : x) e = emulated_test::from_float(bf16, normal(gen));
   std::vector<uint16_t> want(size_t(tokens * s.rows));
   k::bsr_matmul_host(dtype, x.data(), tokens, bsr.row_start.data(), bsr.tile_col.data(),
                      bsr.values.data(), s, want.data());
@@ -79,41 +64,18 @@ bool run(BsrDtype dtype, const BsrShape& s, int64_t tokens, double kept, uint32_
   const auto status = k::bsr_matmul(dtype, x_d, tokens, rows_d, cols_d, values_d, s, y_d, nullptr);
   std::string problem;
   if (!status.ok()) problem = "bsr_matmul: " + status.message;
-  int64_t differ = 0, unwritten = 0, out_of_bound = 0;
+  // One fp32 rounding of the running sum per 16 columns (each mma).
   double worst = 0;
-  for (int64_t t = 0; t < tokens && problem.empty(); ++t)
-    for (int64_t r = 0; r < s.rows; ++r) {
-      const uint16_t got = y_d[t * s.rows + r];
-      if (std::isnan(to_float(dtype, got))) ++unwritten;
-      if (got != want[size_t(t * s.rows + r)]) ++differ;
-      // fp64 product; bound: the final rounding (2^-8 bf16, 2^-11 fp16, of |y|) plus one fp32
-      // rounding of the running sum per 16 columns (2^-24 of sum |w x|), plus the double sums.
-      double exact = 0, magnitude = 0;
-      for (int64_t c = 0; c < s.cols; ++c) {
-        const double p = double(to_float(dtype, dense[size_t(r * s.cols + c)])) *
-                         double(to_float(dtype, x[size_t(t * s.cols + c)]));
-        exact += p;
-        magnitude += std::fabs(p);
-      }
-      const double unit = dtype == BsrDtype::kBFloat16 ? 0x1p-8 : 0x1p-11;
-      const double bound = unit * std::fabs(exact) * 1.01 +
-                           (double(s.cols / 16) * 0x1p-24 + double(s.cols) * 0x1p-53) * magnitude +
-                           1e-30;
-      const double error = std::fabs(double(to_float(dtype, got)) - exact);
-      if (error > bound) ++out_of_bound;
-      if (magnitude > 0) worst = std::max(worst, error / magnitude);
-    }
-  if (problem.empty() && (differ || unwritten || out_of_bound))
-    problem = std::to_string(differ) + " elements differ from the reference, " +
-              std::to_string(unwritten) + " not written, " + std::to_string(out_of_bound) +
-              " outside the fp64 bound";
+  if (problem.empty())
+    problem = emulated_test::check_product(bf16, y_d, want, x, dense, tokens, s.rows, s.cols,
+                                           s.cols / 16, &worst);
   if (emulation::error_count != errors_before) problem += " (emulation errors)";
-  std::printf("%s  %s block %lld: [%lld tokens x %lld] x [%lld x %lld]^T, %zu of %lld tiles kept "
-              "(worst |y - exact| / sum|w x| %.2e)%s\n",
-              problem.empty() ? "ok  " : "FAIL", dtype == BsrDtype::kBFloat16 ? "bf16" : "fp16",
-              (long long)b, (long long)tokens, (long long)s.cols, (long long)s.rows,
-              (long long)s.cols, bsr.tile_col.size(), (long long)(tile_rows * tile_cols), worst,
-              problem.empty() ? "" : (": " + problem).c_str());
+  std::printf(
+      "%s  %s block %lld: [%lld tokens x %lld] x [%lld x %lld]^T, %zu of %lld tiles kept "
+      "(worst |y - exact| / sum|w x| %.2e)%s\n",
+      problem.empty() ? "ok  " : "FAIL", bf16 ? "bf16" : "fp16", (long long)b, (long long)tokens,
+      (long long)s.cols, (long long)s.rows, (long long)s.cols, bsr.tile_col.size(),
+      (long long)(tile_rows * tile_cols), worst, problem.empty() ? "" : (": " + problem).c_str());
   return problem.empty();
 }
 
@@ -128,8 +90,8 @@ int main() {
     double kept;
   };
   const Case cases[] = {
-      {{32, 32, 32}, 1, 1.0},      {{96, 128, 32}, 130, 0.4},  {{128, 64, 32}, 0, 0.5},
-      {{64, 128, 64}, 70, 0.5},    {{192, 192, 64}, 64, 0.3},  {{64, 64, 64}, 5, 1.0},
+      {{32, 32, 32}, 1, 1.0},   {{96, 128, 32}, 130, 0.4}, {{128, 64, 32}, 0, 0.5},
+      {{64, 128, 64}, 70, 0.5}, {{192, 192, 64}, 64, 0.3}, {{64, 64, 64}, 5, 1.0},
   };
   int failed = 0, runs = 0;
   for (const auto& c : cases)
@@ -147,9 +109,5 @@ int main() {
   std::printf("%s  block 48 and a weight of 96 x 80 in 32-blocks are refused: %s / %s\n",
               refused ? "ok  " : "FAIL", bad_block.message.c_str(), bad_shape.message.c_str());
   failed += !refused;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("%d runs, %d failed, %d emulation errors; %ld blocks emulated in %.1f s\n", runs + 1,
-              failed, emulation::error_count, emulation::blocks_run, seconds);
-  return failed > 0 || emulation::error_count > 0 ? 1 : 0;
+  return emulated_test::finish(runs + 1, failed, start);
 }

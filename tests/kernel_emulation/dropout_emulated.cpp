@@ -21,8 +21,7 @@
 #include <vector>
 
 #include "dropout/dropout.h"
-#include "emulated_cuda_runtime.h"
-#include "guarded_buffer.h"
+#include "emulated_test_util.h"
 
 namespace {
 
@@ -178,9 +177,5 @@ int main() {
   std::printf("%s  a slice outside the logical tensor is refused: %s\n", refused ? "ok  " : "FAIL",
               status.message.c_str());
   failed += !refused;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("%d runs, %d failed, %d emulation errors; %ld blocks emulated in %.1f s\n", runs + 1,
-              failed, emulation::error_count, emulation::blocks_run, seconds);
-  return failed > 0 || emulation::error_count > 0 ? 1 : 0;
+  return emulated_test::finish(runs + 1, failed, start);
 }

@@ -21,9 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "common/float16.h"
-#include "emulated_cuda_runtime.h"
-#include "guarded_buffer.h"
+#include "emulated_test_util.h"
 #include "sparse/sparse24.h"
 
 namespace {
@@ -32,14 +30,11 @@ namespace k = loom::kernels;
 using k::Sparse24Dtype;
 using k::Sparse24Shape;
 
-constexpr uint16_t kNaN16 = 0x7FFF;  // a NaN in both bf16 and fp16
-
-float to_float(Sparse24Dtype dtype, uint16_t bits) {
-  return dtype == Sparse24Dtype::kBFloat16 ? k::bf16_to_float(bits) : k::fp16_to_float(bits);
-}
+using emulated_test::guarded_copy;
+using emulated_test::kNaN16;
 
 uint16_t from_float(Sparse24Dtype dtype, float v) {
-  return dtype == Sparse24Dtype::kBFloat16 ? k::float_to_bf16(v) : k::float_to_fp16(v);
+  return emulated_test::from_float(dtype == Sparse24Dtype::kBFloat16, v);
 }
 
 // A 2:4 weight: per chunk 0, 1 or 2 nonzeros at random columns (mostly 2), a few -0 zeros; with
@@ -70,14 +65,6 @@ std::vector<uint16_t> random_weight(Sparse24Dtype dtype, const Sparse24Shape& s,
   return w;
 }
 
-template <typename T>
-T* guarded_copy(GuardedBuffer& buffer, const std::vector<T>& v) {
-  buffer = GuardedBuffer(std::max<size_t>(v.size(), 1) * sizeof(T));
-  T* p = static_cast<T*>(buffer.data());
-  if (!v.empty()) std::memcpy(p, v.data(), v.size() * sizeof(T));
-  return p;
-}
-
 bool report(const std::string& what, const std::string& problem, int errors_before) {
   std::string p = problem;
   if (emulation::error_count != errors_before) p += " (emulation errors)";
@@ -96,7 +83,8 @@ bool compress_case(const Sparse24Shape& s, int violations, uint32_t seed) {
 
   GuardedBuffer dense_buffer, values_buffer, meta_buffer, violation_buffer;
   const uint16_t* dense_d = guarded_copy(dense_buffer, dense);
-  uint16_t* values_d = guarded_copy(values_buffer, std::vector<uint16_t>(want_values.size(), kNaN16));
+  uint16_t* values_d =
+      guarded_copy(values_buffer, std::vector<uint16_t>(want_values.size(), kNaN16));
   uint32_t* meta_d = guarded_copy(meta_buffer, std::vector<uint32_t>(want_meta.size(), ~0u));
   int64_t* violation_d = guarded_copy(violation_buffer, std::vector<int64_t>{-1});
   *violation_d = s.rows * s.cols;  // the caller's "none yet"
@@ -104,9 +92,8 @@ bool compress_case(const Sparse24Shape& s, int violations, uint32_t seed) {
   std::string problem;
   if (!status.ok()) problem = "sparse24_compress: " + status.message;
   const int64_t got_violation = *violation_d == s.rows * s.cols ? -1 : *violation_d;
-  if (problem.empty() &&
-      (std::memcmp(values_d, want_values.data(), want_values.size() * 2) != 0 ||
-       std::memcmp(meta_d, want_meta.data(), want_meta.size() * 4) != 0))
+  if (problem.empty() && (std::memcmp(values_d, want_values.data(), want_values.size() * 2) != 0 ||
+                          std::memcmp(meta_d, want_meta.data(), want_meta.size() * 4) != 0))
     problem = "values or metadata differ from the reference";
   if (problem.empty() && got_violation != want_violation)
     problem = "first violation " + std::to_string(got_violation) + ", the reference says " +
@@ -148,37 +135,15 @@ bool matmul_case(Sparse24Dtype dtype, const Sparse24Shape& s, int64_t tokens, ui
   const auto status = k::sparse24_matmul(dtype, x_d, tokens, values_d, meta_d, s, y_d, nullptr);
   std::string problem;
   if (!status.ok()) problem = "sparse24_matmul: " + status.message;
-  int64_t differ = 0, unwritten = 0, out_of_bound = 0;
+  // One fp32 rounding of the running sum per 32-column k-step.
   double worst = 0;
-  for (int64_t t = 0; t < tokens && problem.empty(); ++t)
-    for (int64_t r = 0; r < s.rows; ++r) {
-      const uint16_t got = y_d[t * s.rows + r];
-      if (std::isnan(to_float(dtype, got))) ++unwritten;
-      if (got != want[size_t(t * s.rows + r)]) ++differ;
-      // The fp64 product, and the bound: one rounding to the element type (2^-8 of |y| in bf16,
-      // 2^-11 in fp16) plus the fp32 roundings of the running sum, one per k-step, each at most
-      // 2^-24 of the sum of |w x| so far (and the double sums within a step, 2^-53 per term).
-      double exact = 0, magnitude = 0;
-      for (int64_t c = 0; c < s.cols; ++c) {
-        const double p = double(to_float(dtype, dense[size_t(r * s.cols + c)])) *
-                         double(to_float(dtype, x[size_t(t * s.cols + c)]));
-        exact += p;
-        magnitude += std::fabs(p);
-      }
-      const double unit = dtype == Sparse24Dtype::kBFloat16 ? 0x1p-8 : 0x1p-11;
-      const double bound = unit * std::fabs(exact) * 1.01 +
-                           double(s.cols / k::kSparse24Step) * 0x1p-24 * magnitude +
-                           double(s.cols) * 0x1p-53 * magnitude + 1e-30;
-      const double error = std::fabs(double(to_float(dtype, got)) - exact);
-      if (error > bound) ++out_of_bound;
-      if (magnitude > 0) worst = std::max(worst, error / magnitude);
-    }
-  if (problem.empty() && (differ || unwritten || out_of_bound))
-    problem = std::to_string(differ) + " elements differ from the reference, " +
-              std::to_string(unwritten) + " not written, " + std::to_string(out_of_bound) +
-              " outside the fp64 bound";
+  if (problem.empty())
+    problem =
+        emulated_test::check_product(dtype == Sparse24Dtype::kBFloat16, y_d, want, x, dense, tokens,
+                                     s.rows, s.cols, s.cols / k::kSparse24Step, &worst);
   char what[160];
-  std::snprintf(what, sizeof what, "matmul %s: [%lld tokens x %lld] x [%lld x %lld]^T (worst "
+  std::snprintf(what, sizeof what,
+                "matmul %s: [%lld tokens x %lld] x [%lld x %lld]^T (worst "
                 "|y - exact| / sum|w x| %.2e)",
                 dtype == Sparse24Dtype::kBFloat16 ? "bf16" : "fp16", (long long)tokens,
                 (long long)s.cols, (long long)s.rows, (long long)s.cols, worst);
@@ -204,9 +169,8 @@ int main() {
   };
   // Partial row blocks (144, 48 of 128), partial token blocks (130, 7), one k-step and ten, one
   // row tile of 16, no tokens, no columns.
-  const MatmulCase cases[] = {{{16, 32}, 1},    {{128, 64}, 128}, {{144, 96}, 130},
-                              {{48, 320}, 7},   {{256, 32}, 200}, {{32, 64}, 0},
-                              {{32, 0}, 5}};
+  const MatmulCase cases[] = {{{16, 32}, 1},    {{128, 64}, 128}, {{144, 96}, 130}, {{48, 320}, 7},
+                              {{256, 32}, 200}, {{32, 64}, 0},    {{32, 0}, 5}};
   for (const auto& c : cases)
     for (const auto dtype : {Sparse24Dtype::kBFloat16, Sparse24Dtype::kFloat16}) {
       failed += !matmul_case(dtype, c.shape, c.tokens,
@@ -222,9 +186,5 @@ int main() {
   std::printf("%s  rows 24 and cols 48 are refused: %s / %s\n", refused ? "ok  " : "FAIL",
               bad_rows.message.c_str(), bad_cols.message.c_str());
   failed += !refused;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("%d runs, %d failed, %d emulation errors; %ld blocks emulated in %.1f s\n", runs + 1,
-              failed, emulation::error_count, emulation::blocks_run, seconds);
-  return failed > 0 || emulation::error_count > 0 ? 1 : 0;
+  return emulated_test::finish(runs + 1, failed, start);
 }

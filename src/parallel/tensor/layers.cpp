@@ -42,8 +42,7 @@ at::Tensor PrunableLinear::product(const at::Tensor& x, const at::Tensor& weight
                                    const std::optional<at::Tensor>& bias) {
   if (format_.kind == ops::SparseLinearFormat::Kind::kDense) return at::linear(x, weight, bias);
   const auto choice = ops::choose_sparse_linear(x, weight, format_);
-  if (!logged_ || choice.path != last_path_)
-    spdlog::info("{}: {}", what_, ops::describe(choice));
+  if (!logged_ || choice.path != last_path_) spdlog::info("{}: {}", what_, ops::describe(choice));
   logged_ = true;
   last_path_ = choice.path;
   if (choice.path == ops::SparseLinearPath::kMaskedDense) return at::linear(x, weight, bias);

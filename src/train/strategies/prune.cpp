@@ -121,10 +121,11 @@ class Pruning final : public Strategy {
                        "masked dense product";
     } else if (pattern_.kind == SparsityPattern::Kind::kBlock) {
       format_ = {ops::SparseLinearFormat::Kind::kBlock, pattern_.block};
-      kernels_ = fmt::format("block-sparse product from {:.0f}% of tiles dropped (on the CPU; on "
-                             "CUDA with 32 or 64 tiles in bf16/fp16), else the masked dense "
-                             "product",
-                             100 * ops::kBlockSparseMinTileSparsity);
+      kernels_ = fmt::format(
+          "block-sparse product from {:.0f}% of tiles dropped (on the CPU; on "
+          "CUDA with 32 or 64 tiles in bf16/fp16), else the masked dense "
+          "product",
+          100 * ops::kBlockSparseMinTileSparsity);
     } else {
       kernels_ = fmt::format("the masked dense product (no kernel for {})", pattern_.describe());
     }
@@ -224,8 +225,9 @@ class Pruning final : public Strategy {
       // From the weights as masked so far: the step just taken moved the pruned ones too.
       for (auto& t : targets_) {
         const auto alive = t.mask.defined() ? t.weight.detach() * t.mask : t.weight.detach();
-        t.mask = pattern_.transposable ? ops::transposable_n_of_m_mask(alive, pattern_.n, pattern_.m)
-                                       : ops::n_of_m_mask(alive, pattern_.n, pattern_.m);
+        t.mask = pattern_.transposable
+                     ? ops::transposable_n_of_m_mask(alive, pattern_.n, pattern_.m)
+                     : ops::n_of_m_mask(alive, pattern_.n, pattern_.m);
       }
       measure(run);
       publish_masks();

@@ -68,9 +68,7 @@ struct ColumnParallelOptions {
   int64_t padded_out = 0;  // output features padded to this (a vocabulary head); 0: none
 };
 
-class ColumnParallelLinear : public torch::nn::Module,
-                             public ShardedModule,
-                             public PrunableLinear {
+class ColumnParallelLinear : public torch::nn::Module, public ShardedModule, public PrunableLinear {
  public:
   // Throws loom::Error naming `what` when tp cannot split the output this way.
   ColumnParallelLinear(int64_t in, int64_t out, TpGroupPtr tp, ColumnParallelOptions options,
