@@ -19,15 +19,16 @@ inline at::Tensor random_24_weight(int64_t out, int64_t in, at::ScalarType dtype
   return (w * (order < kept)).reshape({out, in}).to(dtype);
 }
 
-// Per element of y: one rounding to the element type (2^-8 of |y| in bf16, 2^-11 in fp16, with
-// 1% for the fp32 error under it) plus `fp32_roundings` roundings of the fp32 running sum, each
-// at most 2^-24 of sum |w x|, plus the fp64 sums (2^-53 per term). `exact` and `magnitude` are
+// Per element of y: one rounding to the element type (at most u = 2^-8 of the rounded value in
+// bf16, 2^-11 in fp16) of an fp32 sum s whose own error E is at most `fp32_roundings` roundings
+// of the running sum, each 2^-24 of sum |w x|, plus the fp64 sums (2^-53 per term):
+// |y - exact| <= u |exact| + (1 + u) E, here with 1% on each term. `exact` and `magnitude` are
 // x W^T and |x| |W|^T in fp64.
 inline at::Tensor sparse24_bound(const at::Tensor& exact, const at::Tensor& magnitude,
                                  at::ScalarType dtype, int64_t fp32_roundings, int64_t in) {
   const double unit = dtype == at::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
   return unit * 1.01 * exact.abs() +
-         (double(fp32_roundings) * std::ldexp(1.0, -24) + double(in) * std::ldexp(1.0, -53)) *
+         1.01 * (double(fp32_roundings) * std::ldexp(1.0, -24) + double(in) * std::ldexp(1.0, -53)) *
              magnitude +
          1e-30;
 }

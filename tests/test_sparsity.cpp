@@ -15,7 +15,9 @@
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/tensor/layers.h"
 #include "loom/train/config.h"
+#include "loom/core/autocast.h"
 #include "loom/train/trainer.h"
+#include "sparse24_util.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -458,15 +460,15 @@ TEST(Pruning, ResumeContinuesTheMasksAndTheLossCurveExactly) {
 // another order).
 TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
   using Format = ops::SparseLinearFormat;
-  const auto x = at::randn({5, 64}, at::kDouble);
+  const auto x = at::randn({5, 128}, at::kDouble);
   auto weight_keeping = [](int64_t kept_tiles) {
     auto tiles = at::zeros({16}, at::kBool);
     tiles.slice(0, 0, kept_tiles).fill_(true);
     const auto mask =
-        ops::expand_block_mask(tiles.index_select(0, at::randperm(16)).view({4, 4}), 16);
-    return at::randn({64, 64}, at::kDouble) * mask;
+        ops::expand_block_mask(tiles.index_select(0, at::randperm(16)).view({4, 4}), 32);
+    return at::randn({128, 128}, at::kDouble) * mask;
   };
-  const Format block{Format::Kind::kBlock, 16};
+  const Format block{Format::Kind::kBlock, 32};
   const auto sparse_w = weight_keeping(2);  // 87.5% of the tiles dropped
   const auto choice = ops::choose_sparse_linear(x, sparse_w, block);
   EXPECT_EQ(choice.path, ops::SparseLinearPath::kBlockCpu) << ops::describe(choice);
@@ -475,7 +477,7 @@ TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
 
   const auto half = ops::choose_sparse_linear(x, weight_keeping(8), block);
   EXPECT_EQ(half.path, ops::SparseLinearPath::kMaskedDense);
-  EXPECT_TRUE(contains(half.reason, "50% of the 16x16 tiles are dropped, below the 70%"))
+  EXPECT_TRUE(contains(half.reason, "50% of the 32x32 tiles are dropped, below the 70%"))
       << half.reason;
   const auto two_four =
       ops::choose_sparse_linear(x.to(at::kBFloat16), sparse_w, {Format::Kind::kTwoFour, 0});
@@ -487,7 +489,84 @@ TEST(SparseLinear, TakesAKernelWhereThePatternHasOneAndSaysWhyNotElsewhere) {
   EXPECT_EQ(ops::choose_sparse_linear(x, sparse_w, {}).path, ops::SparseLinearPath::kDense);
 }
 
-// With block:16 at 87.5% the pruned layers take the block-sparse CPU product from the update that
+// The CUDA paths' autograd functions run on the CPU too (their products through the host
+// references), so their dtypes, the 2:4t input gradient on W^T and the block path's masked weight
+// gradient are checked here: each of y, dx, dW within the fp64 bound with 2 K fp32 roundings for
+// sums of K terms. Also: an fp32 master weight under bf16 autocast gets an fp32 gradient, and the
+// CPU block path takes autocast's dtype like at::linear.
+TEST(SparseLinear, KernelPathsCarryGradientsLikeTheDenseProduct) {
+  using Format = ops::SparseLinearFormat;
+  const auto check = loom::testing::expect_product_within_bound;
+  {  // 2:4t, bf16 throughout
+    const auto dense = at::randn({64, 128}, at::kDouble);
+    const auto w0 = (dense * ops::transposable_n_of_m_mask(dense, 2, 4)).to(at::kBFloat16);
+    const auto x0 = at::randn({24, 128}).to(at::kBFloat16);
+    const auto gy0 = at::randn({24, 64}).to(at::kBFloat16);
+    auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const auto y = ops::sparse_linear(x, w, {Format::Kind::kTwoFour, 0, true},
+                                      {ops::SparseLinearPath::kTwoFourCuda, ""});
+    y.backward(gy0);
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(w.grad().scalar_type(), at::kBFloat16);
+    const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
+    check(y, x64, w64.t(), 128, "2:4t y", at::kBFloat16, {});
+    check(x.grad(), gy64, w64, 64, "2:4t dx (the kernel on W^T)", at::kBFloat16, {});
+    check(w.grad(), gy64.t(), x64, 24, "2:4t dw", at::kBFloat16, {});
+  }
+  {  // 2:4 with an fp32 master weight under bf16 autocast
+    const auto dense = at::randn({32, 64});
+    auto w = (dense * ops::n_of_m_mask(dense, 2, 4)).requires_grad_(true);
+    auto x = at::randn({8, 64}).requires_grad_(true);
+    at::Tensor y;
+    {
+      loom::core::Bf16Autocast autocast(true, at::kCPU);
+      y = ops::sparse_linear(x, w, {Format::Kind::kTwoFour, 0, false},
+                             {ops::SparseLinearPath::kTwoFourCuda, ""});
+    }
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    y.sum().backward();
+    EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+    EXPECT_EQ(x.grad().scalar_type(), at::kFloat);
+  }
+  {  // the block path, 64 x 64 tiles, 3 of 8 kept
+    auto tiles = at::zeros({2, 4}, at::kBool);
+    tiles[0][1] = tiles[1][0] = tiles[1][3] = true;
+    const auto mask = tiles.repeat_interleave(64, 0).repeat_interleave(64, 1);
+    const auto w0 = (at::randn({128, 256}) * mask).to(at::kBFloat16);
+    const auto x0 = at::randn({10, 256}).to(at::kBFloat16);
+    const auto gy0 = at::randn({10, 128}).to(at::kBFloat16);
+    auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const auto y = ops::sparse_linear(x, w, {Format::Kind::kBlock, 64},
+                                      {ops::SparseLinearPath::kBlockCuda, ""});
+    y.backward(gy0);
+    const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble), gy64 = gy0.to(at::kDouble);
+    check(y, x64, w64.t(), 256, "block y", at::kBFloat16, {});
+    check(x.grad(), gy64, w64, 128, "block dx (the kernel on W^T's tiles)", at::kBFloat16, {});
+    check(w.grad(), gy64.t(), x64, 10, "block dw", at::kBFloat16, mask);
+    EXPECT_EQ(w.grad().masked_select(~mask).abs().max().item<float>(), 0.f);
+  }
+  {  // the CPU block path under bf16 autocast: fp32 x and master weight, a bf16 product
+    auto tiles = at::zeros({4, 4}, at::kBool);
+    tiles[2][1] = true;
+    auto w = (at::randn({128, 128}) * tiles.repeat_interleave(32, 0).repeat_interleave(32, 1))
+                 .requires_grad_(true);
+    const auto x = at::randn({6, 128});
+    const Format block{Format::Kind::kBlock, 32};
+    loom::core::Bf16Autocast autocast(true, at::kCPU);
+    const auto choice = ops::choose_sparse_linear(x, w, block);
+    ASSERT_EQ(choice.path, ops::SparseLinearPath::kBlockCpu) << ops::describe(choice);
+    const auto y = ops::sparse_linear(x, w, block, choice);
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    y.sum().backward();
+    EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+    // Tiles smaller than 32 stay on the masked dense product, which names why.
+    const auto small = ops::choose_sparse_linear(x, w, {Format::Kind::kBlock, 16});
+    EXPECT_EQ(small.path, ops::SparseLinearPath::kMaskedDense);
+    EXPECT_TRUE(contains(small.reason, "16 x 16 tiles")) << small.reason;
+  }
+}
+
+// With block:32 at 87.5% the pruned layers take the block-sparse CPU product from the update that
 // reaches that sparsity; the run equals the one with --prune-kernels off (the masked dense
 // product) in fp64 within 1e-9 relative (sums in another order, as the layout tests bound them).
 // Gradient clipping (0.05) acts at every step, so the two agree only if a pruned weight gets no
@@ -498,7 +577,7 @@ TEST(Pruning, BlockSparseProductTrainsLikeTheMaskedDenseProduct) {
   loom::testing::write_corpus_data(dir.path(), 50000, 5000);
   auto c = prune_config(dir.path());
   c.precision = "fp64";
-  c.prune.pattern = "block:16";
+  c.prune.pattern = "block:32";
   c.prune.to = 0.875;
   c.prune.start = 2;
   c.prune.end = 4;

@@ -42,6 +42,7 @@
 #include <utility>
 
 #include "attention/flash_attention.h"
+#include "common/kernel_image.h"
 #include "common/ptx.h"
 
 namespace loom::kernels {
@@ -954,25 +955,7 @@ Status flash_attention_forward(const FlashAttentionParams& p, cudaStream_t strea
 }
 
 Status flash_attention_device_check(int device) {
-  // A binary built for other architectures has no image of the kernel for this device:
-  // cudaFuncGetAttributes says so without launching anything. Asked of the current device, so
-  // switch to `device` for the question and back.
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda_error("flash_attention: CUDA device " + std::to_string(device) +
-                              " cannot be selected");
-  }
-  cudaFuncAttributes attributes{};
-  const cudaError_t e = cudaFuncGetAttributes(&attributes, flash_fwd_kernel<__nv_bfloat16, 64>);
-  cudaSetDevice(previous);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda_error("flash_attention: this build has no kernel image for CUDA device " +
-                              std::to_string(device) + " (" + cudaGetErrorString(e) +
-                              "); rebuild with its architecture in CMAKE_CUDA_ARCHITECTURES");
-  }
-  return Status::success();
+  return kernel_image_check(flash_fwd_kernel<__nv_bfloat16, 64>, device, "flash_attention");
 }
 
 size_t flash_attention_backward_workspace_bytes(const AttentionProblem& problem) {

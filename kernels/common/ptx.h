@@ -11,6 +11,12 @@
 #include <cstdint>
 #include <type_traits>
 
+// mma.sp::ordered_metadata is PTX ISA 8.5, which nvcc 12.5 brought.
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ < 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ < 5))
+#error "loom's sparse tensor-core kernels need nvcc 12.5 or newer (PTX ISA 8.5: mma.sp::ordered_metadata)"
+#endif
+
 namespace loom::kernels {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

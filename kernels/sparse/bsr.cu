@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "common/element_bits.h"
+#include "common/kernel_image.h"
 #include "common/ptx.h"
 #include "sparse/bsr.h"
 
@@ -190,6 +191,10 @@ Status bsr_matmul(BsrDtype dtype, const void* x, int64_t tokens, const int32_t* 
   if (shape.block == 32)
     return bf16 ? launch<__nv_bfloat16, 32>(a, stream) : launch<__half, 32>(a, stream);
   return bf16 ? launch<__nv_bfloat16, 64>(a, stream) : launch<__half, 64>(a, stream);
+}
+
+Status bsr_device_check(int device) {
+  return kernel_image_check(bsr_matmul_kernel<__nv_bfloat16, 32>, device, "bsr");
 }
 
 }  // namespace loom::kernels

@@ -56,4 +56,7 @@ Status bsr_matmul(BsrDtype dtype, const void* x, int64_t tokens, const int32_t* 
                   const int32_t* tile_col, const void* values, const BsrShape& shape, void* y,
                   cudaStream_t stream);
 
+// Whether this build has the kernel for CUDA device `device` (no launch).
+Status bsr_device_check(int device);
+
 }  // namespace loom::kernels

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "common/element_bits.h"
+#include "common/kernel_image.h"
 #include "common/ptx.h"
 #include "sparse/sparse24.h"
 #include "sparse/sparse24_chunk.h"
@@ -259,7 +260,7 @@ Status sparse24_matmul(Sparse24Dtype dtype, const void* x, int64_t tokens, const
   if (token_blocks > 0x7fffffff || row_blocks > 65535)
     return Status::invalid_argument("sparse24_matmul: " + std::to_string(tokens) + " tokens x " +
                                     std::to_string(shape.rows) +
-                                    " rows is more than one launch covers (rows < 8388608)");
+                                    " rows is more than one launch covers (rows <= 8388480)");
   MatmulArgs a{static_cast<const uint16_t*>(x),
                static_cast<const uint16_t*>(values),
                meta,
@@ -276,22 +277,7 @@ Status sparse24_matmul(Sparse24Dtype dtype, const void* x, int64_t tokens, const
 }
 
 Status sparse24_device_check(int device) {
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda_error("sparse24: CUDA device " + std::to_string(device) +
-                              " cannot be selected");
-  }
-  cudaFuncAttributes attributes{};
-  const cudaError_t e = cudaFuncGetAttributes(&attributes, sparse24_matmul_kernel<__nv_bfloat16>);
-  cudaSetDevice(previous);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda_error("sparse24: this build has no kernel image for CUDA device " +
-                              std::to_string(device) + " (" + cudaGetErrorString(e) +
-                              "); rebuild with its architecture in CMAKE_CUDA_ARCHITECTURES");
-  }
-  return Status::success();
+  return kernel_image_check(sparse24_matmul_kernel<__nv_bfloat16>, device, "sparse24");
 }
 
 }  // namespace loom::kernels

@@ -74,9 +74,9 @@ void sparse24_matmul_host(Sparse24Dtype dtype, const uint16_t* x, int64_t tokens
                           uint16_t* y);
 
 // The same on the GPU: device pointers, asynchronous on `stream`.
-//   compress: `first_violation` points at one device int64 that the caller sets to -1 (or any
-//   value >= rows * cols); the kernel lowers it to the first violating chunk's index, as the host
-//   version returns. 16-byte aligned pointers.
+//   compress: `first_violation` points at one device int64 that the caller sets to rows * cols
+//   (or any larger value: "none"); the kernel lowers it (atomicMin) to the first violating
+//   chunk's index, so it stays at the caller's value when W is 2:4. 16-byte aligned pointers.
 //   matmul: x, values, meta and y 16-byte aligned (x rows then are, cols being a multiple of 32);
 //   rows a multiple of 16, any tokens.
 Status sparse24_compress(const void* dense, const Sparse24Shape& shape, void* values,

@@ -179,8 +179,9 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--prune-kernels", c.prune.kernels,
                  "auto: pruned linears use a sparse kernel where the pattern has one on the "
-                 "device (2:4 on CUDA, block:B on the CPU at >= 70% of tiles dropped), and say "
-                 "which in the log | off: always the masked dense product")
+                 "device (2:4 / 2:4t on CUDA; block:B from 70% of tiles dropped: on CUDA with "
+                 "B 32 or 64, on the CPU with B >= 32), and say which in the log | off: always "
+                 "the masked dense product")
       ->capture_default_str();
   app.add_option("--strategy", c.strategies,
                  "A registered strategy, NAME or NAME:key=value,... (repeatable; the binary "

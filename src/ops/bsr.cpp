@@ -52,8 +52,19 @@ BsrWeight bsr_compress(const at::Tensor& w, int64_t block) {
 
 std::optional<std::string> bsr_unsupported(const at::Tensor& x, const BsrWeight& w) {
   if (auto why = detail::linear_input_problem(x, w.in_features, w.values)) return why;
+  for (const auto* index : {&w.row_start, &w.tile_col})
+    if (index->scalar_type() != at::kInt || index->device() != x.device())
+      return fmt::format("the weight's tile indices must be int32 on {}; got {} on {}",
+                         x.device().str(), c10::toString(index->scalar_type()),
+                         index->device().str());
   if (!x.is_cuda()) return std::nullopt;
-  return detail::sm80_problem(x, "the block-sparse kernel (mma.sync)");
+  if (auto why = detail::sm80_problem(x, "the block-sparse kernel (mma.sync)")) return why;
+#ifdef LOOM_WITH_CUDA
+  return detail::kernel_image_missing("bsr", static_cast<int>(x.device().index()),
+                                      k::bsr_device_check);
+#else
+  return std::nullopt;
+#endif
 }
 
 at::Tensor bsr_linear(const at::Tensor& x, const BsrWeight& w) {

@@ -55,7 +55,7 @@ at::Tensor Sparse24Weight::to_dense() const {
   return dense.to(values.device());
 }
 
-Sparse24Weight sparse24_compress(const at::Tensor& w) {
+Sparse24Weight sparse24_compress(const at::Tensor& w, bool verify) {
   LOOM_CHECK(w.dim() == 2, "sparse24_compress: the weight must be [out, in]; got shape {}",
              w.sizes());
   LOOM_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf,
@@ -81,8 +81,10 @@ Sparse24Weight sparse24_compress(const at::Tensor& w) {
         dense.data_ptr(), shape, out.values.data_ptr(), static_cast<uint32_t*>(out.meta.data_ptr()),
         violation.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(s.ok(), "sparse24_compress: {}", s.message);
-    first_violation = violation.item<int64_t>();
-    if (first_violation == none) first_violation = -1;
+    if (verify) {
+      first_violation = violation.item<int64_t>();
+      if (first_violation == none) first_violation = -1;
+    }
 #else
     LOOM_CHECK(false, "sparse24_compress: a CUDA weight needs a loom built with LOOM_WITH_CUDA");
 #endif
@@ -91,7 +93,7 @@ Sparse24Weight sparse24_compress(const at::Tensor& w) {
         k::sparse24_compress_host(bits(dense), shape, static_cast<uint16_t*>(out.values.data_ptr()),
                                   static_cast<uint32_t*>(out.meta.data_ptr()));
   }
-  LOOM_CHECK(first_violation < 0,
+  LOOM_CHECK(!verify || first_violation < 0,
              "sparse24_compress: the weight is not 2:4 sparse: {} has more than two nonzeros "
              "(prune it with --prune-pattern 2:4 first)",
              chunk_name(first_violation, out.in_features));
@@ -100,6 +102,10 @@ Sparse24Weight sparse24_compress(const at::Tensor& w) {
 
 std::optional<std::string> sparse24_unsupported(const at::Tensor& x, const Sparse24Weight& w) {
   if (auto why = detail::linear_input_problem(x, w.in_features, w.values)) return why;
+  if (w.meta.defined() && (w.meta.scalar_type() != at::kInt || w.meta.device() != x.device()))
+    return fmt::format("the weight's metadata must be int32 on {}; got {} on {}",
+                       x.device().str(), c10::toString(w.meta.scalar_type()),
+                       w.meta.device().str());
   const auto status = k::sparse24_matmul_check(shape_of(w), 0);
   if (!status.ok()) return status.message;
   if (!x.is_cuda()) return std::nullopt;

@@ -16,10 +16,12 @@ namespace loom::ops {
 
 namespace {
 
-// The dtype a linear layer computes in on x's device: autocast's where it is on, else x's.
+// The dtype a linear layer computes in on x's device: autocast's where it is on (which leaves
+// fp64 alone), else x's.
 at::ScalarType compute_dtype(const at::Tensor& x) {
   const auto device = x.device().type();
-  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
+  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()) &&
+      x.scalar_type() != at::kDouble)
     return at::autocast::get_autocast_dtype(device);
   return x.scalar_type();
 }
@@ -56,7 +58,8 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
                             const at::Tensor& weight, at::ScalarType dtype, bool transposable) {
     const auto [xc, wc] = save_operands(ctx, x, weight, dtype);
     ctx->saved_data["transposable"] = transposable;
-    return sparse24_linear(xc, sparse24_compress(wc));
+    // The prune strategy's masks are 2:4 (checked when it sets the format): no readback.
+    return sparse24_linear(xc, sparse24_compress(wc, /*verify=*/false));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -68,7 +71,7 @@ struct TwoFourLinear : torch::autograd::Function<TwoFourLinear> {
     const bool sparse_dx =
         ctx->saved_data["transposable"].toBool() && wc.size(1) % 16 == 0 && wc.size(0) % 32 == 0;
     const auto gx =
-        (sparse_dx ? sparse24_linear(gy.contiguous(), sparse24_compress(wc.t().contiguous()))
+        (sparse_dx ? sparse24_linear(gy.contiguous(), sparse24_compress(wc.t().contiguous(), false))
                    : at::matmul(gy, wc))
             .to(saved_dtype(ctx, "x_dtype"));
     const auto gw = weight_grad(gy, xc).to(saved_dtype(ctx, "w_dtype"));
@@ -83,6 +86,9 @@ struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
                             const at::Tensor& weight, at::ScalarType dtype, int64_t block) {
     const auto [xc, wc] = save_operands(ctx, x, weight, dtype);
     ctx->saved_data["block"] = block;
+    // The kept tiles of the weight itself (a tile rounded to zero in the compute dtype still gets
+    // its gradient).
+    ctx->saved_data["tiles"] = kept_tiles(weight, block);
     return bsr_linear(xc, bsr_compress(wc, block));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -94,7 +100,7 @@ struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
     const auto gy = grads[0].to(wc.scalar_type()).contiguous();
     const auto gx =
         bsr_linear(gy, bsr_compress(wc.t().contiguous(), block)).to(saved_dtype(ctx, "x_dtype"));
-    const auto tiles = kept_tiles(wc, block);
+    const auto tiles = ctx->saved_data["tiles"].toTensor();
     const auto mask = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1);
     const auto gw = (weight_grad(gy, xc) * mask).to(saved_dtype(ctx, "w_dtype"));
     return {gx, gw, at::Tensor(), at::Tensor()};
@@ -145,19 +151,28 @@ SparseLinearChoice choose_sparse_linear(const at::Tensor& x, const at::Tensor& w
                           c10::toString(dtype)));
         BsrWeight shape{weight.size(0), weight.size(1), format.block, {}, {}, {}};
         shape.values = at::empty({0}, x.options().dtype(dtype));
+        shape.row_start = shape.tile_col = at::empty({0}, x.options().dtype(at::kInt));
         if (auto why =
                 bsr_unsupported(at::empty({0, weight.size(1)}, shape.values.options()), shape))
           return dense(*why);
       } else if (!x.is_cpu()) {
         return dense(fmt::format("no block-sparse kernel on {}", x.device().str()));
+      } else if (format.block < kBlockSparseMinCpuBlock) {
+        return dense(fmt::format("{} x {} tiles: the block-sparse CPU product is measured to pay "
+                                 "from {} x {} tiles",
+                                 format.block, format.block, kBlockSparseMinCpuBlock,
+                                 kBlockSparseMinCpuBlock));
       }
-      const auto tiles = kept_tiles(weight, format.block);
-      const double dropped = 1.0 - tiles.to(at::kDouble).mean().item<double>();
+      // The setter's figure where it gave one (no device sync per call), else measured here.
+      const double dropped =
+          format.tile_sparsity >= 0
+              ? format.tile_sparsity
+              : 1.0 - kept_tiles(weight, format.block).to(at::kDouble).mean().item<double>();
       if (dropped < kBlockSparseMinTileSparsity)
-        return dense(fmt::format(
-            "{:.0f}% of the {}x{} tiles are dropped, below the {:.0f}% at "
-            "which the block-sparse CPU product is faster",
-            100 * dropped, format.block, format.block, 100 * kBlockSparseMinTileSparsity));
+        return dense(fmt::format("{:.0f}% of the {}x{} tiles are dropped, below the {:.0f}% from "
+                                 "which the block-sparse product is used",
+                                 100 * dropped, format.block, format.block,
+                                 100 * kBlockSparseMinTileSparsity));
       return {x.is_cuda() ? SparseLinearPath::kBlockCuda : SparseLinearPath::kBlockCpu, ""};
     }
   }
@@ -172,8 +187,12 @@ at::Tensor sparse_linear(const at::Tensor& x, const at::Tensor& weight,
       return at::linear(x, weight);
     case SparseLinearPath::kTwoFourCuda:
       return TwoFourLinear::apply(x, weight, compute_dtype(x), format.transposable);
-    case SparseLinearPath::kBlockCpu:
-      return block_sparse_linear(x, weight, kept_tiles(weight, format.block), format.block);
+    case SparseLinearPath::kBlockCpu: {
+      // In the compute dtype, as at::linear under autocast (the casts carry the gradients back).
+      const auto dtype = compute_dtype(x);
+      return block_sparse_linear(x.to(dtype), weight.to(dtype), kept_tiles(weight, format.block),
+                                 format.block);
+    }
     case SparseLinearPath::kBlockCuda:
       return BlockCudaLinear::apply(x, weight, compute_dtype(x), format.block);
   }

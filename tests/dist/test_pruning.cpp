@@ -54,10 +54,10 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
                {1, 1, 2, 0, "unstructured", "global"},
                {1, 1, 2, 0, "2:4", "layer"},
                {2, 1, 1, 1, "unstructured", "layer"},
-               // Transposable 2:4; block:16 at 87.5 %, where the layers take the block-sparse
+               // Transposable 2:4; block:32 at 87.5 %, where the layers take the block-sparse
                // CPU product (at tp 2: the column and row shards each their own).
                {1, 2, 1, 0, "2:4t", "layer"},
-               {1, 2, 1, 0, "block:16", "layer", 0.875}};
+               {1, 2, 1, 0, "block:32", "layer", 0.875}};
   } else if (n == 4) {
     layouts = {{2, 2, 1, 0, "unstructured", "global"},
                {1, 2, 2, 0, "unstructured", "global"},

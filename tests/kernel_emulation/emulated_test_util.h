@@ -61,8 +61,10 @@ inline std::string check_product(bool bf16, const uint16_t* y, const std::vector
         exact += p;
         magnitude += std::fabs(p);
       }
+      // |y - exact| <= u |exact| + (1 + u) E, with 1% on each term.
       const double bound = unit * std::fabs(exact) * 1.01 +
-                           (double(roundings) * 0x1p-24 + double(cols) * 0x1p-53) * magnitude +
+                           1.01 * (double(roundings) * 0x1p-24 + double(cols) * 0x1p-53) *
+                               magnitude +
                            1e-30;
       const double error = std::fabs(double(to_float(bf16, got)) - exact);
       if (error > bound) ++out_of_bound;

@@ -23,7 +23,9 @@ struct Sparse24Weight {
 
 // Compresses w [out, in] (bf16 or fp16, CPU or CUDA; in a multiple of 32). loom::Error naming the
 // row and columns of the first 4-wide chunk with more than two nonzeros, or the bad shape/dtype.
-Sparse24Weight sparse24_compress(const at::Tensor& w);
+// verify false skips that check (and, on CUDA, its device-to-host copy) for a caller whose w is
+// 2:4 by construction; a chunk with more nonzeros then keeps its first two.
+Sparse24Weight sparse24_compress(const at::Tensor& w, bool verify = true);
 
 // Why sparse24_linear cannot take (x, w) on x's device, or nullopt. CUDA also needs out a
 // multiple of 16, an sm_80+ device with the kernel in this build and 16-byte aligned rows.

@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "builtin.h"
 #include "loom/core/error.h"
@@ -277,13 +278,41 @@ class Pruning final : public Strategy {
     publish_masks();
   }
 
-  // The gradient hooks mask with the new masks, and the layers take the pattern's product.
+  // The gradient hooks mask with the new masks, and the layers take the pattern's product: a
+  // 2:4 one only where the zeros are 2:4 (a resumed checkpoint pruned otherwise is not), a block
+  // one told its tile sparsity (so it needs no device sync per call).
   void publish_masks() {
+    using Kind = ops::SparseLinearFormat::Kind;
     for (auto& t : targets_) {
       *t.grad_mask = t.mask;
-      if (t.layer != nullptr)
-        t.layer->set_sparse_format(format_, t.name.substr(0, t.name.rfind('.')));
+      if (t.layer == nullptr) continue;
+      const auto layer_name = t.name.substr(0, t.name.rfind('.'));
+      auto format = format_;
+      if (format.kind == Kind::kTwoFour && !is_two_four(t.mask, format.transposable)) {
+        spdlog::warn("{}: its zeros are not {} (resumed from weights pruned otherwise?): it keeps "
+                     "the masked dense product",
+                     layer_name, format.transposable ? "2:4 along rows and columns" : "2:4");
+        format = {};
+      }
+      if (format.kind == Kind::kBlock) {
+        const int64_t b = format.block;
+        const auto tiles = t.mask.reshape({t.mask.size(0) / b, b, t.mask.size(1) / b, b})
+                               .any(3)
+                               .any(1);
+        format.tile_sparsity = 1.0 - tiles.to(at::kDouble).mean().item<double>();
+      }
+      t.layer->set_sparse_format(format, layer_name);
     }
+  }
+
+  // At most 2 kept of every 4 along the rows (and, transposable, along the columns).
+  static bool is_two_four(const at::Tensor& mask, bool transposable) {
+    auto ok = (mask.reshape({-1, 4}).sum(1) <= 2).all();
+    if (transposable && mask.size(0) % 4 == 0)
+      ok = ok & (mask.t().contiguous().reshape({-1, 4}).sum(1) <= 2).all();
+    else if (transposable)
+      return false;
+    return ok.item<bool>();
   }
 
   // The fraction of zeros among every target weight of the model (all ranks' pieces, once).
