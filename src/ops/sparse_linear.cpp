@@ -11,6 +11,7 @@
 #include "loom/ops/block_sparse.h"
 #include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
+#include "loom/ops/sparsity.h"
 
 namespace loom::ops {
 
@@ -100,8 +101,7 @@ struct BlockCudaLinear : torch::autograd::Function<BlockCudaLinear> {
     const auto gy = grads[0].to(wc.scalar_type()).contiguous();
     const auto gx =
         bsr_linear(gy, bsr_compress(wc.t().contiguous(), block)).to(saved_dtype(ctx, "x_dtype"));
-    const auto tiles = ctx->saved_data["tiles"].toTensor();
-    const auto mask = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1);
+    const auto mask = expand_block_mask(ctx->saved_data["tiles"].toTensor(), block);
     const auto gw = (weight_grad(gy, xc) * mask).to(saved_dtype(ctx, "w_dtype"));
     return {gx, gw, at::Tensor(), at::Tensor()};
   }
