@@ -136,6 +136,34 @@ TEST(SparsityMasks, BlockScoresSumEachTileAndMasksSpreadToWholeTiles) {
                        "tiles a 2-D weight by 4 x 4: shape [4, 6] does not divide"));
 }
 
+// ZeRO-3 pieces: the tile sums of pieces that cover a weight (cut at offsets that split rows
+// and tiles) add up to the whole weight's, and each piece's slice of a tile mask is the spread
+// mask's elements at those offsets.
+TEST(SparsityMasks, BlockScoresAndMasksOfPiecesMatchTheWholeWeight) {
+  const auto w = at::randn({8, 12}, at::kDouble);
+  const auto whole = ops::block_scores(w, 4);
+  const auto flat = w.flatten();
+  auto summed = at::zeros_like(whole);
+  const std::vector<int64_t> cuts = {0, 5, 37, 38, 90, 96};
+  const auto tiles = whole > whole.median();
+  const auto spread = ops::expand_block_mask(tiles, 4).flatten();
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const int64_t n = cuts[i + 1] - cuts[i];
+    summed += ops::block_scores_of_piece(flat.narrow(0, cuts[i], n), cuts[i], w.sizes(), 4);
+    EXPECT_TRUE(at::equal(ops::block_mask_of_piece(tiles, cuts[i], n, w.sizes(), 4),
+                          spread.narrow(0, cuts[i], n)))
+        << "piece " << i;
+  }
+  // Both sides add the 16 non-negative magnitudes of a tile in some order: each within
+  // 15 u |sum| of the exact sum (u = 2^-53), so they differ by at most 30 u |sum| < 3.4e-15 |sum|.
+  EXPECT_TRUE(at::allclose(summed, whole, 3.4e-15, 0));
+  EXPECT_EQ(ops::block_scores_of_piece(flat.narrow(0, 0, 0), 0, w.sizes(), 4).sum().item<double>(),
+            0.0);
+  EXPECT_TRUE(contains(
+      error_of([&] { ops::block_scores_of_piece(flat.narrow(0, 0, 10), 90, w.sizes(), 4); }),
+      "elements [90, 100) is outside a weight of 96 elements"));
+}
+
 // The bisection finds the k-th largest exactly, for several scopes at once, and the same
 // threshold when a scope's keys are split into pieces whose counts are summed (as ranks do).
 TEST(SparsityThreshold, BisectionFindsTheKthLargestExactlyAlsoFromSummedPieces) {

@@ -172,6 +172,41 @@ at::Tensor block_scores(const at::Tensor& w, int64_t block) {
   return w.detach().abs().to(at::kDouble).reshape({r, block, c, block}).sum(at::IntArrayRef{1, 3});
 }
 
+namespace {
+
+// The tile (row-major over [rows/B, cols/B]) of each element [offset, offset + numel) of a
+// flattened [rows, cols] tensor.
+at::Tensor piece_tiles(int64_t offset, int64_t numel, at::IntArrayRef shape, int64_t block,
+                       const at::Device& device) {
+  LOOM_CHECK(shape.size() == 2 && shape[0] % block == 0 && shape[1] % block == 0,
+             "a block mask tiles a 2-D weight by {} x {}: shape {} does not divide", block, block,
+             fmt::format("[{}]", fmt::join(shape, ", ")));
+  LOOM_CHECK(offset >= 0 && numel >= 0 && offset + numel <= shape[0] * shape[1],
+             "a piece of elements [{}, {}) is outside a weight of {} elements", offset,
+             offset + numel, shape[0] * shape[1]);
+  const auto index =
+      at::arange(offset, offset + numel, at::TensorOptions(at::kLong).device(device));
+  const auto rows = at::floor_divide(index, shape[1]), cols = at::remainder(index, shape[1]);
+  return at::floor_divide(rows, block) * (shape[1] / block) + at::floor_divide(cols, block);
+}
+
+}  // namespace
+
+at::Tensor block_scores_of_piece(const at::Tensor& values, int64_t offset, at::IntArrayRef shape,
+                                 int64_t block) {
+  const auto tiles = piece_tiles(offset, values.numel(), shape, block, values.device());
+  const auto v = values.detach().reshape({-1}).abs().to(at::kDouble);
+  return at::zeros({shape[0] / block * (shape[1] / block)}, v.options())
+      .index_add_(0, tiles, v)
+      .reshape({shape[0] / block, shape[1] / block});
+}
+
+at::Tensor block_mask_of_piece(const at::Tensor& tile_mask, int64_t offset, int64_t numel,
+                               at::IntArrayRef shape, int64_t block) {
+  return tile_mask.reshape({-1}).index_select(
+      0, piece_tiles(offset, numel, shape, block, tile_mask.device()));
+}
+
 at::Tensor expand_block_mask(const at::Tensor& tile_mask, int64_t block) {
   const int64_t r = tile_mask.size(0), c = tile_mask.size(1);
   return tile_mask.reshape({r, 1, c, 1})

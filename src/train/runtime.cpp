@@ -113,6 +113,17 @@ class ReplicatedAdamW final : public OptimizerEngine {
     return {};
   }
 
+  ParamPiece param_piece(size_t chunk, const std::string& name) override {
+    for (auto& item : run_.chunks.at(chunk)->named_parameters()) {
+      if (item.key() != name) continue;
+      const auto p = item.value().detach();
+      LOOM_CHECK(p.is_contiguous(), "parameter '{}' is not contiguous", name);
+      return {p.view({-1}), 0, false};
+    }
+    LOOM_CHECK(false, "model chunk {} has no parameter '{}'", chunk, name);
+    return {};
+  }
+
   at::Tensor local_grad_squares() override {
     std::vector<const models::CausalLM*> parts;
     for (const auto& chunk : run_.chunks) parts.push_back(chunk.get());

@@ -61,6 +61,16 @@ at::Tensor transposable_n_of_m_mask(const at::Tensor& w, int64_t n, int64_t m);
 // The sum of |w| over each block x block tile of a 2-D tensor, in float64: [rows/B, cols/B].
 // Both dimensions must divide by `block`.
 at::Tensor block_scores(const at::Tensor& w, int64_t block);
+// block_scores of one piece of a [rows, cols] tensor: `values` are its flattened elements
+// [offset, offset + values.numel()) (a ZeRO-3 shard's segment, say), each |value| added to its
+// tile's sum in float64; tiles outside the piece get 0. Pieces that cover the tensor sum to
+// block_scores of the whole, up to the order of the additions.
+at::Tensor block_scores_of_piece(const at::Tensor& values, int64_t offset, at::IntArrayRef shape,
+                                 int64_t block);
+// The elements [offset, offset + numel) of expand_block_mask(tile_mask, block).flatten(), for a
+// [rows, cols] tensor, without spreading the whole mask.
+at::Tensor block_mask_of_piece(const at::Tensor& tile_mask, int64_t offset, int64_t numel,
+                               at::IntArrayRef shape, int64_t block);
 // A per-tile bool mask [rows/B, cols/B] spread to [rows, cols].
 at::Tensor expand_block_mask(const at::Tensor& tile_mask, int64_t block);
 

@@ -41,6 +41,16 @@ class OptimizerEngine {
   // (tp partial sums, the tied embedding) go through this.
   virtual parallel::tensor::PartialGradSync::GradPiece grad_piece(size_t chunk,
                                                                   const std::string& name) = 0;
+  // This rank's part of parameter `name`'s values, as a 1-D view to modify in place between
+  // steps (a strategy that edits weights after the step, as pruning does, writes here): the
+  // whole parameter, or under ZeRO-3 this rank's dp shard of it (maybe empty) and the element of
+  // the flattened parameter where it starts. `dp_shard`: the dp ranks hold disjoint pieces.
+  struct ParamPiece {
+    at::Tensor values;
+    int64_t offset = 0;
+    bool dp_shard = false;
+  };
+  virtual ParamPiece param_piece(size_t chunk, const std::string& name) = 0;
   // This rank's sum of squared gradients (accumulation dtype, a 0-dim float64 tensor on the
   // parameters' device) with values several tp ranks hold weighted to count once, and the tied
   // embedding's second copy left out; an engine holding dp shards sums over dp itself.

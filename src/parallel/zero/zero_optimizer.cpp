@@ -528,17 +528,30 @@ at::Tensor ZeroOptimizer::own_bucket_grad_shard(const std::string& name) {
   fail("ZeRO: '{}' has no bucket of its own (name it in ZeroOptions::own_bucket)", name);
 }
 
-std::pair<at::Tensor, int64_t> ZeroOptimizer::grad_shard_of(const std::string& name) {
+std::pair<at::Tensor, int64_t> ZeroOptimizer::piece_of(const std::string& name,
+                                                       at::Tensor Bucket::*shard) {
   for (auto& b : buckets_) {
     for (size_t slot = 0; slot < b.params.size(); ++slot) {
       if (params_[b.params[slot]].first != name) continue;
       // A parameter lies in one bucket, and in at most one segment of each rank's shard.
       for (const auto& seg : b.segments)
         if (seg.param == slot)
-          return {b.grad_shard.narrow(0, seg.shard_offset, seg.numel), seg.param_offset};
-      return {b.grad_shard.narrow(0, 0, 0), 0};
+          return {(b.*shard).narrow(0, seg.shard_offset, seg.numel), seg.param_offset};
+      return {(b.*shard).narrow(0, 0, 0), 0};
     }
   }
+  fail("ZeRO: no parameter named '{}' (it does not require a gradient, or is not in this engine)",
+       name);
+}
+
+std::pair<at::Tensor, int64_t> ZeroOptimizer::grad_shard_of(const std::string& name) {
+  return piece_of(name, &Bucket::grad_shard);
+}
+
+std::pair<at::Tensor, int64_t> ZeroOptimizer::param_piece_of(const std::string& name) {
+  if (options_.stage == 3) return piece_of(name, &Bucket::param_shard);
+  for (auto& [n, p] : params_)
+    if (n == name) return {p.detach().view({-1}), 0};  // a view of the bucket's full buffer
   fail("ZeRO: no parameter named '{}' (it does not require a gradient, or is not in this engine)",
        name);
 }

@@ -36,6 +36,11 @@ class ZeroEngine final : public OptimizerEngine {
     auto [values, offset] = engines_.at(chunk)->grad_shard_of(name);
     return {values, offset};
   }
+  ParamPiece param_piece(size_t chunk, const std::string& name) override {
+    auto& z = *engines_.at(chunk);
+    auto [values, offset] = z.param_piece_of(name);
+    return {values, offset, z.stage() == 3};
+  }
   at::Tensor local_grad_squares() override {
     // Each engine's squares are summed over dp inside it.
     double sq = 0;

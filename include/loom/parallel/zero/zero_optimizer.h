@@ -155,6 +155,11 @@ class ZeroOptimizer {
   // and the element of the flattened parameter where it starts. What tensor parallelism needs
   // to sum gradients that are partial across tp ranks (PartialGradSync).
   std::pair<at::Tensor, int64_t> grad_shard_of(const std::string& name);
+  // This rank's part of a parameter's values, to modify in place (between steps): at stage 3 a
+  // 1-D view of its shard of the parameter (empty when the rank holds none of it) and the
+  // element of the flattened parameter where it starts; at stages 1-2 the whole parameter,
+  // flattened, from 0. What a strategy that edits weights after the step (pruning) writes to.
+  std::pair<at::Tensor, int64_t> param_piece_of(const std::string& name);
   // One AdamW step on this rank's shards, then (stages 1-2) all-gathers the parameters.
   void step(double lr);
   // Zeros the gradient shards (and stage 1's full buffers).
@@ -238,6 +243,9 @@ class ZeroOptimizer {
   // Adds finished reductions into the gradient shards and drops their buffers (all of them,
   // waiting, when `wait`).
   void retire(bool wait);
+  // The segment of parameter `name` in this rank's `shard` of its bucket (grad_shard or
+  // param_shard), and where it starts in the flattened parameter.
+  std::pair<at::Tensor, int64_t> piece_of(const std::string& name, at::Tensor Bucket::*shard);
   at::Tensor shard_view(const Bucket& b, const at::Tensor& flat) const;
   at::Tensor param_view(const Bucket& b, size_t slot, const at::Tensor& flat) const;
   void gather(size_t bucket, bool prefetch);
