@@ -77,8 +77,11 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
                {2, 2, 1, 3, "unstructured", "global"},
                {2, 1, 2, 3, "block:16", "global"},
                {2, 2, 1, 3, "2:4", "layer"}};
+  } else if (n == 8) {
+    // dp x tp x pp in one run (dist.np8_3d), also with ZeRO-3 over its dp pairs.
+    layouts = {{2, 2, 2, 0, "unstructured", "global"}, {2, 2, 2, 3, "block:16", "global"}};
   } else {
-    GTEST_SKIP() << "runs at 2 and 4 ranks";
+    GTEST_SKIP() << "runs at 2, 4 and 8 ranks";
   }
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
