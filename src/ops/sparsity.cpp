@@ -192,19 +192,35 @@ at::Tensor piece_tiles(int64_t offset, int64_t numel, at::IntArrayRef shape, int
 
 }  // namespace
 
+// The pieces are walked in chunks of this many elements, so the tile indices and float64 copies
+// a chunk needs stay small next to the piece (a ZeRO-3 shard holds only its piece).
+constexpr int64_t kPieceChunk = int64_t{1} << 20;
+
 at::Tensor block_scores_of_piece(const at::Tensor& values, int64_t offset, at::IntArrayRef shape,
                                  int64_t block) {
-  const auto tiles = piece_tiles(offset, values.numel(), shape, block, values.device());
-  const auto v = values.detach().reshape({-1}).abs().to(at::kDouble);
-  return at::zeros({shape[0] / block * (shape[1] / block)}, v.options())
-      .index_add_(0, tiles, v)
-      .reshape({shape[0] / block, shape[1] / block});
+  const auto flat = values.detach().reshape({-1});
+  piece_tiles(offset, 0, shape, block, flat.device());  // checks the shape for an empty piece
+  auto scores =
+      at::zeros({shape[0] / block * (shape[1] / block)}, flat.options().dtype(at::kDouble));
+  for (int64_t at = 0; at < flat.numel(); at += kPieceChunk) {
+    const int64_t n = std::min(kPieceChunk, flat.numel() - at);
+    scores.index_add_(0, piece_tiles(offset + at, n, shape, block, flat.device()),
+                      flat.narrow(0, at, n).to(at::kDouble).abs());
+  }
+  return scores.reshape({shape[0] / block, shape[1] / block});
 }
 
 at::Tensor block_mask_of_piece(const at::Tensor& tile_mask, int64_t offset, int64_t numel,
                                at::IntArrayRef shape, int64_t block) {
-  return tile_mask.reshape({-1}).index_select(
-      0, piece_tiles(offset, numel, shape, block, tile_mask.device()));
+  const auto tiles = tile_mask.reshape({-1});
+  auto mask = at::empty({numel}, tiles.options());
+  for (int64_t at = 0; at < numel; at += kPieceChunk) {
+    const int64_t n = std::min(kPieceChunk, numel - at);
+    mask.narrow(0, at, n).copy_(
+        tiles.index_select(0, piece_tiles(offset + at, n, shape, block, tiles.device())));
+  }
+  if (numel == 0) piece_tiles(offset, 0, shape, block, tiles.device());  // the checks
+  return mask;
 }
 
 at::Tensor expand_block_mask(const at::Tensor& tile_mask, int64_t block) {

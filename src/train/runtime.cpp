@@ -17,6 +17,16 @@
 
 namespace loom::train {
 
+OptimizerEngine::ParamPiece OptimizerEngine::param_piece(size_t /*chunk*/,
+                                                         const std::string& name) {
+  LOOM_CHECK(false,
+             "the optimizer engine ({}) does not say where parameter '{}' lives "
+             "(OptimizerEngine::param_piece); a strategy that edits weights between steps, as "
+             "pruning does, needs it",
+             describe(), name);
+  return {};
+}
+
 namespace {
 
 // The built-ins and the flag that turns each on (a --strategy naming one is refused with this).

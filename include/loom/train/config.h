@@ -65,7 +65,7 @@ struct TrainConfig {
   // trains on batch_size / dp sequences per step, in grad_accum micro-batches.
   int64_t dp = 0;                 // 0: the world size divided by the other mesh dimensions
   double bucket_mb = 25.0;        // gradient bucket capacity (MiB)
-  std::string comm_hook = "avg";  // avg | bf16: how gradient buckets are reduced
+  std::string comm_hook = "avg";  // avg | bf16 | int8: how gradient buckets are reduced
   // auto | nccl | mpi: the transport of the mesh's groups (dist/backend_plan.h)
   std::string dist_backend = "auto";
 

@@ -50,7 +50,8 @@ class OptimizerEngine {
     int64_t offset = 0;
     bool dp_shard = false;
   };
-  virtual ParamPiece param_piece(size_t chunk, const std::string& name) = 0;
+  // The default says the engine does not offer it (a strategy that needs it names itself).
+  virtual ParamPiece param_piece(size_t chunk, const std::string& name);
   // This rank's sum of squared gradients (accumulation dtype, a 0-dim float64 tensor on the
   // parameters' device) with values several tp ranks hold weighted to count once, and the tied
   // embedding's second copy left out; an engine holding dp shards sums over dp itself.

@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
+#include "loom/ops/quantize.h"
 
 namespace loom::parallel::data {
 
@@ -28,6 +29,93 @@ void Bf16CompressHook::finish(GradBucket& bucket, dist::Communicator&) {
   bucket.scratch = at::Tensor();
 }
 
+// ---- int8 -------------------------------------------------------------------------------
+
+namespace {
+
+// Bytes of one packed chunk of `segment` values: the codes, then the fp32 scales.
+int64_t packed_bytes(int64_t segment) {
+  return segment + 4 * (segment / Int8CompressHook::kBlock);
+}
+
+// Writes q's codes and scales into `row` (uint8, packed_bytes long).
+void pack(const ops::Int8Blocks& q, const at::Tensor& row) {
+  const int64_t n = q.codes.numel();
+  row.narrow(0, 0, n).copy_(q.codes.view(at::kByte));
+  row.narrow(0, n, 4 * q.scales.numel()).copy_(q.scales.contiguous().view(at::kByte));
+}
+
+// The values of packed chunks [rows, packed_bytes(segment)]: float32 [rows, segment].
+at::Tensor unpack(const at::Tensor& packed, int64_t segment) {
+  const int64_t rows = packed.size(0);
+  const auto codes = packed.narrow(1, 0, segment).contiguous().view(at::kChar);
+  const auto scales = packed.narrow(1, segment, 4 * (segment / Int8CompressHook::kBlock))
+                          .contiguous()
+                          .view(at::kFloat);
+  return ops::dequantize_int8(codes.view({rows, segment}), scales.view({rows, -1}),
+                              Int8CompressHook::kBlock);
+}
+
+}  // namespace
+
+int64_t Int8CompressHook::segment_numel(int64_t numel, int64_t ranks) {
+  const int64_t per_rank = (numel + ranks - 1) / ranks;
+  return (per_rank + kBlock - 1) / kBlock * kBlock;
+}
+
+dist::WorkPtr Int8CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
+  const int64_t ranks = comm.size(), n = bucket.numel();
+  auto& s = state_[bucket.index];
+  if (s.ranks != ranks) {
+    s.ranks = ranks;
+    s.segment = segment_numel(n, ranks);
+    s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
+    s.server_error = at::zeros({s.segment}, s.error.options());
+  }
+  auto padded = at::zeros_like(s.error);
+  padded.narrow(0, 0, n).copy_(bucket.buffer);
+  const auto q = ops::quantize_int8_with_feedback(padded, s.error, kBlock);
+  const int64_t bytes = packed_bytes(s.segment);
+  s.send = at::empty({ranks, bytes}, s.error.options().dtype(at::kByte));
+  s.recv = at::empty_like(s.send);
+  const auto codes = q.codes.view({ranks, s.segment});
+  const auto scales = q.scales.view({ranks, -1});
+  for (int64_t j = 0; j < ranks; ++j) pack({codes[j], scales[j]}, s.send[j]);
+  return comm.all_to_all_async(s.recv, s.send);
+}
+
+void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
+  auto& s = state_.at(bucket.index);
+  // This rank's segment: the mean of every rank's dequantized chunk.
+  const auto mean = unpack(s.recv, s.segment).sum(0) / static_cast<double>(s.ranks);
+  const auto q = ops::quantize_int8_with_feedback(mean, s.server_error, kBlock);
+  auto mine = at::empty({packed_bytes(s.segment)}, s.send.options());
+  pack(q, mine);
+  auto gathered = at::empty({s.ranks, mine.numel()}, mine.options());
+  comm.all_gather(gathered, mine);
+  bucket.buffer.copy_(unpack(gathered, s.segment).view({-1}).narrow(0, 0, bucket.numel()));
+  s.send = s.recv = at::Tensor();
+}
+
+double Int8CompressHook::bytes_per_element(const GradBucket& bucket) const {
+  const auto it = state_.find(bucket.index);
+  LOOM_CHECK(it != state_.end(), "int8 hook: bucket {} has not been reduced yet", bucket.index);
+  const auto& s = it->second;
+  // The all-to-all's chunks and the all-gather's one.
+  return static_cast<double>((s.ranks + 1) * packed_bytes(s.segment)) /
+         static_cast<double>(bucket.numel());
+}
+
+at::Tensor Int8CompressHook::error(int64_t index) const {
+  const auto it = state_.find(index);
+  return it == state_.end() ? at::Tensor() : it->second.error;
+}
+
+at::Tensor Int8CompressHook::server_error(int64_t index) const {
+  const auto it = state_.find(index);
+  return it == state_.end() ? at::Tensor() : it->second.server_error;
+}
+
 namespace {
 
 using Registry = core::NamedRegistry<CommHookFactory>;
@@ -37,6 +125,7 @@ Registry& registry() {
   static const bool built_in = [] {
     r.add("avg", [] { return std::make_shared<AllReduceAvgHook>(); });
     r.add("bf16", [] { return std::make_shared<Bf16CompressHook>(); });
+    r.add("int8", [] { return std::make_shared<Int8CompressHook>(); });
     return true;
   }();
   (void)built_in;

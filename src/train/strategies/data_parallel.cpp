@@ -2,6 +2,7 @@
 // the batch; gradients are averaged across the ranks in buckets, each bucket's all-reduce
 // starting during the backward of the step's last micro-batch (parallel/data).
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "builtin.h"
 #include "loom/parallel/data/data_parallel.h"
@@ -28,12 +29,14 @@ class DataParallelStrategy final : public Strategy {
   void apply(RunContext& run) override {
     parallel::data::DataParallelOptions options;
     options.bucket_mb = run.config.bucket_mb;
-    options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
     // One per chunk: a pipeline finishes each chunk's last backward at its own time, and that
-    // chunk's buckets are reduced from then on while the other chunks still compute.
-    for (size_t c = 0; c < run.chunks.size(); ++c)
+    // chunk's buckets are reduced from then on while the other chunks still compute. Each with a
+    // hook of its own: a hook may carry state per bucket (int8's error feedback).
+    for (size_t c = 0; c < run.chunks.size(); ++c) {
+      options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
       dp_.push_back(std::make_unique<parallel::data::DataParallel>(
           run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options));
+    }
     // Replicas start equal however they were initialized (the init is layout-invariant; this
     // also covers a user-modified model).
     for (auto& dp : dp_) dp->broadcast_parameters();
@@ -52,6 +55,13 @@ class DataParallelStrategy final : public Strategy {
       dp->finish_gradient_sync();
       result.comm_wait_s += dp->last_sync().wait_seconds;
     }
+  }
+  void load_state(RunContext& /*run*/, const CheckpointContents& /*checkpoint*/) override {
+    if (dp_.front()->hook().carries_state())
+      spdlog::warn(
+          "--comm-hook {}: its error feedback is not in checkpoints yet; it restarts at "
+          "zero on this resume (the run continues, not bit for bit as it would have)",
+          dp_.front()->hook().name());
   }
   bool zero_grad(RunContext& /*run*/) override {
     // In place: the gradients are views of the communication buckets.

@@ -319,7 +319,7 @@ class Pruning final : public Strategy {
       const auto v = values(t);
       sums.push_back(
           sharded ? ops::block_scores_of_piece(v, piece_of(run, t).offset, t.shape, pattern_.block)
-                  : ops::block_scores(v.view(t.shape), pattern_.block));
+                  : ops::block_scores(v.view(t.shape).to(at::kDouble), pattern_.block));
     }
     if (sharded) sum_over_dp(run, sums);
     return sums;
@@ -404,7 +404,7 @@ class Pruning final : public Strategy {
     using Kind = ops::SparseLinearFormat::Kind;
     std::vector<at::Tensor> kept_per_tile;
     if (format_.kind == Kind::kBlock)
-      kept_per_tile = tile_sums(run, [](const Target& t) { return t.mask.to(at::kDouble); });
+      kept_per_tile = tile_sums(run, [](const Target& t) { return t.mask; });
     for (size_t i = 0; i < targets_.size(); ++i) {
       auto& t = targets_[i];
       if (t.layer == nullptr) continue;

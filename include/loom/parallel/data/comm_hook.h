@@ -3,6 +3,7 @@
 // all-reduce; a hook can compress it first (the bf16 hook halves the bytes sent), which is
 // where communication compression plugs in.
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,9 @@ class CommHook {
   virtual void finish(GradBucket& bucket, dist::Communicator& comm) {}
   // Bytes this hook hands to the communicator per gradient element (for accounting).
   virtual double bytes_per_element(const GradBucket& bucket) const = 0;
+  // Whether it carries state from step to step (error feedback), which checkpoints do not
+  // hold yet: a resume restarts it.
+  virtual bool carries_state() const { return false; }
 };
 
 // All-reduce average in the gradients' own dtype.
@@ -44,7 +48,45 @@ class Bf16CompressHook : public CommHook {
   double bytes_per_element(const GradBucket&) const override { return 2.0; }
 };
 
-// The registry of hooks by name: "avg" and "bf16" are built in; a user's own hook registers
+// int8 with error feedback: each bucket is reduced as a reduce-scatter and an all-gather of
+// blockwise int8 codes with one fp32 scale per 256 values (ops/quantize.h), so the sum is
+// quantized once per hop instead of once per rank:
+//   1. every rank adds its carried error to its gradient, quantizes it (the rounding becomes its
+//      new error) and sends chunk j to rank j (all-to-all);
+//   2. rank j dequantizes the R chunks it received, averages them, adds its own carried error
+//      for that segment ("server" error), quantizes the mean and all-gathers it.
+// Over steps the results sum to the true mean gradients minus the carried errors, which stay
+// bounded (half a quantization step each). Bytes handed to the communicator per gradient
+// element: (1 + 1/R)(1 + 4/256), about 4/(1 + 1/R) times fewer than an fp32 all-reduce's 4.
+// The error buffers are per rank and per bucket: training state, which checkpoints do not carry
+// yet (a resume restarts them at zero).
+class Int8CompressHook : public CommHook {
+ public:
+  static constexpr int64_t kBlock = 256;
+  std::string name() const override { return "int8"; }
+  dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
+  void finish(GradBucket& bucket, dist::Communicator& comm) override;
+  double bytes_per_element(const GradBucket& bucket) const override;
+  bool carries_state() const override { return true; }
+
+  // Each rank's segment of a bucket of `numel` values over `ranks` ranks: a multiple of kBlock
+  // (the bucket is padded with zeros to ranks * segment).
+  static int64_t segment_numel(int64_t numel, int64_t ranks);
+  // The errors carried for bucket `index` (empty before its first reduction): this rank's whole
+  // padded bucket, and its segment of the mean.
+  at::Tensor error(int64_t index) const;
+  at::Tensor server_error(int64_t index) const;
+
+ private:
+  struct State {
+    int64_t ranks = 0, segment = 0;
+    at::Tensor error, server_error;  // float32 [ranks * segment], [segment]
+    at::Tensor send, recv;           // packed chunks in flight: uint8 [ranks, packed bytes]
+  };
+  std::map<int64_t, State> state_;  // by bucket index
+};
+
+// The registry of hooks by name: "avg", "bf16" and "int8" are built in; a user's own hook registers
 // with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is then chosen by --comm-hook name.
 // Registering a name twice is a loom::Error.
 using CommHookFactory = std::function<std::shared_ptr<CommHook>()>;
