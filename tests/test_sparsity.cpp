@@ -10,12 +10,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "loom/core/autocast.h"
 #include "loom/ops/block_sparse.h"
 #include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/tensor/layers.h"
 #include "loom/train/config.h"
-#include "loom/core/autocast.h"
 #include "loom/train/trainer.h"
 #include "sparse24_util.h"
 #include "test_util.h"
@@ -713,6 +713,31 @@ TEST(BlockSparseLinear, EqualsTheDenseMaskedProductForwardAndBackward) {
       // No gradient reaches a dropped tile.
       EXPECT_EQ((w.grad() * (1 - mask)).abs().max().item<double>(), 0.0);
     }
+  }
+  // bf16 (the CPU path under --precision bf16 autocast, where the BLAS may be oneDNN's): each
+  // result within one bf16 rounding of the exact product of the same bf16 inputs, 2^-8 |exact|,
+  // plus an fp32 accumulation's 2 K u sum |a| |b|.
+  {
+    const int64_t block = 32, out = 4 * block, in = 3 * block;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const auto tiles16 = random_tiles(out / block, in / block, 0.6, 9);
+    const auto mask = ops::expand_block_mask(tiles16, block).to(at::kDouble);
+    const auto w0 = at::randn({out, in}, gen).to(at::kBFloat16);
+    const auto x0 = at::randn({7, in}, gen).to(at::kBFloat16);
+    const auto dy = at::randn({7, out}, gen).to(at::kBFloat16);
+    auto x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+    const auto y = ops::block_sparse_linear(x, w, tiles16, block);
+    y.backward(dy);
+    const auto x64 = x0.to(at::kDouble), w64 = w0.to(at::kDouble) * mask, dy64 = dy.to(at::kDouble);
+    const double u = 1.0 / (1 << 24), u16 = 1.0 / (1 << 8);
+    const auto within = [&](const at::Tensor& got, const at::Tensor& exact, const at::Tensor& abs,
+                            int64_t k, const char* what) {
+      const auto bound = u16 * exact.abs() + 2.0 * static_cast<double>(k) * u * abs + 1e-30;
+      EXPECT_TRUE(at::all((got.to(at::kDouble) - exact).abs() <= bound).item<bool>()) << what;
+    };
+    within(y, at::linear(x64, w64), at::linear(x64.abs(), w64.abs()), in, "bf16 y");
+    within(x.grad(), dy64.mm(w64), dy64.abs().mm(w64.abs()), out, "bf16 dx");
+    within(w.grad(), dy64.t().mm(x64) * mask, dy64.abs().t().mm(x64.abs()), 7, "bf16 dw");
   }
   // The compressed weight holds exactly the kept tiles.
   const auto tiles = random_tiles(4, 5, 0.5, 7);
