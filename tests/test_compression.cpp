@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "loom/ops/quantize.h"
 #include "test_util.h"
@@ -34,12 +35,12 @@ at::Tensor varied_blocks(int64_t blocks, int64_t block, uint64_t seed) {
 // the scale, the division and the product (a few u of the block's largest magnitude); the
 // largest magnitude maps to +-127, zeros to 0, and the codes stay in [-127, 127].
 TEST(QuantizeInt8, RoundTripIsWithinHalfAStepOfEveryBlock) {
-  const int64_t block = 64, blocks = 20;
+  const int64_t block = ops::kInt8Block, blocks = 20;
   const auto x = varied_blocks(blocks, block, 3);
-  const auto q = ops::quantize_int8(x, block);
+  const auto q = ops::quantize_int8(x);
   ASSERT_EQ(q.codes.scalar_type(), at::kChar);
   ASSERT_EQ(q.scales.numel(), blocks);
-  const auto back = ops::dequantize_int8(q.codes, q.scales, block);
+  const auto back = ops::dequantize_int8(q.codes, q.scales);
   const auto amax = x.view({blocks, block}).abs().amax(1);
   EXPECT_TRUE(at::allclose(q.scales, amax / 127.0f, 0, 0));
   EXPECT_LE(q.codes.abs().max().item<int>(), 127);
@@ -64,7 +65,7 @@ TEST(QuantizeInt8, RoundTripIsWithinHalfAStepOfEveryBlock) {
 // sum of the inputs, up to fp32's roundings (x + e and the error's subtraction each call: a few
 // u of the magnitudes), far below one quantization step, which a lost error would show.
 TEST(QuantizeInt8, ErrorFeedbackLosesNothingOverSteps) {
-  const int64_t block = 32, n = 8 * block, steps = 25;
+  const int64_t n = 8 * ops::kInt8Block, steps = 25;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
   auto error = at::zeros({n});
   auto sum_in = at::zeros({n}, at::kDouble), sum_out = at::zeros({n}, at::kDouble);
@@ -72,9 +73,9 @@ TEST(QuantizeInt8, ErrorFeedbackLosesNothingOverSteps) {
   for (int64_t t = 0; t < steps; ++t) {
     const auto x = at::randn({n}, gen) * (1.0 + static_cast<double>(t % 3));
     largest = std::max(largest, x.abs().max().item<double>());
-    const auto q = ops::quantize_int8_with_feedback(x, error, block);
+    const auto q = ops::quantize_int8_with_feedback(x, error);
     sum_in += x.to(at::kDouble);
-    sum_out += ops::dequantize_int8(q.codes, q.scales, block).to(at::kDouble);
+    sum_out += ops::dequantize_int8(q.codes, q.scales).to(at::kDouble);
   }
   const double lost = (sum_in - sum_out - error.to(at::kDouble)).abs().max().item<double>();
   EXPECT_LE(lost, static_cast<double>(steps) * 8 * kU * largest);
@@ -83,15 +84,27 @@ TEST(QuantizeInt8, ErrorFeedbackLosesNothingOverSteps) {
   EXPECT_GT(error.abs().max().item<double>(), 0);
 }
 
+// A NaN or an infinity is not quantized away: its block's scale, and so every value it
+// dequantizes to, stays non-finite (the trainer's non-finite check must still see it).
+TEST(QuantizeInt8, NonFiniteValuesStayNonFinite) {
+  auto x = at::randn({3 * ops::kInt8Block});
+  x[5] = std::nanf("");
+  x[ops::kInt8Block + 7] = std::numeric_limits<float>::infinity();
+  const auto q = ops::quantize_int8(x);
+  const auto back = ops::dequantize_int8(q.codes, q.scales);
+  EXPECT_TRUE(std::isnan(q.scales[0].item<float>()));
+  EXPECT_FALSE(std::isfinite(q.scales[1].item<float>()));
+  EXPECT_TRUE(std::isfinite(q.scales[2].item<float>()));
+  EXPECT_FALSE(at::isfinite(back[5]).item<bool>());
+  EXPECT_FALSE(at::isfinite(back[ops::kInt8Block + 7]).item<bool>());
+}
+
 TEST(QuantizeInt8, BadInputIsNamed) {
-  EXPECT_TRUE(contains(error_of([] { ops::quantize_int8(at::zeros({10}), 4); }),
-                       "10 values do not split into blocks of 4"));
-  EXPECT_TRUE(contains(error_of([] { ops::quantize_int8(at::zeros({8}), 0); }),
-                       "block size 0 must be >= 1"));
-  EXPECT_TRUE(contains(error_of([] { ops::quantize_int8(at::zeros({8}, at::kDouble), 4); }),
+  EXPECT_TRUE(contains(error_of([] { ops::quantize_int8(at::zeros({300})); }),
+                       "300 values do not split into blocks of 256"));
+  EXPECT_TRUE(contains(error_of([] { ops::quantize_int8(at::zeros({256}, at::kDouble)); }),
                        "takes a float32 1-D tensor, got Double"));
-  auto error = at::zeros({4});
-  EXPECT_TRUE(
-      contains(error_of([&] { ops::quantize_int8_with_feedback(at::zeros({8}), error, 4); }),
-               "the error is Float of 4 values, the input 8 values"));
+  auto error = at::zeros({256});
+  EXPECT_TRUE(contains(error_of([&] { ops::quantize_int8_with_feedback(at::zeros({512}), error); }),
+                       "the error is Float of 256 values on cpu, the input 512 values"));
 }

@@ -20,6 +20,7 @@
 #include "loom/loom.h"
 #include "loom/ops/bsr.h"
 #include "loom/ops/flash_attention.h"
+#include "loom/ops/quantize.h"
 #include "loom/ops/sparse24.h"
 #include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsity.h"
@@ -597,4 +598,25 @@ TEST(GpuTraining, DeviceFlagsAreCheckedBeforeTraining) {
   c.peak_tflops = -1;
   msg = error_of([&] { train::Trainer t(c); });
   EXPECT_TRUE(contains(msg, "--peak-tflops -1 must be >= 0")) << msg;
+}
+
+// The int8 quantization kernel on a GPU equals its host reference bit for bit (codes, scales
+// and the updated error), on blocks of seven decades, an all-zero block and a NaN; and the int8
+// hook's arithmetic runs on the device.
+TEST(QuantizeInt8Gpu, KernelEqualsTheHostReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t blocks = 300;
+  auto x = at::randn({blocks, ops::kInt8Block}) *
+           at::pow(10.0, at::arange(blocks, at::kFloat).remainder(7) - 3).unsqueeze(1);
+  x[4].zero_();
+  x = x.flatten();
+  x[9 * ops::kInt8Block + 3] = std::nanf("");
+  auto error_cpu = at::randn({blocks * ops::kInt8Block}) * 1e-3;
+  auto error_gpu = error_cpu.cuda();
+  const auto want = ops::quantize_int8_with_feedback(x, error_cpu);
+  const auto got = ops::quantize_int8_with_feedback(x.cuda(), error_gpu);
+  EXPECT_TRUE(at::equal(got.codes.cpu(), want.codes));
+  const auto bits = [](const at::Tensor& t) { return t.cpu().view(at::kInt); };
+  EXPECT_TRUE(at::equal(bits(got.scales), bits(want.scales)));
+  EXPECT_TRUE(at::equal(bits(error_gpu), bits(error_cpu)));
 }

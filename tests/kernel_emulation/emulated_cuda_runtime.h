@@ -39,6 +39,7 @@
 #include <unistd.h>
 #include <vector_types.h>
 
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -510,6 +511,22 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) emulation::error("__syncwarp with a partial mask");
   emulation::arrive_and_wait(emulation::current_warp().barrier);
 }
+
+// The round-to-nearest fp32 intrinsics a kernel uses to keep nvcc from fusing a product and a
+// sum into an FMA: one IEEE operation each, as the host computes them (the emulated kernels
+// build with -ffp-contract=off, so g++ does not fuse them either). isnan and isfinite, which
+// CUDA device code calls unqualified.
+inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
+inline float __fmul_rn(float a, float b) {
+  return a * b;
+}
+inline float __fdiv_rn(float a, float b) {
+  return a / b;
+}
+using std::isfinite;
+using std::isnan;
 
 inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   if (mask != 0xffffffffu) emulation::error("__shfl_xor_sync with a partial mask");

@@ -52,8 +52,7 @@ at::Tensor unpack(const at::Tensor& packed, int64_t segment) {
   const auto scales = packed.narrow(1, segment, 4 * (segment / Int8CompressHook::kBlock))
                           .contiguous()
                           .view(at::kFloat);
-  return ops::dequantize_int8(codes.view({rows, segment}), scales.view({rows, -1}),
-                              Int8CompressHook::kBlock);
+  return ops::dequantize_int8(codes.view({rows, segment}), scales.view({rows, -1}));
 }
 
 }  // namespace
@@ -74,7 +73,7 @@ dist::WorkPtr Int8CompressHook::start(GradBucket& bucket, dist::Communicator& co
   }
   auto padded = at::zeros_like(s.error);
   padded.narrow(0, 0, n).copy_(bucket.buffer);
-  const auto q = ops::quantize_int8_with_feedback(padded, s.error, kBlock);
+  const auto q = ops::quantize_int8_with_feedback(padded, s.error);
   const int64_t bytes = packed_bytes(s.segment);
   s.send = at::empty({ranks, bytes}, s.error.options().dtype(at::kByte));
   s.recv = at::empty_like(s.send);
@@ -88,7 +87,7 @@ void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   auto& s = state_.at(bucket.index);
   // This rank's segment: the mean of every rank's dequantized chunk.
   const auto mean = unpack(s.recv, s.segment).sum(0) / static_cast<double>(s.ranks);
-  const auto q = ops::quantize_int8_with_feedback(mean, s.server_error, kBlock);
+  const auto q = ops::quantize_int8_with_feedback(mean, s.server_error);
   auto mine = at::empty({packed_bytes(s.segment)}, s.send.options());
   pack(q, mine);
   auto gathered = at::empty({s.ranks, mine.numel()}, mine.options());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "loom/dist/communicator.h"
+#include "loom/ops/quantize.h"
 #include "loom/parallel/data/grad_bucket.h"
 
 namespace loom::parallel::data {
@@ -62,7 +63,7 @@ class Bf16CompressHook : public CommHook {
 // yet (a resume restarts them at zero).
 class Int8CompressHook : public CommHook {
  public:
-  static constexpr int64_t kBlock = 256;
+  static constexpr int64_t kBlock = ops::kInt8Block;
   std::string name() const override { return "int8"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
