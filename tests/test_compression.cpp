@@ -97,6 +97,11 @@ TEST(QuantizeInt8, NonFiniteValuesStayNonFinite) {
   EXPECT_TRUE(std::isfinite(q.scales[2].item<float>()));
   EXPECT_FALSE(at::isfinite(back[5]).item<bool>());
   EXPECT_FALSE(at::isfinite(back[ops::kInt8Block + 7]).item<bool>());
+  // With error feedback the non-finite blocks' errors are reset to 0, the finite one's kept.
+  auto error = at::zeros_like(x);
+  ops::quantize_int8_with_feedback(x, error);
+  EXPECT_EQ(error.narrow(0, 0, 2 * ops::kInt8Block).abs().max().item<float>(), 0.0f);
+  EXPECT_GT(error.narrow(0, 2 * ops::kInt8Block, ops::kInt8Block).abs().max().item<float>(), 0.0f);
 }
 
 TEST(QuantizeInt8, BadInputIsNamed) {

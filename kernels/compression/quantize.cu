@@ -46,14 +46,15 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_int8_kernel(const Quan
     for (int offset = 16; offset > 0; offset >>= 1)
       amax = max_keeping_nan(__shfl_xor_sync(0xffffffffu, amax, offset), amax);
     const float scale = __fdiv_rn(amax, 127.0f);
-    const float divisor = scale > 0.0f ? scale : 1.0f;
+    const bool finite = isfinite(scale);
+    const float divisor = finite && scale > 0.0f ? scale : 1.0f;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t i = base + 32 * j;
       const float q = rintf(__fdiv_rn(v[j], divisor));
-      const float code = isfinite(q) ? fminf(fmaxf(q, -127.0f), 127.0f) : 0.0f;
+      const float code = finite ? fminf(fmaxf(q, -127.0f), 127.0f) : 0.0f;
       a.codes[i] = int8_t(code);
-      if (a.error != nullptr) a.error[i] = __fadd_rn(v[j], -__fmul_rn(code, scale));
+      if (a.error != nullptr) a.error[i] = finite ? __fsub_rn(v[j], __fmul_rn(code, scale)) : 0.0f;
     }
     if (lane == 0) a.scales[b] = scale;
   }

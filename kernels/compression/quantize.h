@@ -4,9 +4,12 @@
 // values: v = x + error (error may be null: no feedback), scale = max |v| / 127 (fp32), code =
 // v / scale rounded to the nearest integer, ties to even, in [-127, 127] (a zero block divides by
 // 1: codes 0), and the new error = v - code * scale. Every operation is one fp32 rounding in this
-// order, on the host and in the kernel, so both give the same bits. A NaN or infinity in a block
-// makes its scale non-finite (the max propagates NaN) and its codes 0, so dequantized values stay
-// non-finite and the trainer's non-finite check still sees them.
+// order, on the host and in the kernel, so both give the same values. A block holding a NaN or an
+// infinity gets a non-finite scale (the max keeps NaN), codes 0 and a new error of 0: it
+// dequantizes to non-finite values (0 * inf and 0 * NaN are NaN), which the trainer's non-finite
+// check sees, and its error does not carry the NaN into later steps. NaN bit patterns may differ
+// between host and device. A block whose scale is subnormal (max |v| below about 1.5e-36) can
+// clip its largest codes; error feedback carries what is clipped.
 #include <cstdint>
 
 #include "common/status.h"

@@ -27,12 +27,13 @@ void quantize_int8_host(const float* x, float* error, int8_t* codes, float* scal
       amax = (a > amax || std::isnan(a)) ? a : amax;  // a max that keeps NaN
     }
     const float scale = amax / 127.0f;
-    const float divisor = scale > 0.0f ? scale : 1.0f;
+    const bool finite = std::isfinite(scale);
+    const float divisor = finite && scale > 0.0f ? scale : 1.0f;
     for (int64_t j = 0; j < kQuantBlock; ++j) {
       const float q = std::nearbyint(v[j] / divisor);  // ties to even (default rounding mode)
-      const float code = std::isfinite(q) ? std::fmin(std::fmax(q, -127.0f), 127.0f) : 0.0f;
+      const float code = finite ? std::fmin(std::fmax(q, -127.0f), 127.0f) : 0.0f;
       codes[base + j] = static_cast<int8_t>(code);
-      if (error != nullptr) error[base + j] = v[j] - code * scale;
+      if (error != nullptr) error[base + j] = finite ? v[j] - code * scale : 0.0f;
     }
     scales[b] = scale;
   }

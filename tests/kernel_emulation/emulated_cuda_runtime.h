@@ -519,6 +519,9 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 inline float __fadd_rn(float a, float b) {
   return a + b;
 }
+inline float __fsub_rn(float a, float b) {
+  return a - b;
+}
 inline float __fmul_rn(float a, float b) {
   return a * b;
 }

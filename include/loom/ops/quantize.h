@@ -5,8 +5,9 @@
 // rounded to the nearest integer (ties to even) in [-127, 127]. The error of one value is at
 // most scale / 2 (plus the fp32 roundings of the scale and the division, a few units in the last
 // place). CUDA tensors run loom's kernel (kernels/compression/quantize.cu), CPU tensors its host
-// reference: the same operations in the same order, the same bits. A block holding a NaN or an
-// infinity gets a non-finite scale (and codes 0), so what it dequantizes to stays non-finite.
+// reference: the same operations in the same order, the same values. A block holding a NaN or an
+// infinity gets a non-finite scale and codes 0, so what it dequantizes to stays non-finite, and
+// its carried error is reset to 0 (the NaN does not outlive the step).
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>

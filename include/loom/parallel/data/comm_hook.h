@@ -49,7 +49,7 @@ class Bf16CompressHook : public CommHook {
   double bytes_per_element(const GradBucket&) const override { return 2.0; }
 };
 
-// int8 with error feedback: each bucket is reduced as a reduce-scatter and an all-gather of
+// int8 with error feedback: each bucket is reduced as an all-to-all and an all-gather of
 // blockwise int8 codes with one fp32 scale per 256 values (ops/quantize.h), so the sum is
 // quantized once per hop instead of once per rank:
 //   1. every rank adds its carried error to its gradient, quantizes it (the rounding becomes its
@@ -58,7 +58,8 @@ class Bf16CompressHook : public CommHook {
 //      for that segment ("server" error), quantizes the mean and all-gathers it.
 // Over steps the results sum to the true mean gradients minus the carried errors, which stay
 // bounded (half a quantization step each). Bytes handed to the communicator per gradient
-// element: (1 + 1/R)(1 + 4/256), about 4/(1 + 1/R) times fewer than an fp32 all-reduce's 4.
+// element: (1 + 1/R)(1 + 1/64) for large buckets (padding adds to small ones; docs/compression.md),
+// about 4 / ((1 + 1/R)(1 + 1/64)) times fewer than an fp32 all-reduce's 4.
 // The error buffers are per rank and per bucket: training state, which checkpoints do not carry
 // yet (a resume restarts them at zero).
 class Int8CompressHook : public CommHook {
