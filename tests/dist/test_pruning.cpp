@@ -121,6 +121,58 @@ TEST(TrainerPrune, EveryLayoutPrunesLikeOneProcess) {
   }
 }
 
+// A pruned checkpoint resumes in another layout: saved at tp 2 after the second step (masks
+// already set), resumed as ZeRO-3 over dp 2 (and the other way round), it carries the masks as
+// the weights' zeros, keeps pruning on the schedule, and ends where the uninterrupted run ends:
+// the same zeros, and parameters within the fp64 bound of every layout test.
+TEST(TrainerPrune, ACheckpointReshardsToAnotherLayoutWithItsMasks) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (tp 2 and dp 2)";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 60000, 4000);
+  struct Layout {
+    int64_t dp, tp, zero;
+  };
+  const std::vector<std::pair<Layout, Layout>> cases = {{{1, 2, 0}, {2, 1, 3}},
+                                                        {{2, 1, 3}, {1, 2, 0}}};
+  for (const std::string pattern : {"unstructured", "block:16"}) {
+    for (const auto& [from, to] : cases) {
+      SCOPED_TRACE(fmt::format("{}: tp {} zero {} -> tp {} zero {}", pattern, from.tp, from.zero,
+                               to.tp, to.zero));
+      auto config = pruned_config(dir.path(), pattern, "global", 0.5);
+      const auto configure = [&](train::TrainConfig c, const Layout& l) {
+        c.tp = l.tp;
+        c.zero = l.zero;
+        return c;
+      };
+      std::map<std::string, at::Tensor> want;
+      {
+        train::Trainer t(configure(config, from),
+                         loom::testing::layout_mesh({.dp = from.dp, .tp = from.tp}));
+        want = loom::testing::run(t).params;
+      }
+      auto saving = configure(config, from);
+      saving.save_dir = (dir / fmt::format("ckpt-{}-{}", pattern.substr(0, 3), from.tp)).string();
+      saving.save_every = 2;
+      train::Trainer(saving, loom::testing::layout_mesh({.dp = from.dp, .tp = from.tp})).fit();
+      world().barrier();
+      auto resumed = configure(config, to);
+      resumed.resume = (fs::path(saving.save_dir) / "step-00000002").string();
+      train::Trainer t(resumed, loom::testing::layout_mesh({.dp = to.dp, .tp = to.tp}));
+      ASSERT_EQ(t.step(), 2);
+      const auto got = loom::testing::run(t).params;
+      int64_t pruned = 0;
+      for (const auto& [name, w] : want) {
+        ASSERT_TRUE(got.count(name)) << name;
+        EXPECT_TRUE(at::equal(got.at(name) == 0, w == 0)) << name;
+        pruned += (w == 0).sum().item<int64_t>();
+        const double scale = std::max(w.abs().max().item<double>(), 1e-30);
+        EXPECT_LE((got.at(name) - w).abs().max().item<double>() / scale, 1e-9) << name;
+      }
+      EXPECT_GT(pruned, 0);
+    }
+  }
+}
+
 // Under ZeRO-3 the masks live as the zeros of each rank's shards: a resume rebuilds them there
 // (checking the 2:4 pattern on the gathered weights, the tile counts from the pieces) and
 // continues the uninterrupted run bit for bit.
