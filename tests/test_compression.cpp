@@ -1,5 +1,6 @@
-// Communication compression's arithmetic (ops/quantize.h): blockwise int8 within half a
-// quantization step, and error feedback that loses nothing over steps.
+// Communication compression's arithmetic: blockwise int8 within half a quantization step
+// (ops/quantize.h), threshold selection and scatter-add (ops/sparsify.h) against plain loops, error
+// feedback that loses nothing over steps, and the --comm-hook specs and their errors.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -8,6 +9,9 @@
 #include <limits>
 
 #include "loom/ops/quantize.h"
+#include "loom/ops/sparsify.h"
+#include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/data/sparse_hook.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -112,4 +116,166 @@ TEST(QuantizeInt8, BadInputIsNamed) {
   auto error = at::zeros({256});
   EXPECT_TRUE(contains(error_of([&] { ops::quantize_int8_with_feedback(at::zeros({512}), error); }),
                        "the error is Float of 256 values on cpu, the input 512 values"));
+}
+
+// ---- sparse selection (topk / threshold) ---------------------------------------------------
+
+namespace {
+
+// The plain statement of select_with_feedback: walk the values in order, take those passing the
+// threshold while there is room.
+struct Naive {
+  std::vector<int32_t> indices;
+  std::vector<float> values, error;
+  int64_t selected = 0;
+};
+Naive naive_select(const at::Tensor& x, const at::Tensor& e, float t, int64_t capacity) {
+  Naive out;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float v = x[i].item<float>() + e[i].item<float>();
+    const bool take = !(std::fabs(v) < t) && v != 0.0f;
+    out.selected += take;
+    if (take && static_cast<int64_t>(out.indices.size()) < capacity) {
+      out.indices.push_back(static_cast<int32_t>(i));
+      out.values.push_back(v);
+      out.error.push_back(0.0f);
+    } else {
+      out.error.push_back(v);
+    }
+  }
+  return out;
+}
+
+bool same_floats(float a, float b) {
+  return a == b || (std::isnan(a) && std::isnan(b));
+}
+
+}  // namespace
+
+// Over lengths that do and do not fill whole chunks, capacities below, at and above the count,
+// with zeros, a NaN and an infinity: indices, values, padding, counts and the error equal the
+// plain loop's exactly.
+TEST(SparseSelect, EqualsThePlainLoop) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const int64_t n : {1, 255, 256, 1000, 3000}) {
+    auto x = at::randn({n}, gen);
+    auto e0 = at::randn({n}, gen) * 0.1;
+    if (n > 10) {
+      x.narrow(0, 3, 4).zero_();
+      e0.narrow(0, 3, 4).zero_();
+      x[7] = std::numeric_limits<float>::quiet_NaN();
+      x[9] = std::numeric_limits<float>::infinity();
+    }
+    for (const double t : {0.0, 0.5, 1.5, 10.0}) {
+      const auto want_all = naive_select(x, e0, static_cast<float>(t), n);
+      for (const int64_t capacity : {int64_t(0), want_all.selected / 2, want_all.selected, n}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "n " << n << ", threshold " << t << ", capacity " << capacity);
+        const auto want = naive_select(x, e0, static_cast<float>(t), capacity);
+        auto e = e0.clone();
+        const auto got = ops::select_with_feedback(x, e, t, capacity);
+        EXPECT_EQ(got.selected, want.selected);
+        ASSERT_EQ(got.indices.numel(), capacity);
+        for (int64_t s = 0; s < capacity; ++s) {
+          const bool used = s < static_cast<int64_t>(want.indices.size());
+          EXPECT_EQ(got.indices[s].item<int32_t>(), used ? want.indices[size_t(s)] : -1) << s;
+          EXPECT_TRUE(same_floats(got.values[s].item<float>(), used ? want.values[size_t(s)] : 0))
+              << s;
+        }
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_TRUE(same_floats(e[i].item<float>(), want.error[size_t(i)])) << i;
+      }
+    }
+  }
+}
+
+// The k-th largest magnitude as a threshold selects the k largest |x + e| (values drawn without
+// ties), and NaN ranks above every number.
+TEST(SparseSelect, KthLargestMagnitudeSelectsTheKLargest) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const int64_t n = 2000;
+  auto x = at::randn({n}, gen);
+  auto e = at::randn({n}, gen) * 0.01;
+  const auto v = (x + e).abs();
+  for (const int64_t k : {1, 20, 1999, 2000}) {
+    const double t = ops::kth_largest_magnitude(x, e, k);
+    EXPECT_EQ(t, std::get<0>(v.sort(0, /*descending=*/true))[k - 1].item<double>()) << k;
+    auto err = e.clone();
+    EXPECT_EQ(ops::select_with_feedback(x, err, t, k).selected, k) << k;
+  }
+  x[17] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(ops::kth_largest_magnitude(x, e, 1)));
+  EXPECT_TRUE(contains(error_of([&] { ops::kth_largest_magnitude(x, e, 0); }), "k = 0"));
+}
+
+// Scatter-add adds each list into place, skipping the -1 padding, and equals index_add_.
+TEST(SparseSelect, ScatterAddEqualsIndexAdd) {
+  auto dense = at::zeros({10});
+  const auto idx = at::tensor({3, -1, 9, 0, -1}, at::kInt);
+  const auto val = at::tensor({1.5f, 7.0f, -2.0f, 0.25f, 7.0f});
+  ops::scatter_add_sparse_(dense, idx, val);
+  ops::scatter_add_sparse_(dense, at::tensor({3}, at::kInt), at::tensor({1.0f}));
+  auto want = at::zeros({10});
+  want[3] = 2.5f;
+  want[9] = -2.0f;
+  want[0] = 0.25f;
+  EXPECT_TRUE(at::equal(dense, want));
+  EXPECT_TRUE(contains(error_of([&] { ops::scatter_add_sparse_(dense, idx.to(at::kLong), val); }),
+                       "int32"));
+}
+
+// Error feedback: over steps, what was sent plus what is still carried equals what went in, to
+// fp32's rounding of each x + e.
+TEST(SparseSelect, ErrorFeedbackLosesNothingOverSteps) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const int64_t n = 4096, k = 40, steps = 8;
+  auto error = at::zeros({n});
+  auto sent = at::zeros({n}, at::kDouble), total = at::zeros({n}, at::kDouble);
+  double largest = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const auto x = at::randn({n}, gen);
+    total += x.to(at::kDouble);
+    largest = std::max(largest, (x + error).abs().max().item<double>());
+    const auto s = ops::select_with_feedback(x, error, ops::kth_largest_magnitude(x, error, k), k);
+    auto dense = at::zeros({n});
+    ops::scatter_add_sparse_(dense, s.indices, s.values);
+    EXPECT_EQ((dense != 0).sum().item<int64_t>(), k);
+    sent += dense.to(at::kDouble);
+  }
+  const double lost = (sent + error.to(at::kDouble) - total).abs().max().item<double>();
+  EXPECT_LE(lost, steps * kU * largest);
+  EXPECT_GT(error.abs().max().item<double>(), 1.0) << "nothing carried";
+}
+
+// --comm-hook specs: the options reach the hook, and every bad one is named before any collective.
+TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
+  namespace pd = loom::parallel::data;
+  const auto topk =
+      std::dynamic_pointer_cast<pd::SparseCompressHook>(pd::make_comm_hook("topk:ratio=0.005"));
+  ASSERT_NE(topk, nullptr);
+  EXPECT_EQ(topk->ratio(), 0.005);
+  EXPECT_EQ(topk->refresh_every(), 1);
+  EXPECT_EQ(topk->capacity(1000), 5);
+  EXPECT_EQ(topk->capacity(10), 1);  // at least one value
+  const auto threshold =
+      std::dynamic_pointer_cast<pd::SparseCompressHook>(pd::make_comm_hook("threshold:every=4"));
+  ASSERT_NE(threshold, nullptr);
+  EXPECT_EQ(threshold->ratio(), 0.01);
+  EXPECT_EQ(threshold->refresh_every(), 4);
+  EXPECT_EQ(threshold->name(), "threshold");
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("fp8"); }),
+                       "valid: avg, bf16, int8, threshold, topk"));
+  EXPECT_TRUE(
+      contains(error_of([] { pd::make_comm_hook("topk:ratio=0"); }), "ratio=0 is outside (0, 1]"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio=1.5"); }),
+                       "ratio=1.5 is outside (0, 1]"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio=abc"); }),
+                       "ratio=abc is not a number"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("threshold:every=0"); }),
+                       "every=0 must be at least 1"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:every=3"); }),
+                       "'topk' has no option 'every'; its options: ratio"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:ratio=0.1"); }),
+                       "'int8' has no option 'ratio'; its options: none"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio"); }), "is not key=value"));
 }

@@ -96,7 +96,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--comm-hook", c.comm_hook,
                  "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
-                 "to bfloat16 on the wire) | int8 (blockwise int8 with error feedback)")
+                 "to bfloat16 on the wire) | int8 (blockwise int8 with error feedback) | "
+                 "topk[:ratio=0.01] (the largest values with error feedback) | "
+                 "threshold[:ratio=0.01,every=10] (the same, the threshold recomputed every "
+                 "`every` steps); docs/compression.md")
       ->capture_default_str();
   app.add_option("--tp", c.tp,
                  "Tensor-parallel size: attention heads, MLP and vocabulary split across this "

@@ -141,7 +141,23 @@ std::shared_ptr<HostWork> Communicator::start_watched(OpKind kind) {
   return work;
 }
 
+double Communicator::bytes_sent() const {
+  double total = 0;
+  for (const auto& b : bytes_sent_) total += b.load(std::memory_order_relaxed);
+  return total;
+}
+
+double Communicator::bytes_sent(OpKind kind) const {
+  return bytes_sent_.at(static_cast<size_t>(kind)).load(std::memory_order_relaxed);
+}
+
 WorkPtr Communicator::issue(Call call) {
+  const auto& payload = call.input.defined() ? call.input : call.output;
+  if (payload.defined()) {
+    const double bytes =
+        wire_bytes(call.kind(), static_cast<double>(payload.nbytes()), size_, call.peer() == rank_);
+    bytes_sent_.at(static_cast<size_t>(call.kind())).fetch_add(bytes, std::memory_order_relaxed);
+  }
   auto work = launch(std::move(call));
   Watchdog::instance().track(work);
   return work;

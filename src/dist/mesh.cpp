@@ -1,5 +1,7 @@
 #include "loom/dist/mesh.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -123,6 +125,25 @@ Mesh::Mesh(CommunicatorPtr world, MeshShape shape, int64_t ranks_per_node, const
 
 std::shared_ptr<Mesh> Mesh::single_process() {
   return std::make_shared<Mesh>(std::make_shared<LocalCommunicator>(), MeshShape{.dp = 1});
+}
+
+double Mesh::bytes_sent() const {
+  // A group may be the same object under two names (a dimension spanning the world): once each.
+  std::vector<const Communicator*> seen;
+  double total = 0;
+  auto add = [&](const CommunicatorPtr& c) {
+    if (!c || std::find(seen.begin(), seen.end(), c.get()) != seen.end()) return;
+    seen.push_back(c.get());
+    total += c->bytes_sent();
+  };
+  add(world_);
+  for (const auto& c : comms_) add(c);
+  for (const auto& c : tracked_) add(c);
+  return total;
+}
+
+void Mesh::track(CommunicatorPtr group) {
+  if (group) tracked_.push_back(std::move(group));
 }
 
 int64_t Mesh::rank_at(const std::array<int64_t, kNumDims>& coords) const {

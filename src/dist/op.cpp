@@ -83,4 +83,26 @@ std::string OpInfo::describe() const {
                      t.empty() ? "" : " ", t);
 }
 
+double wire_bytes(OpKind kind, double payload_bytes, int group_size, bool is_root) {
+  const double r = group_size;
+  switch (kind) {
+    case OpKind::AllReduce:
+      return 2.0 * (r - 1) / r * payload_bytes;
+    case OpKind::ReduceScatter:
+    case OpKind::AllToAll:
+      return (r - 1) / r * payload_bytes;
+    case OpKind::AllGather:
+      return (r - 1) * payload_bytes;
+    case OpKind::Broadcast:
+      return is_root && group_size > 1 ? payload_bytes : 0.0;
+    case OpKind::Send:
+      return payload_bytes;
+    case OpKind::Recv:
+    case OpKind::Barrier:
+    case OpKind::Split:
+      return 0.0;
+  }
+  return 0.0;
+}
+
 }  // namespace loom::dist

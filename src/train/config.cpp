@@ -51,9 +51,7 @@ void TrainConfig::validate() const {
              "divided by the other mesh dimensions",
              dp);
   LOOM_CHECK(bucket_mb > 0, "--bucket-mb {} must be positive", bucket_mb);
-  const auto hooks = parallel::data::comm_hook_names();
-  LOOM_CHECK(std::find(hooks.begin(), hooks.end(), comm_hook) != hooks.end(),
-             "--comm-hook '{}' is not valid: use one of {}", comm_hook, fmt::join(hooks, ", "));
+  parallel::data::make_comm_hook(comm_hook);  // throws naming a bad name or option
   LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
   LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
              pad_vocab_multiple);

@@ -227,13 +227,16 @@ std::vector<StrategySpec> strategy_specs(const TrainConfig& config, const dist::
                  spec.name, other.text, text);
     user.push_back(std::move(spec));
   }
-  auto add = [&](const std::string& name) { specs.push_back(StrategySpec{name, {}, name}); };
+  auto add = [&](const std::string& name) {
+    specs.push_back(StrategySpec{{name, {}, name, "--strategy"}});
+  };
   if (mesh.size(dist::Dim::pp) > 1) add("pipeline");
   if (mesh.size(dist::Dim::tp) > 1) add("tensor-parallel");
   if (config.activation_checkpointing != "none") add("activation-checkpointing");
   if (config.offload_activations) add("activation-offload");
   if (config.zero > 0) {
-    specs.push_back(StrategySpec{"zero", {{"stage", std::to_string(config.zero)}}, "zero"});
+    specs.push_back(
+        StrategySpec{{"zero", {{"stage", std::to_string(config.zero)}}, "zero", "--zero"}});
   } else if (mesh.size(dist::Dim::dp) > 1) {
     // Plain data parallelism, unless a registered strategy synchronizes the dp ranks its own
     // way (checked by the runtime once the strategies exist).

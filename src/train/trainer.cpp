@@ -180,6 +180,7 @@ StepResult Trainer::train_step() {
   const int64_t baseline = measure ? core::memory_counters(device_).current_bytes : 0;
   if (measure) core::reset_peak_memory(device_);
   StepResult r;
+  const double sent_before = mesh_->bytes_sent();
   runtime_->begin_step();
   at::Tensor loss;
   try {
@@ -226,6 +227,7 @@ StepResult Trainer::train_step() {
   r.lr = schedule_.at(step);
   runtime_->optimizer_step(r.lr, r);
   r.step = run().step;
+  r.comm_bytes = mesh_->bytes_sent() - sent_before;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
 }
@@ -303,6 +305,7 @@ StepResult Trainer::fit() {
                    {"grad_norm", last.grad_norm},
                    {"tokens_per_s", tokens_per_s},
                    {"comm_wait_s", last.comm_wait_s},
+                   {"comm_bytes", last.comm_bytes},
                    {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
     if (last.mfu) record["mfu"] = *last.mfu;

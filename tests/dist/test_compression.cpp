@@ -1,6 +1,6 @@
-// Communication compression across ranks: the int8 hook gives every rank the same reduced
-// bucket, its error feedback loses nothing over steps, its bytes are the analytic figure, and a
-// run trained through it ends within a measured margin of the uncompressed run.
+// Communication compression across ranks: the int8, topk and threshold hooks give every rank the
+// same reduced bucket, their error feedback loses nothing over steps, their bytes are the analytic
+// figure, and runs trained through them end within measured margins of the uncompressed run.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -8,10 +8,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "dist_util.h"
 #include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/data/sparse_hook.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
@@ -45,7 +48,7 @@ TEST(Int8Hook, EveryRankGetsTheSameMeanAndErrorFeedbackLosesNothing) {
   bucket.index = 3;
   bucket.buffer = at::zeros({n});
   auto sum_out = at::zeros({n}, at::kDouble), sum_mean = at::zeros({n}, at::kDouble);
-  double largest = 0;
+  double largest = 0, sent = 0;
   for (int t = 0; t < steps; ++t) {
     bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
     auto mean = at::zeros({n}, at::kDouble);
@@ -54,8 +57,10 @@ TEST(Int8Hook, EveryRankGetsTheSameMeanAndErrorFeedbackLosesNothing) {
       largest = std::max(largest, g.abs().max().item<double>());
       mean += g.to(at::kDouble) / ranks;
     }
+    const double sent_before = comm.bytes_sent();
     hook.start(bucket, comm)->wait();
     hook.finish(bucket, comm);
+    sent += comm.bytes_sent() - sent_before;
     auto all = at::empty({ranks, n});
     comm.all_gather(all, bucket.buffer);
     for (int r = 1; r < ranks; ++r)
@@ -79,48 +84,158 @@ TEST(Int8Hook, EveryRankGetsTheSameMeanAndErrorFeedbackLosesNothing) {
   if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
     std::printf("int8 hook at %d ranks: lost %.3g, bound %.3g, carried up to %.3g\n", ranks, lost,
                 bound, carried.abs().max().item<double>());
-  // Bytes handed to the communicator: R packed chunks to the all-to-all, one to the all-gather,
-  // each the segment's codes and a 4-byte scale per 256.
+  // Bytes sent, as the communicator counts them: of the all-to-all's R packed chunks the R - 1
+  // that leave the rank, and the all-gather's chunk to each of R - 1 ranks; a chunk is the
+  // segment's codes and a 4-byte scale per 256.
   const double packed = static_cast<double>(segment + 4 * segment / 256);
-  EXPECT_EQ(hook.bytes_per_element(bucket) * n, (ranks + 1) * packed);
+  EXPECT_EQ(pd::Int8CompressHook::packed_bytes(segment), packed);
+  EXPECT_NEAR(sent, steps * 2.0 * (ranks - 1) * packed, 1e-9 * sent);
 }
 
-// Training through the int8 hook: gpt2-tiny in fp32, 40 steps, every dp rank reducing its
-// buckets in int8, ends within a measured margin of the same run reduced by the fp32 all-reduce
-// (docs/compression.md), and trains (the loss falls by more than a fifth).
-TEST(Int8Hook, TrainsLikeTheUncompressedRun) {
+// R ranks reduce one 1000-value bucket through topk (every step a fresh threshold) and threshold
+// (refreshed every 3 steps) for 6 steps. Every rank gets the same values; summed over the steps
+// they equal the sum of the true means minus the ranks' mean carried error, up to fp32 roundings
+// (each x + e once per step, the R-term sums: (R + 2) u of the largest accumulated value per
+// step); each rank sends at most k = 1 % of the values, exactly k where the threshold was just
+// computed; the bytes are the all-gather's (R - 1) 8 k.
+TEST(SparseHook, EveryRankGetsTheSameMeanAndErrorFeedbackLosesNothing) {
+  auto& comm = world();
+  const int ranks = comm.size();
+  const int64_t n = 1000, steps = 6;
+  for (const std::string spec : {"topk:ratio=0.01", "threshold:ratio=0.01,every=3"}) {
+    SCOPED_TRACE(spec);
+    const auto made = pd::make_comm_hook(spec);
+    auto& hook = dynamic_cast<pd::SparseCompressHook&>(*made);
+    const int64_t k = hook.capacity(n);
+    ASSERT_EQ(k, 10);
+    pd::GradBucket bucket;
+    bucket.index = 1;
+    bucket.buffer = at::zeros({n});
+    auto sum_out = at::zeros({n}, at::kDouble), sum_mean = at::zeros({n}, at::kDouble);
+    double largest = 0, sent = 0;
+    for (int t = 0; t < steps; ++t) {
+      bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
+      auto mean = at::zeros({n}, at::kDouble);
+      for (int r = 0; r < ranks; ++r) mean += gradient_of(r, t, n).to(at::kDouble) / ranks;
+      if (hook.error(bucket.index).defined())
+        largest = std::max(largest,
+                           (bucket.buffer + hook.error(bucket.index)).abs().max().item<double>());
+      const double sent_before = comm.bytes_sent();
+      hook.start(bucket, comm)->wait();
+      hook.finish(bucket, comm);
+      sent += comm.bytes_sent() - sent_before;
+      const bool refreshed = t % hook.refresh_every() == 0;
+      if (refreshed) EXPECT_GE(hook.last_selected(bucket.index), k) << "step " << t;
+      EXPECT_LE((bucket.buffer != 0).sum().item<int64_t>(), ranks * k) << "step " << t;
+      auto all = at::empty({ranks, n});
+      comm.all_gather(all, bucket.buffer);
+      for (int r = 1; r < ranks; ++r)
+        ASSERT_TRUE(at::equal(all[r], all[0])) << "step " << t << ": rank " << r << " differs";
+      sum_out += bucket.buffer.to(at::kDouble);
+      sum_mean += mean;
+    }
+    largest = std::max(largest, hook.error(bucket.index).abs().max().item<double>());
+    auto carried = hook.error(bucket.index).clone();
+    comm.all_reduce(carried, loom::dist::ReduceOp::Sum);
+    const auto owed = carried.to(at::kDouble) / ranks;
+    const double lost = (sum_out - sum_mean + owed).abs().max().item<double>();
+    const double bound = steps * (ranks + 2) * kU * largest;
+    EXPECT_LE(lost, bound);
+    EXPECT_GT(owed.abs().max().item<double>(), 100 * bound) << "no error carried";
+    if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+      std::printf("%s at %d ranks: lost %.3g, bound %.3g, carried up to %.3g\n", spec.c_str(),
+                  ranks, lost, bound, owed.abs().max().item<double>());
+    EXPECT_NEAR(sent, steps * (ranks - 1) * 8.0 * static_cast<double>(k), 1e-9 * (sent + 1));
+  }
+}
+
+namespace {
+
+struct HookRun {
+  loom::testing::RunResult result;
+  double grad_sync_bytes = 0, compression_ratio = 0, comm_bytes = 0;
+};
+
+// gpt2-tiny in fp32 for 40 steps through `hook` on `mesh`, its last metrics record read back.
+HookRun train_through(const std::filesystem::path& dir, const std::string& hook,
+                      const loom::dist::MeshShape& shape) {
+  auto config = loom::testing::small_run_config(dir, 1, "fp32");
+  config.steps = 40;
+  config.lr = 3e-3;
+  config.tp = shape.tp;
+  config.comm_hook = hook;
+  config.metrics_out = (dir / "metrics.jsonl").string();
+  HookRun out;
+  {
+    train::Trainer t(config, loom::testing::layout_mesh(shape));
+    out.result = loom::testing::run(t);
+  }
+  world().barrier();  // rank 0 wrote the file
+  std::ifstream in(config.metrics_out);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  const auto record = nlohmann::json::parse(last);
+  out.comm_bytes = record.at("comm_bytes").get<double>();
+  out.grad_sync_bytes = record.at("grad_sync_bytes").get<double>();
+  out.compression_ratio = record.value("compression_ratio", 0.0);
+  world().barrier();  // read before the next run rewrites it
+  return out;
+}
+
+}  // namespace
+
+// Training through each compressor: gpt2-tiny in fp32, 40 steps, at dp R (and dp 2 x tp 2 at 4
+// ranks) ends within a measured margin of the same run reduced by the fp32 all-reduce
+// (docs/compression.md), and trains (the loss falls by more than a fifth). Every metrics record
+// carries comm_bytes and the gradient reduction's bytes and compression ratio: the avg run's
+// ratio is 1, int8's its analytic bound, topk's at least 1 / (R ratio) less the padding.
+TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
   const int n = world().size();
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at dp 2 and dp 4, and dp 2 x tp 2";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
-  struct Layout {
-    int64_t dp, tp;
+  std::vector<loom::dist::MeshShape> layouts = {{.dp = n}};
+  if (n == 4) layouts.push_back({.dp = 2, .tp = 2});
+  struct Case {
+    std::string hook;
+    double margin;  // on the relative final-loss and validation-loss gaps
   };
-  std::vector<Layout> layouts = {{n, 1}};
-  if (n == 4) layouts.push_back({2, 2});
-  for (const auto& l : layouts) {
-    SCOPED_TRACE(fmt::format("dp {} x tp {}", l.dp, l.tp));
-    auto config = loom::testing::small_run_config(dir.path(), 1, "fp32");
-    config.steps = 40;
-    config.lr = 3e-3;
-    config.tp = l.tp;
-    const auto mesh = loom::testing::layout_mesh({.dp = l.dp, .tp = l.tp});
-    train::Trainer plain(config, mesh);
-    const auto want = loom::testing::run(plain);
-    config.comm_hook = "int8";
-    train::Trainer int8(config, mesh);
-    const auto got = loom::testing::run(int8);
-    const double final_gap = std::abs(got.losses.back() - want.losses.back()) / want.losses.back();
-    const double val_gap = std::abs(got.val_loss - want.val_loss) / want.val_loss;
-    if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
-      std::printf(
-          "int8 vs avg, dp %ld x tp %ld: loss %.5f vs %.5f (%.2e), val %.5f vs %.5f (%.2e)\n",
-          static_cast<long>(l.dp), static_cast<long>(l.tp), got.losses.back(), want.losses.back(),
-          final_gap, got.val_loss, want.val_loss, val_gap);
-    // Measured at most 7.1e-4 (final loss) and 4.4e-4 (validation) over these layouts, with
-    // the default and the AVX2 CPU kernels; the margin is 3.5 times that.
-    EXPECT_LE(final_gap, 2.5e-3);
-    EXPECT_LE(val_gap, 2.5e-3);
-    EXPECT_LT(got.losses.back(), 0.8 * got.losses.front()) << "it did not train";
+  // int8: measured at most 7.1e-4 (final) and 4.4e-4 (validation) over these layouts with the
+  // default and AVX2 CPU kernels, margin 3.5 times that. topk and threshold: see below.
+  const std::vector<Case> cases = {
+      {"int8", 2.5e-3}, {"topk:ratio=0.005", 2.5e-2}, {"threshold:ratio=0.005,every=10", 2.5e-2}};
+  for (const auto& shape : layouts) {
+    SCOPED_TRACE(shape.describe());
+    const auto want = train_through(dir.path(), "avg", shape);
+    EXPECT_NEAR(want.compression_ratio, 1.0, 1e-12);
+    EXPECT_GE(want.comm_bytes, want.grad_sync_bytes);
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.hook);
+      const auto got = train_through(dir.path(), c.hook, shape);
+      const double final_gap = std::abs(got.result.losses.back() - want.result.losses.back()) /
+                               want.result.losses.back();
+      const double val_gap =
+          std::abs(got.result.val_loss - want.result.val_loss) / want.result.val_loss;
+      if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+        std::printf(
+            "%s vs avg, %s: loss %.5f vs %.5f (%.2e), val %.5f vs %.5f (%.2e), gradient bytes "
+            "%.0f vs %.0f (ratio %.2f), step bytes %.0f vs %.0f\n",
+            c.hook.c_str(), shape.describe().c_str(), got.result.losses.back(),
+            want.result.losses.back(), final_gap, got.result.val_loss, want.result.val_loss,
+            val_gap, got.grad_sync_bytes, want.grad_sync_bytes, got.compression_ratio,
+            got.comm_bytes, want.comm_bytes);
+      EXPECT_LE(final_gap, c.margin);
+      EXPECT_LE(val_gap, c.margin);
+      EXPECT_LT(got.result.losses.back(), 0.8 * got.result.losses.front()) << "it did not train";
+      EXPECT_NEAR(got.compression_ratio * got.grad_sync_bytes, want.grad_sync_bytes,
+                  1e-9 * want.grad_sync_bytes);
+      if (c.hook == "int8") {
+        EXPECT_LE(got.compression_ratio, 4.0 / (1.0 + 1.0 / 64));
+        EXPECT_GT(got.compression_ratio, 3.0);
+      } else {
+        EXPECT_GE(got.compression_ratio, 0.95 / (static_cast<double>(shape.dp) * 0.005));
+      }
+    }
   }
 }

@@ -146,8 +146,12 @@ TEST(DataParallel, Bf16HookAveragesWithinBf16Precision) {
     EXPECT_TRUE(at::equal(got, got.to(at::kBFloat16).to(got.scalar_type())))
         << name << " holds values that are not bf16: the reduction did not run in bf16";
   }
-  // 2 bytes per element handed to the communicator (the fp64 buckets would be 8).
-  EXPECT_EQ(dp.last_sync().bytes_sent, 2.0 * static_cast<double>(elements + m.unused.numel()));
+  // A ring all-reduce of 2-byte values: 2 (R - 1) / R x 2 bytes per element (the fp64 buckets
+  // would be 8), and an fp32 one 4.
+  const double all = static_cast<double>(elements + m.unused.numel()),
+               ring = 2.0 * (w.size() - 1) / w.size();
+  EXPECT_NEAR(dp.last_sync().bytes_sent, ring * 2.0 * all, 1e-9 * all);
+  EXPECT_NEAR(dp.last_sync().fp32_bytes, ring * 4.0 * all, 1e-9 * all);
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("fp8"); }), "valid: avg, bf16"));
 }
 

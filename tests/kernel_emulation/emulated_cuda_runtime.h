@@ -541,6 +541,26 @@ inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return source < 32 ? exchange.value[source] : value;  // beyond the warp: one's own value
 }
 
+// vote.sync.ballot.b32 (PTX ISA, "vote.sync"): bit l of the result is lane l's predicate, the same
+// word for every lane of the mask. Full warps only, like the shuffle above.
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  if (mask != 0xffffffffu) emulation::error("__ballot_sync with a partial mask");
+  const int lane = emulation::lane();
+  const emulation::WarpExchange& exchange = emulation::warp_instruction(
+      "vote.sync.ballot.b32", 0,
+      [&](emulation::WarpExchange& x) { x.value[lane] = predicate != 0 ? 1.0f : 0.0f; },
+      [](emulation::WarpExchange&) {});
+  unsigned ballot = 0;
+  for (int l = 0; l < 32; ++l)
+    if (exchange.value[l] != 0.0f) ballot |= 1u << l;
+  return ballot;
+}
+
+// popc.b32: the number of set bits.
+inline int __popc(unsigned x) {
+  return __builtin_popcount(x);
+}
+
 // ---- The CUDA runtime API the kernel's host code calls ------------------------------------------
 
 // Launches run synchronously, in order, whatever the stream.

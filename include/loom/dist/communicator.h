@@ -6,6 +6,8 @@
 // in debug mode, has the backend check that every rank issues the same collective.
 #include <ATen/core/Tensor.h>
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,6 +86,10 @@ class Communicator {
 
   // Collectives issued so far on this communicator.
   int64_t collectives_issued() const { return seq_; }
+  // Bytes this rank has sent on this communicator so far, counted per op as dist::wire_bytes
+  // (op.h) says: in total, or for one kind of op. Readable from any thread.
+  double bytes_sent() const;
+  double bytes_sent(OpKind kind) const;
 
  protected:
   Communicator(std::string name, int rank, int size);
@@ -122,6 +128,7 @@ class Communicator {
   bool debug_;
   int64_t seq_ = 0;      // collectives issued
   int64_t p2p_seq_ = 0;  // point-to-point ops issued
+  std::array<std::atomic<double>, kNumOpKinds> bytes_sent_{};
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/dist/communicator.h"
 
@@ -56,6 +57,13 @@ class Mesh {
   int64_t rank() const { return world_->rank(); }
   int64_t world_size() const { return world_->size(); }
 
+  // Bytes this rank has sent over the world, the dimensions' groups and the groups tracked with
+  // them (Communicator::bytes_sent).
+  double bytes_sent() const;
+  // Counts `group` (a communicator split from one of the mesh's, say the tied embedding's pair
+  // of stages) in bytes_sent(). Null is ignored.
+  void track(CommunicatorPtr group);
+
   // The world rank at these coordinates (indexed by Dim).
   int64_t rank_at(const std::array<int64_t, kNumDims>& coords) const;
   // The coordinates of a world rank.
@@ -66,6 +74,7 @@ class Mesh {
   MeshShape shape_;
   std::array<int64_t, kNumDims> coords_{};
   std::array<CommunicatorPtr, kNumDims> comms_;
+  std::vector<CommunicatorPtr> tracked_;
 };
 
 using MeshPtr = std::shared_ptr<Mesh>;

@@ -27,6 +27,17 @@ enum class OpKind : int64_t {
   Split  // creating a sub-communicator: collective, watched like the others
 };
 std::string to_string(OpKind kind);
+constexpr int kNumOpKinds = static_cast<int>(OpKind::Split) + 1;
+
+// The bytes one rank sends for one op under the bandwidth-optimal algorithm of its kind over a
+// group of `group_size` ranks (ring all-reduce, reduce-scatter, all-gather; pairwise
+// all-to-all), from `payload_bytes`: the tensor all_reduce and broadcast work on, the input of
+// the others. all_reduce 2(R-1)/R x payload; reduce_scatter and all_to_all (R-1)/R x payload (the
+// chunk a rank keeps is not sent); all_gather x payload; broadcast the payload from the
+// root, 0 elsewhere; send the payload; recv, barrier and split 0. It is the traffic a collective
+// needs, the measure compressors are compared by (docs/compression.md); a library's tree or
+// small-message algorithms may send otherwise.
+double wire_bytes(OpKind kind, double payload_bytes, int group_size, bool is_root);
 
 struct OpFingerprint {
   static constexpr int kMaxDims = 6;

@@ -12,6 +12,9 @@ struct StepResult {
   double lr = 0;
   double seconds = 0;
   double comm_wait_s = 0;  // time the step blocked on gradient communication (dp > 1)
+  // Bytes this rank sent over the mesh's communicators during the step, counted per op as
+  // dist::wire_bytes says (docs/compression.md).
+  double comm_bytes = 0;
   // Peak bytes allocated during the step's forwards and backwards above what was allocated
   // when it began (activations, temporaries, and at ZeRO-3 the gathered units).
   int64_t peak_activation_bytes = 0;

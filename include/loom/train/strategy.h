@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "loom/core/memory.h"
+#include "loom/core/option_spec.h"
 #include "loom/dist/mesh.h"
 
 namespace loom::train {
@@ -122,22 +123,11 @@ class Strategy {
 };
 using StrategyPtr = std::unique_ptr<Strategy>;
 
-// "NAME[:key=value,...]" as given to --strategy.
-struct StrategySpec {
-  std::string name;
-  std::map<std::string, std::string> options;
-  std::string text;  // as given, for errors
-
+// "NAME[:key=value,...]" as given to --strategy (core/option_spec.h: the typed getters and
+// check_keys).
+struct StrategySpec : core::OptionSpec {
   // Throws loom::Error naming the spec and what is valid.
   static StrategySpec parse(const std::string& text);
-  // The option `key` as a value; `fallback` when absent. Throws naming the spec, the key and
-  // the value when it does not parse.
-  std::string get(const std::string& key, const std::string& fallback) const;
-  int64_t get_int(const std::string& key, int64_t fallback) const;
-  double get_double(const std::string& key, double fallback) const;
-  bool get_bool(const std::string& key, bool fallback) const;
-  // Throws naming the first option not in `known` (and the known ones).
-  void check_keys(const std::vector<std::string>& known) const;
 };
 
 // The registry of strategies a user chooses by name. Built-ins (what the flags --tp, --pp,

@@ -3,19 +3,17 @@
 #include <ATen/ATen.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
 #include "loom/ops/quantize.h"
+#include "loom/parallel/data/sparse_hook.h"
 
 namespace loom::parallel::data {
 
 dist::WorkPtr AllReduceAvgHook::start(GradBucket& bucket, dist::Communicator& comm) {
   return comm.all_reduce_async(bucket.buffer, dist::ReduceOp::Avg);
-}
-
-double AllReduceAvgHook::bytes_per_element(const GradBucket& bucket) const {
-  return static_cast<double>(bucket.buffer.element_size());
 }
 
 dist::WorkPtr Bf16CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
@@ -33,10 +31,7 @@ void Bf16CompressHook::finish(GradBucket& bucket, dist::Communicator&) {
 
 namespace {
 
-// Bytes of one packed chunk of `segment` values: the codes, then the fp32 scales.
-int64_t packed_bytes(int64_t segment) {
-  return segment + 4 * (segment / Int8CompressHook::kBlock);
-}
+constexpr auto packed_bytes = Int8CompressHook::packed_bytes;
 
 // Writes q's codes and scales into `row` (uint8, packed_bytes long).
 void pack(const ops::Int8Blocks& q, const at::Tensor& row) {
@@ -96,15 +91,6 @@ void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   s.send = s.recv = at::Tensor();
 }
 
-double Int8CompressHook::bytes_per_element(const GradBucket& bucket) const {
-  const auto it = state_.find(bucket.index);
-  LOOM_CHECK(it != state_.end(), "int8 hook: bucket {} has not been reduced yet", bucket.index);
-  const auto& s = it->second;
-  // The all-to-all's chunks and the all-gather's one.
-  return static_cast<double>((s.ranks + 1) * packed_bytes(s.segment)) /
-         static_cast<double>(bucket.numel());
-}
-
 at::Tensor Int8CompressHook::error(int64_t index) const {
   const auto it = state_.find(index);
   return it == state_.end() ? at::Tensor() : it->second.error;
@@ -122,9 +108,15 @@ using Registry = core::NamedRegistry<CommHookFactory>;
 Registry& registry() {
   static Registry r("communication hook");
   static const bool built_in = [] {
-    r.add("avg", [] { return std::make_shared<AllReduceAvgHook>(); });
-    r.add("bf16", [] { return std::make_shared<Bf16CompressHook>(); });
-    r.add("int8", [] { return std::make_shared<Int8CompressHook>(); });
+    r.add("avg",
+          [](const core::OptionSpec& spec) { return detail::make_hook<AllReduceAvgHook>(spec); });
+    r.add("bf16",
+          [](const core::OptionSpec& spec) { return detail::make_hook<Bf16CompressHook>(spec); });
+    r.add("int8",
+          [](const core::OptionSpec& spec) { return detail::make_hook<Int8CompressHook>(spec); });
+    r.add("topk", [](const core::OptionSpec& spec) { return SparseCompressHook::topk(spec); });
+    r.add("threshold",
+          [](const core::OptionSpec& spec) { return SparseCompressHook::threshold(spec); });
     return true;
   }();
   (void)built_in;
@@ -141,8 +133,14 @@ std::vector<std::string> comm_hook_names() {
   return registry().names();
 }
 
-std::shared_ptr<CommHook> make_comm_hook(const std::string& name) {
-  return registry().make(name, "--comm-hook");
+std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
+  const auto spec = core::OptionSpec::parse(text, "--comm-hook");
+  const auto factory = registry().find(spec.name);
+  LOOM_CHECK(factory, "--comm-hook '{}': '{}' is not a known communication hook; valid: {}", text,
+             spec.name, fmt::join(comm_hook_names(), ", "));
+  auto hook = factory(spec);
+  LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", spec.name);
+  return hook;
 }
 
 }  // namespace loom::parallel::data

@@ -121,8 +121,11 @@ void DataParallel::launch_ready_buckets() {
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     auto& b = buckets_[next_to_launch_];
     if (next_to_launch_ == 0) first_launch_ = std::chrono::steady_clock::now();
+    const double sent_before = comm_->bytes_sent();
     b.work = hook_->start(b, *comm_);
-    stats_.bytes_sent += hook_->bytes_per_element(b) * static_cast<double>(b.numel());
+    stats_.bytes_sent += comm_->bytes_sent() - sent_before;
+    stats_.fp32_bytes += dist::wire_bytes(
+        dist::OpKind::AllReduce, 4.0 * static_cast<double>(b.numel()), comm_->size(), false);
     ++stats_.buckets_launched_in_backward;
     ++next_to_launch_;
   }
@@ -159,7 +162,9 @@ void DataParallel::finish_gradient_sync() {
     b.work->wait();
     stats_.wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double sent_before = comm_->bytes_sent();
     hook_->finish(b, *comm_);  // the gradients are views of the buffer: nothing to copy back
+    stats_.bytes_sent += comm_->bytes_sent() - sent_before;
   }
   reset_backward_state();
 }

@@ -63,6 +63,16 @@ class DataParallelStrategy final : public Strategy {
           "zero on this resume (the run continues, not bit for bit as it would have)",
           dp_.front()->hook().name());
   }
+  void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
+                   nlohmann::json& record) const override {
+    double sent = 0, fp32 = 0;
+    for (const auto& dp : dp_) {
+      sent += dp->last_sync().bytes_sent;
+      fp32 += dp->last_sync().fp32_bytes;
+    }
+    record["grad_sync_bytes"] = sent;
+    if (sent > 0) record["compression_ratio"] = fp32 / sent;
+  }
   bool zero_grad(RunContext& /*run*/) override {
     // In place: the gradients are views of the communication buckets.
     for (auto& dp : dp_) dp->zero_grad();

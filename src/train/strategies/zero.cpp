@@ -111,7 +111,7 @@ class ZeroStrategy final : public Strategy {
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
-    LOOM_CHECK(run.config.comm_hook == "avg",
+    LOOM_CHECK(core::OptionSpec::parse(run.config.comm_hook, "--comm-hook").name == "avg",
                "--comm-hook {} compresses plain data parallelism's all-reduce; strategy 'zero' "
                "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
                run.config.comm_hook);

@@ -1,13 +1,16 @@
 #pragma once
 // How a gradient bucket is reduced across data-parallel ranks. The default averages it with an
-// all-reduce; a hook can compress it first (the bf16 hook halves the bytes sent), which is
-// where communication compression plugs in.
+// all-reduce; a hook can compress it first (bf16 halves the bytes sent, int8 quarters them, topk
+// and threshold send a small fraction of the values: sparse_hook.h), which is where communication
+// compression plugs in. The communicator counts the bytes each hook sends (docs/compression.md).
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "loom/core/option_spec.h"
 #include "loom/dist/communicator.h"
 #include "loom/ops/quantize.h"
 #include "loom/parallel/data/grad_bucket.h"
@@ -24,8 +27,6 @@ class CommHook {
   // After that work completed: leave the mean over ranks of every rank's buffer in
   // `bucket.buffer`.
   virtual void finish(GradBucket& bucket, dist::Communicator& comm) {}
-  // Bytes this hook hands to the communicator per gradient element (for accounting).
-  virtual double bytes_per_element(const GradBucket& bucket) const = 0;
   // Whether it carries state from step to step (error feedback), which checkpoints do not
   // hold yet: a resume restarts it.
   virtual bool carries_state() const { return false; }
@@ -36,7 +37,6 @@ class AllReduceAvgHook : public CommHook {
  public:
   std::string name() const override { return "avg"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
-  double bytes_per_element(const GradBucket& bucket) const override;
 };
 
 // Scales by 1/ranks, rounds to bfloat16, all-reduces the sum in bfloat16 (half the bytes of
@@ -46,7 +46,6 @@ class Bf16CompressHook : public CommHook {
   std::string name() const override { return "bf16"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
-  double bytes_per_element(const GradBucket&) const override { return 2.0; }
 };
 
 // int8 with error feedback: each bucket is reduced as an all-to-all and an all-gather of
@@ -57,9 +56,9 @@ class Bf16CompressHook : public CommHook {
 //   2. rank j dequantizes the R chunks it received, averages them, adds its own carried error
 //      for that segment ("server" error), quantizes the mean and all-gathers it.
 // Over steps the results sum to the true mean gradients minus the carried errors, which stay
-// bounded (half a quantization step each). Bytes handed to the communicator per gradient
-// element: (1 + 1/R)(1 + 1/64) for large buckets (padding adds to small ones; docs/compression.md),
-// about 4 / ((1 + 1/R)(1 + 1/64)) times fewer than an fp32 all-reduce's 4.
+// bounded (half a quantization step each). Bytes a rank sends per bucket (dist::wire_bytes):
+// 2 (R - 1) P for packed chunks of P = S (1 + 1/64) bytes, S = segment_numel(n, R), against an
+// fp32 all-reduce's 2 (R - 1) / R x 4 n: about 3.94 times fewer (docs/compression.md).
 // The error buffers are per rank and per bucket: training state, which checkpoints do not carry
 // yet (a resume restarts them at zero).
 class Int8CompressHook : public CommHook {
@@ -68,9 +67,10 @@ class Int8CompressHook : public CommHook {
   std::string name() const override { return "int8"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
-  double bytes_per_element(const GradBucket& bucket) const override;
   bool carries_state() const override { return true; }
 
+  // Bytes of one packed chunk of `segment` values: the int8 codes, then the fp32 scales.
+  static int64_t packed_bytes(int64_t segment) { return segment + 4 * (segment / kBlock); }
   // Each rank's segment of a bucket of `numel` values over `ranks` ranks: a multiple of kBlock
   // (the bucket is padded with zeros to ranks * segment).
   static int64_t segment_numel(int64_t numel, int64_t ranks);
@@ -88,16 +88,29 @@ class Int8CompressHook : public CommHook {
   std::map<int64_t, State> state_;  // by bucket index
 };
 
-// The registry of hooks by name: "avg", "bf16" and "int8" are built in; a user's own hook registers
-// with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is then chosen by --comm-hook name.
-// Registering a name twice is a loom::Error.
-using CommHookFactory = std::function<std::shared_ptr<CommHook>()>;
+// The registry of hooks by name: "avg", "bf16", "int8", "topk" and "threshold" are built in; a
+// user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is then chosen
+// by --comm-hook NAME[:key=value,...]. The factory gets the parsed spec and checks its options
+// (spec.check_keys, the typed getters), so bad options fail when the hook is made, before any
+// collective. Registering a name twice is a loom::Error.
+using CommHookFactory = std::function<std::shared_ptr<CommHook>(const core::OptionSpec& spec)>;
 void register_comm_hook(const std::string& name, CommHookFactory factory);
 std::vector<std::string> comm_hook_names();
-// Throws loom::Error naming the registered hooks when `name` is not one of them.
-std::shared_ptr<CommHook> make_comm_hook(const std::string& name);
+// Parses `text` ("int8", "topk:ratio=0.01") and makes the hook. Throws loom::Error naming the
+// registered hooks when the name is not one of them, or what is wrong with an option.
+std::shared_ptr<CommHook> make_comm_hook(const std::string& text);
 
 namespace detail {
+template <typename Type>
+std::shared_ptr<Type> make_hook(const core::OptionSpec& spec) {
+  if constexpr (std::is_constructible_v<Type, const core::OptionSpec&>) {
+    return std::make_shared<Type>(spec);
+  } else {
+    spec.check_keys({});
+    return std::make_shared<Type>();
+  }
+}
+
 struct CommHookRegistration {
   CommHookRegistration(const std::string& name, CommHookFactory factory) {
     register_comm_hook(name, std::move(factory));
@@ -107,13 +120,14 @@ struct CommHookRegistration {
 
 }  // namespace loom::parallel::data
 
-// Registers Type (a CommHook with a default constructor) under `name` at static-initialization
-// time, so --comm-hook name finds it in the program that links it (the user's own binary; the
-// prebuilt loom-pretrain knows the built-in hooks only). Use it once, in a .cpp file: in a header
-// every file including it would register the name again, which is an error.
-#define LOOM_REGISTER_COMM_HOOK(Type, name)                                \
-  static const ::loom::parallel::data::detail::CommHookRegistration        \
-      loom_comm_hook_registration_##Type(name, [] {                        \
-        return std::static_pointer_cast<::loom::parallel::data::CommHook>( \
-            std::make_shared<Type>());                                     \
+// Registers Type under `name` at static-initialization time, so --comm-hook name finds it in the
+// program that links it (the user's own binary; the prebuilt loom-pretrain knows the built-in
+// hooks only). Type is constructed from the const core::OptionSpec& when it can be (it reads and
+// checks its own options), else default-constructed, taking no options. Use it once, in a .cpp
+// file: in a header every file including it would register the name again, which is an error.
+#define LOOM_REGISTER_COMM_HOOK(Type, name)                                               \
+  static const ::loom::parallel::data::detail::CommHookRegistration                       \
+      loom_comm_hook_registration_##Type(name, [](const ::loom::core::OptionSpec& spec) { \
+        return std::static_pointer_cast<::loom::parallel::data::CommHook>(                \
+            ::loom::parallel::data::detail::make_hook<Type>(spec));                       \
       })

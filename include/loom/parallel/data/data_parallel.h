@@ -31,7 +31,11 @@ struct DataParallelOptions {
 // Counters of the last synchronized backward, for benchmarks and logs.
 struct SyncStats {
   int64_t buckets_launched_in_backward = 0;  // started while backward was still running
-  double bytes_sent = 0;                     // handed to the communicator, summed over buckets
+  // Bytes this rank sent for the buckets (the hook's collectives, as the communicator counts them:
+  // dist::wire_bytes), and what fp32 all-reduces of the same buckets would have sent: their
+  // ratio is the hook's compression ratio.
+  double bytes_sent = 0;
+  double fp32_bytes = 0;
   double wait_seconds = 0;                   // finish_gradient_sync blocked on communication
   // From the first bucket's launch to the end of backward (finish_gradient_sync's start): the
   // window in which communication ran alongside backward.

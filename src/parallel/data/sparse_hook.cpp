@@ -1,0 +1,91 @@
+#include "loom/parallel/data/sparse_hook.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/ops/sparsify.h"
+
+namespace loom::parallel::data {
+
+SparseCompressHook::SparseCompressHook(std::string name, double ratio, int64_t refresh_every)
+    : name_(std::move(name)), ratio_(ratio), refresh_every_(refresh_every) {
+  LOOM_CHECK(ratio > 0 && ratio <= 1,
+             "--comm-hook {}: ratio={} is outside (0, 1]; it is the fraction of each bucket's "
+             "values a rank sends (0.01: the largest 1 %)",
+             name_, ratio);
+  LOOM_CHECK(refresh_every >= 1,
+             "--comm-hook {}: every={} must be at least 1 (the threshold is recomputed every "
+             "that many steps)",
+             name_, refresh_every);
+}
+
+std::shared_ptr<CommHook> SparseCompressHook::topk(const core::OptionSpec& spec) {
+  spec.check_keys({"ratio"});
+  return std::make_shared<SparseCompressHook>("topk", spec.get_double("ratio", 0.01), 1);
+}
+
+std::shared_ptr<CommHook> SparseCompressHook::threshold(const core::OptionSpec& spec) {
+  spec.check_keys({"ratio", "every"});
+  return std::make_shared<SparseCompressHook>("threshold", spec.get_double("ratio", 0.01),
+                                              spec.get_int("every", 10));
+}
+
+int64_t SparseCompressHook::capacity(int64_t numel) const {
+  const auto k = static_cast<int64_t>(std::ceil(ratio_ * static_cast<double>(numel)));
+  return std::min(numel, std::max<int64_t>(1, k));
+}
+
+dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
+  const int64_t n = bucket.numel();
+  auto& s = state_[bucket.index];
+  if (!s.error.defined()) {
+    s.capacity = capacity(n);
+    s.error = at::zeros({n}, bucket.buffer.options().dtype(at::kFloat));
+  }
+  const auto x = bucket.buffer.to(at::kFloat);
+  if (n > 0 && s.steps % refresh_every_ == 0)
+    s.threshold = ops::kth_largest_magnitude(x, s.error, s.capacity);
+  ++s.steps;
+  const auto picked = ops::select_with_feedback(x, s.error, s.threshold, s.capacity);
+  s.selected = picked.selected;
+  // One message: the indices, then the values' bits.
+  s.send = at::cat({picked.indices, picked.values.view(at::kInt)});
+  s.recv = at::empty({comm.size(), s.send.numel()}, s.send.options());
+  return comm.all_gather_async(s.recv, s.send);
+}
+
+void SparseCompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
+  auto& s = state_.at(bucket.index);
+  auto sum = at::zeros({bucket.numel()}, s.error.options());
+  for (int64_t r = 0; r < comm.size(); ++r) {
+    const auto message = s.recv[r];
+    ops::scatter_add_sparse_(sum, message.narrow(0, 0, s.capacity),
+                             message.narrow(0, s.capacity, s.capacity).view(at::kFloat));
+  }
+  bucket.buffer.copy_(sum.div_(static_cast<double>(comm.size())));
+  s.send = s.recv = at::Tensor();
+}
+
+const SparseCompressHook::State& SparseCompressHook::state_of(int64_t index) const {
+  const auto it = state_.find(index);
+  LOOM_CHECK(it != state_.end(), "--comm-hook {}: bucket {} has not been reduced yet", name_,
+             index);
+  return it->second;
+}
+
+at::Tensor SparseCompressHook::error(int64_t index) const {
+  const auto it = state_.find(index);
+  return it == state_.end() ? at::Tensor() : it->second.error;
+}
+
+double SparseCompressHook::threshold_of(int64_t index) const {
+  return state_of(index).threshold;
+}
+
+int64_t SparseCompressHook::last_selected(int64_t index) const {
+  return state_of(index).selected;
+}
+
+}  // namespace loom::parallel::data
