@@ -23,6 +23,7 @@
 #include "loom/ops/quantize.h"
 #include "loom/ops/sparse24.h"
 #include "loom/ops/sparse_linear.h"
+#include "loom/ops/sparsify.h"
 #include "loom/ops/sparsity.h"
 #include "loom/train/mfu.h"
 #include "sparse24_util.h"
@@ -622,4 +623,36 @@ TEST(QuantizeInt8Gpu, KernelEqualsTheHostReferenceBitForBit) {
   EXPECT_TRUE(at::equal(at::isnan(got.scales.cpu()), at::isnan(want.scales)));
   EXPECT_TRUE(at::equal(bits(got.scales), bits(want.scales)));
   EXPECT_TRUE(at::equal(bits(error_gpu), bits(error_cpu)));
+}
+
+// Threshold selection and scatter-add on a GPU equal their host reference bit for bit: the
+// chunk counts (through the selected total), the indices and values in index order with a
+// capacity below the count, the updated error (a NaN as NaN), and the sums of two ranks' lists.
+TEST(SparseSelectGpu, KernelsEqualTheHostReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 1000003;
+  auto x = at::randn({n});
+  x[77] = std::nanf("");
+  auto error_cpu = at::randn({n}) * 0.1;
+  auto error_gpu = error_cpu.cuda();
+  const double t = ops::kth_largest_magnitude(x, error_cpu, 5000);
+  EXPECT_EQ(ops::kth_largest_magnitude(x.cuda(), error_gpu, 5000), t);
+  const auto want = ops::select_with_feedback(x, error_cpu, t, 4000);
+  const auto got = ops::select_with_feedback(x.cuda(), error_gpu, t, 4000);
+  EXPECT_EQ(got.selected, want.selected);
+  EXPECT_TRUE(at::equal(got.indices.cpu(), want.indices));
+  const auto bits = [](const at::Tensor& v) {
+    return at::where(at::isnan(v.cpu()), at::zeros_like(v.cpu()), v.cpu()).view(at::kInt);
+  };
+  EXPECT_TRUE(at::equal(bits(got.values), bits(want.values)));
+  EXPECT_TRUE(at::equal(bits(error_gpu), bits(error_cpu)));
+  auto sum_cpu = at::zeros({n});
+  auto sum_gpu = sum_cpu.cuda();
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto idx = at::randperm(n, at::kInt).narrow(0, 0, 20000);
+    const auto val = at::randn({20000});
+    ops::scatter_add_sparse_(sum_cpu, idx, val);
+    ops::scatter_add_sparse_(sum_gpu, idx.cuda(), val.cuda());
+  }
+  EXPECT_TRUE(at::equal(sum_gpu.cpu(), sum_cpu));
 }

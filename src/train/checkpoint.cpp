@@ -205,6 +205,10 @@ void load_file(CheckpointContents& out, const CheckpointSelection& select, const
 
 }  // namespace
 
+std::string rank_state_name(int64_t rank, int64_t world) {
+  return fmt::format("rank-state-{}-of-{}.safetensors", rank, world);
+}
+
 fs::path checkpoint_dir(const fs::path& dir, int64_t step) {
   return dir / fmt::format("step-{:08d}", step);
 }

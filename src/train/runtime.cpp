@@ -417,6 +417,11 @@ void Runtime::save_state(nlohmann::json& state, core::NamedTensors& tensors) {
   for (const auto& s : strategies_) s->save_state(ctx_, state, tensors);
 }
 
+void Runtime::save_rank_state(core::NamedTensors& tensors,
+                              std::map<std::string, std::string>& metadata) {
+  for (const auto& s : strategies_) s->save_rank_state(ctx_, tensors, metadata);
+}
+
 void Runtime::load_state(const CheckpointContents& checkpoint) {
   for (const auto& s : strategies_) s->load_state(ctx_, checkpoint);
 }

@@ -341,8 +341,13 @@ fs::path Trainer::save_checkpoint() {
   }
   const auto dir = checkpoint_dir(config_.save_dir, run().step);
   std::vector<fs::path> shard_files;
-  std::vector<std::string> model_files, zero_files;
-  if (!zero.empty() || sharded_files) {
+  std::vector<std::string> model_files, zero_files, rank_state_files;
+  // What only this rank holds (error feedback): a file per rank when any rank has some.
+  core::NamedTensors rank_state;
+  std::map<std::string, std::string> rank_state_meta;
+  runtime_->save_rank_state(rank_state, rank_state_meta);
+  const bool rank_files = reduce_over_world(rank_state.empty() ? 0 : 1, dist::ReduceOp::Max) != 0;
+  if (!zero.empty() || sharded_files || rank_files) {
     const auto staging = fs::path(config_.save_dir) / (dir.filename().string() + ".zero-staging");
     std::exception_ptr failure;
     if (is_rank0()) {
@@ -376,6 +381,9 @@ fs::path Trainer::save_checkpoint() {
             staging / zero_shard_name(coords_of(*mesh_, static_cast<int64_t>(c))), zero[c]->state(),
             meta);
       }
+      if (rank_files)
+        core::save_safetensors(staging / rank_state_name(mesh_->rank(), mesh_->world_size()),
+                               rank_state, rank_state_meta);
       if (sharded_files && data_rank() == 0 && config_.zero != 3)
         core::save_safetensors(
             staging / model_shard_name(mesh_->coord(dist::Dim::pp), mesh_->coord(dist::Dim::tp)),
@@ -410,6 +418,11 @@ fs::path Trainer::save_checkpoint() {
                                                   mesh_->size(dist::Dim::pp), c}));
             shard_files.push_back(staging / zero_files.back());
           }
+    if (rank_files)
+      for (int64_t r = 0; r < mesh_->world_size(); ++r) {
+        rank_state_files.push_back(rank_state_name(r, mesh_->world_size()));
+        shard_files.push_back(staging / rank_state_files.back());
+      }
     if (sharded_files)
       for (int64_t p = 0; p < mesh_->size(dist::Dim::pp); ++p)
         for (int64_t t = 0; t < mesh_->size(dist::Dim::tp); ++t) {
@@ -434,6 +447,7 @@ fs::path Trainer::save_checkpoint() {
       state.update(strategy_state);
       if (!model_files.empty()) state["model_shards"] = model_files;
       if (!zero_files.empty()) state["zero_shards"] = zero_files;
+      if (!rank_state_files.empty()) state["rank_state_files"] = rank_state_files;
       std::vector<fs::path> extras;
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);

@@ -37,6 +37,10 @@ struct CheckpointContents {
 // DIR/step-<step, 8 digits>: where the checkpoint of `step` goes.
 std::filesystem::path checkpoint_dir(const std::filesystem::path& dir, int64_t step);
 
+// The file in a checkpoint holding what only world rank `rank` of `world` had
+// (Strategy::save_rank_state): "rank-state-<rank>-of-<world>.safetensors".
+std::string rank_state_name(int64_t rank, int64_t world);
+
 // Writes DIR/step-<step> and points DIR/latest at it. `extra_files` are copied into the
 // checkpoint (a tokenizer's meta.json, say); `moved_files` are moved into it (files other ranks
 // wrote, such as ZeRO optimizer shards), checksummed like the rest; one named model.safetensors

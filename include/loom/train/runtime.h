@@ -65,6 +65,7 @@ class Runtime {
   // Checkpoints and reports, every strategy in slot order.
   void save_state(nlohmann::json& state, core::NamedTensors& tensors);
   void load_state(const CheckpointContents& checkpoint);
+  void save_rank_state(core::NamedTensors& tensors, std::map<std::string, std::string>& metadata);
   void add_memory(core::MemoryReport& report) const;
   void add_metrics(const StepResult& result, nlohmann::json& record) const;
   // One line per strategy that describes itself.

@@ -17,6 +17,7 @@
 
 #include "loom/core/memory.h"
 #include "loom/core/option_spec.h"
+#include "loom/core/safetensors.h"
 #include "loom/dist/mesh.h"
 
 namespace loom::train {
@@ -113,6 +114,12 @@ class Strategy {
                           std::vector<std::pair<std::string, at::Tensor>>& /*tensors*/) {}
   // On resume, after the model and optimizer state are loaded.
   virtual void load_state(RunContext& /*run*/, const CheckpointContents& /*checkpoint*/) {}
+  // State only this rank holds (a compressor's error feedback): the Trainer writes every rank's
+  // tensors and metadata into a file of its own in the checkpoint (rank_state_name(world rank,
+  // world size)); load_state finds it in checkpoint.dir. Keys and metadata keys prefixed with
+  // the strategy's name. Collective: every rank calls it.
+  virtual void save_rank_state(RunContext& /*run*/, core::NamedTensors& /*tensors*/,
+                               std::map<std::string, std::string>& /*metadata*/) {}
 
   // Reports: memory this strategy holds beyond the parameters, gradients and optimizer state the
   // engine counts; fields for the step's metrics line; one log line describing it (empty: none).

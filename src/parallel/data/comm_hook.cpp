@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdio>
+
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
 #include "loom/ops/quantize.h"
@@ -60,7 +62,7 @@ int64_t Int8CompressHook::segment_numel(int64_t numel, int64_t ranks) {
 dist::WorkPtr Int8CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
   const int64_t ranks = comm.size(), n = bucket.numel();
   auto& s = state_[bucket.index];
-  if (s.ranks != ranks) {
+  if (s.ranks != ranks || s.segment != segment_numel(n, ranks)) {
     s.ranks = ranks;
     s.segment = segment_numel(n, ranks);
     s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
@@ -89,6 +91,41 @@ void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   comm.all_gather(gathered, mine);
   bucket.buffer.copy_(unpack(gathered, s.segment).view({-1}).narrow(0, 0, bucket.numel()));
   s.send = s.recv = at::Tensor();
+}
+
+std::map<std::string, at::Tensor> Int8CompressHook::state() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [index, s] : state_) {
+    out[fmt::format("b{}/error", index)] = s.error;
+    out[fmt::format("b{}/server_error", index)] = s.server_error;
+  }
+  return out;
+}
+
+void Int8CompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  state_.clear();
+  for (const auto& [key, error] : state) {
+    int64_t index = 0;
+    if (std::sscanf(key.c_str(), "b%ld/error", &index) != 1 ||
+        key != fmt::format("b{}/error", index))
+      continue;
+    const auto server = state.find(fmt::format("b{}/server_error", index));
+    LOOM_CHECK(
+        server != state.end() && server->second.dim() == 1 && error.dim() == 1 &&
+            server->second.numel() > 0 && server->second.numel() % kBlock == 0 &&
+            error.numel() % server->second.numel() == 0,
+        "int8 hook state: bucket {}'s error ({} values) and server error ({}) do not fit "
+        "together (the server error must be one segment, a multiple of {}, and the error "
+        "whole segments)",
+        index, error.numel(),
+        server == state.end() ? std::string("missing") : std::to_string(server->second.numel()),
+        kBlock);
+    auto& s = state_[index];
+    s.segment = server->second.numel();
+    s.ranks = error.numel() / s.segment;
+    s.error = error.to(at::kFloat).contiguous().clone();
+    s.server_error = server->second.to(at::kFloat).contiguous().clone();
+  }
 }
 
 at::Tensor Int8CompressHook::error(int64_t index) const {

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
+#include <cstdio>
 
 #include "loom/core/error.h"
 #include "loom/ops/sparsify.h"
@@ -40,7 +43,7 @@ int64_t SparseCompressHook::capacity(int64_t numel) const {
 dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
   const int64_t n = bucket.numel();
   auto& s = state_[bucket.index];
-  if (!s.error.defined()) {
+  if (!s.error.defined() || s.error.numel() != n) {
     s.capacity = capacity(n);
     s.error = at::zeros({n}, bucket.buffer.options().dtype(at::kFloat));
   }
@@ -66,6 +69,39 @@ void SparseCompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   }
   bucket.buffer.copy_(sum.div_(static_cast<double>(comm.size())));
   s.send = s.recv = at::Tensor();
+}
+
+std::map<std::string, at::Tensor> SparseCompressHook::state() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [index, s] : state_) {
+    out[fmt::format("b{}/error", index)] = s.error;
+    out[fmt::format("b{}/steps", index)] = at::scalar_tensor(s.steps, at::kLong);
+    out[fmt::format("b{}/threshold", index)] = at::scalar_tensor(s.threshold, at::kDouble);
+  }
+  return out;
+}
+
+void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  state_.clear();
+  for (const auto& [key, error] : state) {
+    int64_t index = 0;
+    if (std::sscanf(key.c_str(), "b%ld/error", &index) != 1 ||
+        key != fmt::format("b{}/error", index))
+      continue;
+    const auto steps = state.find(fmt::format("b{}/steps", index));
+    const auto threshold = state.find(fmt::format("b{}/threshold", index));
+    LOOM_CHECK(error.dim() == 1 && steps != state.end() && steps->second.numel() == 1 &&
+                   threshold != state.end() && threshold->second.numel() == 1,
+               "--comm-hook {} state: bucket {} needs a 1-D error and one-value steps and "
+               "threshold; got an error of {} dims, steps {}, threshold {}",
+               name_, index, error.dim(), steps == state.end() ? "missing" : "present",
+               threshold == state.end() ? "missing" : "present");
+    auto& s = state_[index];
+    s.error = error.to(at::kFloat).contiguous().clone();
+    s.capacity = capacity(s.error.numel());
+    s.steps = steps->second.item<int64_t>();
+    s.threshold = threshold->second.item<double>();
+  }
 }
 
 const SparseCompressHook::State& SparseCompressHook::state_of(int64_t index) const {

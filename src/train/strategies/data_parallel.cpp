@@ -4,8 +4,12 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <filesystem>
+
 #include "builtin.h"
+#include "loom/core/safetensors.h"
 #include "loom/parallel/data/data_parallel.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
 
@@ -34,6 +38,7 @@ class DataParallelStrategy final : public Strategy {
     // hook of its own: a hook may carry state per bucket (int8's error feedback).
     for (size_t c = 0; c < run.chunks.size(); ++c) {
       options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
+      hooks_.push_back(options.hook);
       dp_.push_back(std::make_unique<parallel::data::DataParallel>(
           run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options));
     }
@@ -56,12 +61,49 @@ class DataParallelStrategy final : public Strategy {
       result.comm_wait_s += dp->last_sync().wait_seconds;
     }
   }
-  void load_state(RunContext& /*run*/, const CheckpointContents& /*checkpoint*/) override {
-    if (dp_.front()->hook().carries_state())
-      spdlog::warn(
-          "--comm-hook {}: its error feedback is not in checkpoints yet; it restarts at "
-          "zero on this resume (the run continues, not bit for bit as it would have)",
-          dp_.front()->hook().name());
+  // Error feedback is per rank: each rank's buckets' carried errors go into its own file.
+  void save_rank_state(RunContext& run, core::NamedTensors& tensors,
+                       std::map<std::string, std::string>& metadata) override {
+    if (!hooks_.front()->carries_state()) return;
+    for (size_t c = 0; c < hooks_.size(); ++c)
+      for (const auto& [key, t] : hooks_[c]->state())
+        tensors.emplace_back(fmt::format("data-parallel/c{}/{}", c, key), t.cpu());
+    metadata["data-parallel.layout"] = layout(run);
+  }
+  void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
+    if (!hooks_.front()->carries_state()) return;
+    const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
+    std::string why;
+    if (!checkpoint.state.contains("rank_state_files")) {
+      why = "the checkpoint holds none (written without an error-feedback hook)";
+    } else if (!std::filesystem::exists(file)) {
+      why = fmt::format("the checkpoint was written by another number of ranks (it has no '{}')",
+                        file.filename().string());
+    } else {
+      auto saved = core::load_safetensors(file);
+      const auto it = saved.metadata.find("data-parallel.layout");
+      const auto mine = layout(run);
+      if (it == saved.metadata.end() || it->second != mine) {
+        why = fmt::format(
+            "it was saved for {}, and this run is {} (error feedback is not resharded yet)",
+            it == saved.metadata.end() ? std::string("no hook") : it->second, mine);
+      } else {
+        for (size_t c = 0; c < hooks_.size(); ++c) {
+          const auto prefix = fmt::format("data-parallel/c{}/", c);
+          std::map<std::string, at::Tensor> state;
+          for (auto& [key, t] : saved.tensors)
+            if (key.rfind(prefix, 0) == 0) state[key.substr(prefix.size())] = t;
+          hooks_[c]->load_state(state);
+        }
+        spdlog::info("--comm-hook {}: error feedback restored from '{}'", run.config.comm_hook,
+                     file.string());
+        return;
+      }
+    }
+    spdlog::warn(
+        "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
+        "continues, not bit for bit as it would have)",
+        run.config.comm_hook, why);
   }
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
@@ -92,7 +134,18 @@ class DataParallelStrategy final : public Strategy {
   }
 
  private:
+  // What a rank's error feedback belongs to: the hook, the mesh, and each chunk's bucket sizes.
+  std::string layout(const RunContext& run) const {
+    std::string out = fmt::format("{} on {}", run.config.comm_hook, run.mesh->shape().describe());
+    for (size_t c = 0; c < dp_.size(); ++c) {
+      out += fmt::format("; chunk {} buckets", c);
+      for (const auto& b : dp_[c]->buckets()) out += fmt::format(" {}", b.numel());
+    }
+    return out;
+  }
+
   std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;  // one per chunk
+  std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;   // theirs
 };
 
 }  // namespace

@@ -27,9 +27,14 @@ class CommHook {
   // After that work completed: leave the mean over ranks of every rank's buffer in
   // `bucket.buffer`.
   virtual void finish(GradBucket& bucket, dist::Communicator& comm) {}
-  // Whether it carries state from step to step (error feedback), which checkpoints do not
-  // hold yet: a resume restarts it.
+  // Whether it carries state from step to step (error feedback): training state, which
+  // checkpoints hold per rank (state / load_state).
   virtual bool carries_state() const { return false; }
+  // This rank's state by name (bucket by bucket), for a checkpoint; empty for a stateless hook.
+  virtual std::map<std::string, at::Tensor> state() const { return {}; }
+  // Restores what state() returned, on the same buckets and ranks. Throws loom::Error naming
+  // the tensor when one does not fit.
+  virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
 };
 
 // All-reduce average in the gradients' own dtype.
@@ -59,8 +64,8 @@ class Bf16CompressHook : public CommHook {
 // bounded (half a quantization step each). Bytes a rank sends per bucket (dist::wire_bytes):
 // 2 (R - 1) P for packed chunks of P = S (1 + 1/64) bytes, S = segment_numel(n, R), against an
 // fp32 all-reduce's 2 (R - 1) / R x 4 n: about 3.94 times fewer (docs/compression.md).
-// The error buffers are per rank and per bucket: training state, which checkpoints do not carry
-// yet (a resume restarts them at zero).
+// The error buffers are per rank and per bucket: training state, saved in each rank's checkpoint
+// file.
 class Int8CompressHook : public CommHook {
  public:
   static constexpr int64_t kBlock = ops::kInt8Block;
@@ -68,6 +73,9 @@ class Int8CompressHook : public CommHook {
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
   bool carries_state() const override { return true; }
+  // "b<index>/error" and "b<index>/server_error" of every bucket reduced so far.
+  std::map<std::string, at::Tensor> state() const override;
+  void load_state(const std::map<std::string, at::Tensor>& state) override;
 
   // Bytes of one packed chunk of `segment` values: the int8 codes, then the fp32 scales.
   static int64_t packed_bytes(int64_t segment) { return segment + 4 * (segment / kBlock); }

@@ -37,6 +37,10 @@ class SparseCompressHook : public CommHook {
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
   bool carries_state() const override { return true; }
+  // "b<index>/error" (float32), "b<index>/steps" (int64) and "b<index>/threshold" (float64) of
+  // every bucket reduced so far.
+  std::map<std::string, at::Tensor> state() const override;
+  void load_state(const std::map<std::string, at::Tensor>& state) override;
 
   double ratio() const { return ratio_; }
   int64_t refresh_every() const { return refresh_every_; }
