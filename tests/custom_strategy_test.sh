@@ -8,7 +8,8 @@
 #     (reference.cpp), and differs from plain data parallelism (the strategy does something); so
 #     does every=2 with DiLoCo's outer Nesterov step, whose state (the strategy's own checkpoint
 #     tensors) a resume restores: the resumed run ends where the uninterrupted one does;
-#  4. bad compositions and options fail with status 2 on every rank, naming what is wrong.
+#  4. bad compositions and options fail with status 2 on every rank, naming what is wrong;
+#  5. a communication hook of the user's own with an option (fp16_hook.cpp) trains like dp.
 #   custom_strategy_test.sh BUILD_DIR SOURCE_DIR WORK_DIR   (MPIEXEC, TOOLS in the environment)
 set -uo pipefail
 build_dir=$1 src_dir=$2 work=$3
@@ -112,4 +113,26 @@ expect_refusal "--save-every 3 and --steps 6 must be multiples of 4" \
   --strategy local-sgd:every=4
 expect_refusal "'zero' is built in and turned on by --zero 1|2|3, not by --strategy" \
   "$custom" "${base[@]}" --steps 2 --strategy zero
+
+# 5. A communication hook of the user's own (fp16_hook.cpp), with an option: it trains like plain
+# data parallelism within fp16's rounding of the averaged gradients, and a bad option is refused.
+"$MPIEXEC" -np 2 "$custom" "${base[@]}" --steps 4 --comm-hook fp16:prescale=true \
+  --metrics-out "$work/fp16.jsonl" || { say "FAIL: --comm-hook fp16 run"; fail=1; }
+if python3 - "$work/fp16.jsonl" "$work/dp4.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 4, (len(a), len(b))
+# The first step's gradients are the same; fp16 keeps 11 bits of the average (2^-11 relative), and
+# the loss after three updates of lr 3e-3 moves far less than 1e-2 relative for it.
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-2 * abs(y["loss"]), (x["step"], x["loss"], y["loss"])
+assert a[0]["grad_norm"] != b[0]["grad_norm"], "the fp16 hook did not run"
+assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= 2e-3 * b[0]["grad_norm"]
+assert abs(a[-1]["compression_ratio"] - 2.0) < 1e-9, a[-1]["compression_ratio"]
+PY
+then say "ok: --comm-hook fp16 (a user's hook) trains like dp, half the gradient bytes"
+else say "FAIL: --comm-hook fp16 metrics"; fail=1; fi
+expect_refusal "'fp16' has no option 'scale'; its options: prescale" \
+  "$custom" "${base[@]}" --steps 2 --comm-hook fp16:scale=2
 exit $fail

@@ -278,4 +278,10 @@ TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:ratio=0.1"); }),
                        "'int8' has no option 'ratio'; its options: none"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio"); }), "is not key=value"));
+  // The keys of a hook's checkpointed state.
+  EXPECT_EQ(pd::bucket_state_key(12, "error"), "b12/error");
+  EXPECT_EQ(pd::bucket_of_error_key("b12/error"), 12);
+  for (const char* other :
+       {"b12/server_error", "b/error", "bx/error", "b-1/error", "c1/error", "b1/error2"})
+    EXPECT_EQ(pd::bucket_of_error_key(other), std::nullopt) << other;
 }

@@ -5,7 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <cstdio>
+#include <charconv>
+#include <string_view>
 
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
@@ -13,6 +14,21 @@
 #include "loom/parallel/data/sparse_hook.h"
 
 namespace loom::parallel::data {
+
+std::string bucket_state_key(int64_t index, const std::string& what) {
+  return fmt::format("b{}/{}", index, what);
+}
+
+std::optional<int64_t> bucket_of_error_key(const std::string& key) {
+  constexpr std::string_view kSuffix = "/error";
+  if (key.size() <= 1 + kSuffix.size() || key[0] != 'b' || !key.ends_with(kSuffix))
+    return std::nullopt;
+  const auto digits = std::string_view(key).substr(1, key.size() - 1 - kSuffix.size());
+  int64_t index = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
+  if (ec != std::errc() || end != digits.data() + digits.size() || index < 0) return std::nullopt;
+  return index;
+}
 
 dist::WorkPtr AllReduceAvgHook::start(GradBucket& bucket, dist::Communicator& comm) {
   return comm.all_reduce_async(bucket.buffer, dist::ReduceOp::Avg);
@@ -96,8 +112,8 @@ void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
 std::map<std::string, at::Tensor> Int8CompressHook::state() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& [index, s] : state_) {
-    out[fmt::format("b{}/error", index)] = s.error;
-    out[fmt::format("b{}/server_error", index)] = s.server_error;
+    out[bucket_state_key(index, "error")] = s.error;
+    out[bucket_state_key(index, "server_error")] = s.server_error;
   }
   return out;
 }
@@ -105,11 +121,10 @@ std::map<std::string, at::Tensor> Int8CompressHook::state() const {
 void Int8CompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
   for (const auto& [key, error] : state) {
-    int64_t index = 0;
-    if (std::sscanf(key.c_str(), "b%ld/error", &index) != 1 ||
-        key != fmt::format("b{}/error", index))
-      continue;
-    const auto server = state.find(fmt::format("b{}/server_error", index));
+    const auto bucket = bucket_of_error_key(key);
+    if (!bucket) continue;
+    const int64_t index = *bucket;
+    const auto server = state.find(bucket_state_key(index, "server_error"));
     LOOM_CHECK(
         server != state.end() && server->second.dim() == 1 && error.dim() == 1 &&
             server->second.numel() > 0 && server->second.numel() % kBlock == 0 &&

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include <cmath>
-#include <cstdio>
 
 #include "loom/core/error.h"
 #include "loom/ops/sparsify.h"
@@ -74,9 +73,9 @@ void SparseCompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
 std::map<std::string, at::Tensor> SparseCompressHook::state() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& [index, s] : state_) {
-    out[fmt::format("b{}/error", index)] = s.error;
-    out[fmt::format("b{}/steps", index)] = at::scalar_tensor(s.steps, at::kLong);
-    out[fmt::format("b{}/threshold", index)] = at::scalar_tensor(s.threshold, at::kDouble);
+    out[bucket_state_key(index, "error")] = s.error;
+    out[bucket_state_key(index, "steps")] = at::scalar_tensor(s.steps, at::kLong);
+    out[bucket_state_key(index, "threshold")] = at::scalar_tensor(s.threshold, at::kDouble);
   }
   return out;
 }
@@ -84,12 +83,11 @@ std::map<std::string, at::Tensor> SparseCompressHook::state() const {
 void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
   for (const auto& [key, error] : state) {
-    int64_t index = 0;
-    if (std::sscanf(key.c_str(), "b%ld/error", &index) != 1 ||
-        key != fmt::format("b{}/error", index))
-      continue;
-    const auto steps = state.find(fmt::format("b{}/steps", index));
-    const auto threshold = state.find(fmt::format("b{}/threshold", index));
+    const auto bucket = bucket_of_error_key(key);
+    if (!bucket) continue;
+    const int64_t index = *bucket;
+    const auto steps = state.find(bucket_state_key(index, "steps"));
+    const auto threshold = state.find(bucket_state_key(index, "threshold"));
     LOOM_CHECK(error.dim() == 1 && steps != state.end() && steps->second.numel() == 1 &&
                    threshold != state.end() && threshold->second.numel() == 1,
                "--comm-hook {} state: bucket {} needs a 1-D error and one-value steps and "

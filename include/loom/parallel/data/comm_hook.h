@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -36,6 +37,11 @@ class CommHook {
   // the tensor when one does not fit.
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
 };
+
+// A hook's per-bucket state keys: "b<index>/<what>" ("b3/error").
+std::string bucket_state_key(int64_t index, const std::string& what);
+// The bucket index of a "b<index>/error" key; nullopt for any other key.
+std::optional<int64_t> bucket_of_error_key(const std::string& key);
 
 // All-reduce average in the gradients' own dtype.
 class AllReduceAvgHook : public CommHook {
