@@ -84,6 +84,11 @@ dist::WorkPtr Int8CompressHook::start(GradBucket& bucket, dist::Communicator& co
     s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
     s.server_error = at::zeros({s.segment}, s.error.options());
   }
+  // A checkpoint restores the errors on the host.
+  if (s.error.device() != bucket.buffer.device()) {
+    s.error = s.error.to(bucket.buffer.device());
+    s.server_error = s.server_error.to(bucket.buffer.device());
+  }
   auto padded = at::zeros_like(s.error);
   padded.narrow(0, 0, n).copy_(bucket.buffer);
   const auto q = ops::quantize_int8_with_feedback(padded, s.error);

@@ -46,6 +46,8 @@ dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& 
     s.capacity = capacity(n);
     s.error = at::zeros({n}, bucket.buffer.options().dtype(at::kFloat));
   }
+  // A checkpoint restores the error on the host.
+  if (s.error.device() != bucket.buffer.device()) s.error = s.error.to(bucket.buffer.device());
   const auto x = bucket.buffer.to(at::kFloat);
   if (n > 0 && s.steps % refresh_every_ == 0)
     s.threshold = ops::kth_largest_magnitude(x, s.error, s.capacity);
