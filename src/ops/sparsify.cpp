@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "compression/sparsify.h"
 #include "loom/core/error.h"
 
@@ -55,9 +57,13 @@ SparseSelection select_with_feedback(const at::Tensor& x_in, at::Tensor& error, 
                     at::zeros({capacity}, x.options()), 0};
   const float* xp = x.const_data_ptr<float>();
   float* ep = error.data_ptr<float>();
+#ifdef LOOM_WITH_CUDA
+  // Both passes launch on x's device.
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (x.is_cuda()) guard.emplace(x.device());
+#endif
   if (x.is_cuda()) {
 #ifdef LOOM_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
     check_status(
         kernels::select_count_apply(xp, ep, n, t, counts.data_ptr<int32_t>(), stream_of(x)),
         "select_with_feedback");

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
@@ -320,4 +321,27 @@ TEST(CompressedTraining, ResumeWithErrorFeedbackReproducesTheUninterruptedRun) {
     }
     world().barrier();
   }
+}
+
+// A NaN must reach every rank, so the trainer's non-finite check stops all of them alike (a rank
+// that alone saw a NaN norm would throw while the others waited for it). Here it sits at the
+// bucket's last index on rank 0, in a step where a stale threshold passes far more than k values
+// (gradients 100 times larger than when it was computed): sent in index order, the NaN would be
+// cut off. Every rank's result must hold a non-finite value.
+TEST(SparseHook, ANonFiniteGradientReachesEveryRank) {
+  auto& comm = world();
+  const int64_t n = 1000;
+  const auto made = pd::make_comm_hook("threshold:ratio=0.01,every=100");
+  auto& hook = dynamic_cast<pd::SparseCompressHook&>(*made);
+  pd::GradBucket bucket;
+  bucket.buffer = gradient_of(comm.rank(), 0, n);
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  ASSERT_TRUE(at::isfinite(bucket.buffer).all().item<bool>());
+  bucket.buffer = gradient_of(comm.rank(), 1, n) * 100;
+  if (comm.rank() == 0) bucket.buffer[n - 1] = std::numeric_limits<float>::quiet_NaN();
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  EXPECT_FALSE(at::isfinite(bucket.buffer).all().item<bool>())
+      << "rank " << comm.rank() << " got only finite values: the NaN was not sent";
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 
 #include "loom/core/error.h"
 #include "loom/ops/sparsify.h"
@@ -52,7 +53,11 @@ dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& 
   if (n > 0 && s.steps % refresh_every_ == 0)
     s.threshold = ops::kth_largest_magnitude(x, s.error, s.capacity);
   ++s.steps;
-  const auto picked = ops::select_with_feedback(x, s.error, s.threshold, s.capacity);
+  // A non-finite value must reach every rank (and so the trainer's check on all of them alike):
+  // a step holding one sends only non-finite values, which pass any threshold, even +inf.
+  const bool finite = at::isfinite(at::add(x, s.error)).all().item<bool>();
+  const double threshold = finite ? s.threshold : std::numeric_limits<double>::infinity();
+  const auto picked = ops::select_with_feedback(x, s.error, threshold, s.capacity);
   s.selected = picked.selected;
   // One message: the indices, then the values' bits.
   s.send = at::cat({picked.indices, picked.values.view(at::kInt)});

@@ -75,35 +75,52 @@ class DataParallelStrategy final : public Strategy {
     const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
     std::string why;
     if (!checkpoint.state.contains("rank_state_files")) {
-      why = "the checkpoint holds none (written without an error-feedback hook)";
+      why =
+          "the checkpoint holds none (written without an error-feedback hook, or before a "
+          "gradient was reduced)";
     } else if (!std::filesystem::exists(file)) {
       why = fmt::format("the checkpoint was written by another number of ranks (it has no '{}')",
                         file.filename().string());
     } else {
-      auto saved = core::load_safetensors(file);
-      const auto it = saved.metadata.find("data-parallel.layout");
-      const auto mine = layout(run);
-      if (it == saved.metadata.end() || it->second != mine) {
-        why = fmt::format(
-            "it was saved for {}, and this run is {} (error feedback is not resharded yet)",
-            it == saved.metadata.end() ? std::string("no hook") : it->second, mine);
-      } else {
-        for (size_t c = 0; c < hooks_.size(); ++c) {
-          const auto prefix = fmt::format("data-parallel/c{}/", c);
-          std::map<std::string, at::Tensor> state;
-          for (auto& [key, t] : saved.tensors)
-            if (key.rfind(prefix, 0) == 0) state[key.substr(prefix.size())] = t;
-          hooks_[c]->load_state(state);
-        }
-        spdlog::info("--comm-hook {}: error feedback restored from '{}'", run.config.comm_hook,
-                     file.string());
-        return;
+      // A file that does not load costs this rank its error feedback, not the run: the other
+      // ranks are not waiting on this one here, so a throw would leave them to the watchdog.
+      try {
+        why = restore(run, file);
+      } catch (const std::exception& e) {
+        why = e.what();
       }
+      if (why.empty()) return;
     }
     spdlog::warn(
         "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
         "continues, not bit for bit as it would have)",
         run.config.comm_hook, why);
+  }
+  // Loads this rank's file into the hooks; what stood in the way, or "" when restored. On a
+  // throw the hooks are left empty (zeros from their next reduction on).
+  std::string restore(const RunContext& run, const std::filesystem::path& file) {
+    const auto saved = core::load_safetensors(file);
+    const auto it = saved.metadata.find("data-parallel.layout");
+    const auto mine = layout(run);
+    if (it == saved.metadata.end() || it->second != mine)
+      return fmt::format(
+          "it was saved for {}, and this run is {} (error feedback is not resharded yet)",
+          it == saved.metadata.end() ? std::string("no hook") : it->second, mine);
+    try {
+      for (size_t c = 0; c < hooks_.size(); ++c) {
+        const auto prefix = fmt::format("data-parallel/c{}/", c);
+        std::map<std::string, at::Tensor> state;
+        for (const auto& [key, t] : saved.tensors)
+          if (key.rfind(prefix, 0) == 0) state[key.substr(prefix.size())] = t;
+        hooks_[c]->load_state(state);
+      }
+    } catch (...) {
+      for (auto& hook : hooks_) hook->load_state({});
+      throw;
+    }
+    spdlog::info("--comm-hook {}: error feedback restored from '{}'", run.config.comm_hook,
+                 file.string());
+    return {};
   }
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
