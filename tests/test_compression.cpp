@@ -1,6 +1,7 @@
 // Communication compression's arithmetic: blockwise int8 within half a quantization step
-// (ops/quantize.h), threshold selection and scatter-add (ops/sparsify.h) against plain loops, error
-// feedback that loses nothing over steps, and the --comm-hook specs and their errors.
+// (ops/quantize.h), sign packing against the plain formula (ops/sign_pack.h), threshold selection
+// and scatter-add (ops/sparsify.h) against plain loops, error feedback that loses nothing over
+// steps, and the --comm-hook specs and their errors.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <limits>
 
 #include "loom/ops/quantize.h"
+#include "loom/ops/sign_pack.h"
 #include "loom/ops/sparsify.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
@@ -264,7 +266,7 @@ TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
   EXPECT_EQ(threshold->refresh_every(), 4);
   EXPECT_EQ(threshold->name(), "threshold");
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("fp8"); }),
-                       "valid: avg, bf16, int8, threshold, topk"));
+                       "valid: avg, bf16, int8, onebit, threshold, topk"));
   EXPECT_TRUE(
       contains(error_of([] { pd::make_comm_hook("topk:ratio=0"); }), "ratio=0 is outside (0, 1]"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio=1.5"); }),
@@ -280,8 +282,116 @@ TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio"); }), "is not key=value"));
   // The keys of a hook's checkpointed state.
   EXPECT_EQ(pd::bucket_state_key(12, "error"), "b12/error");
-  EXPECT_EQ(pd::bucket_of_error_key("b12/error"), 12);
+  EXPECT_EQ(pd::bucket_of_key("b12/error", "error"), 12);
+  EXPECT_EQ(pd::bucket_of_key("b3/warmup_steps", "warmup_steps"), 3);
   for (const char* other :
-       {"b12/server_error", "b/error", "bx/error", "b-1/error", "c1/error", "b1/error2"})
-    EXPECT_EQ(pd::bucket_of_error_key(other), std::nullopt) << other;
+       {"b12/server_error", "b/error", "bx/error", "b-1/error", "c1/error", "b1/error2", "b1error"})
+    EXPECT_EQ(pd::bucket_of_key(other, "error"), std::nullopt) << other;
+}
+
+// warmup=N belongs to every hook: the hook is wrapped (keeping its name and options), and a bad
+// count is named. onebit takes no option of its own.
+TEST(CommHookSpec, WarmupWrapsAnyHook) {
+  namespace pd = loom::parallel::data;
+  const auto made = pd::make_comm_hook("topk:ratio=0.02,warmup=7");
+  const auto warm = std::dynamic_pointer_cast<pd::DenseWarmupHook>(made);
+  ASSERT_NE(warm, nullptr);
+  EXPECT_EQ(warm->warmup(), 7);
+  EXPECT_EQ(warm->name(), "topk");
+  EXPECT_TRUE(warm->carries_state());
+  const auto* topk = dynamic_cast<pd::SparseCompressHook*>(&warm->inner());
+  ASSERT_NE(topk, nullptr);
+  EXPECT_EQ(topk->ratio(), 0.02);
+  EXPECT_EQ(std::dynamic_pointer_cast<pd::DenseWarmupHook>(pd::make_comm_hook("onebit")), nullptr);
+  EXPECT_EQ(pd::make_comm_hook("onebit")->name(), "onebit");
+  EXPECT_TRUE(
+      contains(error_of([] { pd::make_comm_hook("onebit:warmup=-1"); }), "warmup=-1 must be >= 0"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:warmup=x"); }),
+                       "warmup=x is not an integer"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:block=64"); }),
+                       "'onebit' has no option 'block'; its options: none"));
+}
+
+// Sign packing against the formula written out: per block of 1024 the scale is the mean of |v|
+// (v = x + error) within the fp32 roundings of a 1024-term sum (1024 u of the sum, far below
+// the 1 % a wrong summation would miss by), each value decodes to +-scale by its sign (zeros and
+// -0 to +scale), and the error becomes v minus that (the same one fp32 subtraction).
+TEST(SignPack, EqualsTheFormulaWrittenOut) {
+  const int64_t block = ops::kSignBlock, blocks = 12;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  const auto x = varied_blocks(blocks, block, 5);  // block 1 all zero
+  auto error = at::randn({blocks * block}, gen) * 1e-3;
+  error.narrow(0, block, block).zero_();
+  x[block + 9] = -0.0f;
+  error[block + 9] = -0.0f;  // v = -0
+  const auto v = x + error;  // the one fp32 addition the packing does
+  const auto s = ops::pack_signs_with_feedback(x, error);
+  ASSERT_EQ(s.words.numel(), blocks * block / 32);
+  ASSERT_EQ(s.scales.numel(), blocks);
+  const auto back = ops::unpack_signs(s.words, s.scales);
+  const auto mean = v.to(at::kDouble).view({blocks, block}).abs().mean(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const double want = mean[b].item<double>(), got = s.scales[b].item<double>();
+    EXPECT_LE(std::abs(got - want), 1024 * kU * want) << "block " << b;
+  }
+  const auto positive = at::logical_not(v < 0);
+  const auto scale_of = s.scales.repeat_interleave(block);
+  EXPECT_TRUE(at::equal(back, at::where(positive, scale_of, -scale_of)));
+  EXPECT_TRUE(at::equal(error, v - back));
+  // Bit order: bit l of word j is value 32 j + l.
+  const auto bits = (s.words.view({-1, 1}).bitwise_right_shift(at::arange(32, at::kInt)) & 1)
+                        .view({-1})
+                        .to(at::kBool);
+  EXPECT_TRUE(at::equal(bits, positive));
+  // An all-zero block (with a -0): scale 0, every bit set.
+  EXPECT_EQ(s.scales[1].item<float>(), 0.0f);
+  EXPECT_TRUE(
+      at::equal(s.words.narrow(0, block / 32, block / 32), at::full({block / 32}, -1, at::kInt)));
+}
+
+// Over steps the decoded values sum to the inputs' sum minus the last error, up to the fp32
+// roundings of x + e and v - decoded (one u each of the largest |v| per step).
+TEST(SignPack, ErrorFeedbackLosesNothingOverSteps) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(23);
+  const int64_t n = 4 * ops::kSignBlock, steps = 10;
+  auto error = at::zeros({n});
+  auto sent = at::zeros({n}, at::kDouble), total = at::zeros({n}, at::kDouble);
+  double largest = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const auto x = at::randn({n}, gen) * (1 + t % 3);
+    total += x.to(at::kDouble);
+    largest = std::max(largest, (x + error).abs().max().item<double>());
+    const auto s = ops::pack_signs_with_feedback(x, error);
+    sent += ops::unpack_signs(s.words, s.scales).to(at::kDouble);
+  }
+  const double lost = (sent + error.to(at::kDouble) - total).abs().max().item<double>();
+  EXPECT_LE(lost, 2 * steps * kU * largest);
+  EXPECT_GT(error.abs().max().item<double>(), 0.5) << "nothing carried";
+}
+
+// A NaN or an infinity makes its block's scale non-finite, so it decodes to non-finite values,
+// and resets that block's error to 0; other blocks are untouched by it.
+TEST(SignPack, NonFiniteValuesStayNonFiniteAndBadInputIsNamed) {
+  const int64_t block = ops::kSignBlock;
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    auto x = at::ones({3 * block});
+    x[block + 4] = bad;
+    auto error = at::full({3 * block}, 0.25f);
+    const auto s = ops::pack_signs_with_feedback(x, error);
+    const auto back = ops::unpack_signs(s.words, s.scales);
+    EXPECT_FALSE(at::isfinite(back.narrow(0, block, block)).any().item<bool>());
+    EXPECT_TRUE(at::equal(error.narrow(0, block, block), at::zeros({block})));
+    EXPECT_TRUE(at::equal(back.narrow(0, 0, block), at::full({block}, 1.25f)));
+    EXPECT_TRUE(at::equal(error.narrow(0, 0, block), at::zeros({block})));
+  }
+  auto e = at::zeros({100});
+  EXPECT_TRUE(contains(error_of([&] { ops::pack_signs_with_feedback(at::zeros({100}), e); }),
+                       "100 values do not split into blocks of 1024"));
+  auto e2 = at::zeros({block});
+  EXPECT_TRUE(contains(error_of([&] { ops::pack_signs_with_feedback(at::zeros({2 * block}), e2); }),
+                       "the error is Float of 1024 values"));
+  EXPECT_TRUE(
+      contains(error_of([] { ops::unpack_signs(at::zeros({64}, at::kInt), at::zeros({1})); }),
+               "do not match"));
 }

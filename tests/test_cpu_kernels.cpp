@@ -14,6 +14,7 @@
 #include "loom/core/rng.h"
 #include "loom/ops/activation.h"
 #include "loom/ops/adamw.h"
+#include "test_util.h"
 
 namespace {
 
@@ -325,6 +326,53 @@ TEST(AdamWKernel, BothPathsTrackFp64OverSeveralSteps) {
                 path == &fused ? "fused" : "aten", worst);
     EXPECT_LE(worst, 1.0);
   }
+}
+
+// freeze_variance_after = F (1-bit Adam's frozen variance): after step F the second moment keeps
+// its step-F bits on both paths, the bias correction stays at F's, and the weights track the fp64
+// run of those formulas within the bound of the test above. A variance still updated (or a bias
+// correction still moving) would miss it by orders of magnitude: beta2 = 0.9 and gradients that
+// grow tenfold after the freeze.
+TEST(AdamWKernel, FrozenVarianceKeepsTheSecondMomentOfStepF) {
+  const ops::AdamWOptions o{
+      .beta1 = 0.8, .beta2 = 0.9, .eps = 1e-8, .weight_decay = 0, .freeze_variance_after = 3};
+  auto fused = adam_state(4096, 8), aten = adam_state(4096, 8), ref = adam_state(4096, 8);
+  for (auto* t : {&ref.w, &ref.g, &ref.m, &ref.v}) *t = t->to(at::kDouble);
+  auto as_strided = [](const at::Tensor& t) { return t.view({64, 64}).t(); };
+  auto bound = at::zeros_like(ref.w);
+  at::Tensor fused_v_at_freeze, aten_v_at_freeze;  // the paths round v differently
+  const double lr = 1e-2;
+  for (int step = 1; step <= 8; ++step) {
+    if (step == 4) {
+      for (auto* s : {&fused, &aten}) s->g.mul_(10);
+      ref.g.mul_(10);
+    }
+    ops::adamw_update_(fused.w, fused.g, fused.m, fused.v, lr, step, o);
+    ops::adamw_update_(as_strided(aten.w), as_strided(aten.g), as_strided(aten.m),
+                       as_strided(aten.v), lr, step, o);
+    if (step == 3) {
+      fused_v_at_freeze = fused.v.clone();
+      aten_v_at_freeze = aten.v.clone();
+    }
+    const auto before = ref.w.clone();
+    ref.m.lerp_(ref.g, 1 - o.beta1);
+    if (step <= 3) ref.v.mul_(o.beta2).addcmul_(ref.g, ref.g, 1 - o.beta2);
+    const double bias1 = 1 - std::pow(o.beta1, step);
+    const double bias2 = 1 - std::pow(o.beta2, std::min(step, 3));
+    ref.w.add_(-lr / bias1 * ref.m / ((ref.v / bias2).sqrt() + o.eps));
+    bound += kEps32 * (ref.w.abs() + 16 * (ref.w - before).abs());
+  }
+  EXPECT_TRUE(at::equal(fused.v, fused_v_at_freeze));
+  EXPECT_TRUE(at::equal(aten.v, aten_v_at_freeze));
+  for (const auto* path : {&fused, &aten}) {
+    const double worst = ((path->w.to(at::kDouble) - ref.w).abs() / bound).max().item<double>();
+    std::printf("adamw frozen variance, %s path, 8 steps: max |err| / bound = %.3f\n",
+                path == &fused ? "fused" : "aten", worst);
+    EXPECT_LE(worst, 1.0);
+  }
+  EXPECT_TRUE(loom::testing::contains(
+      loom::testing::error_of([] { ops::check_adamw_options({.freeze_variance_after = -2}); }),
+      "freeze_variance_after = -2 must be >= 0"));
 }
 
 // ZeRO updates each rank's slice of a flat buffer: every element must come out as in the

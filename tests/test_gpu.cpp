@@ -21,6 +21,7 @@
 #include "loom/ops/bsr.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/ops/quantize.h"
+#include "loom/ops/sign_pack.h"
 #include "loom/ops/sparse24.h"
 #include "loom/ops/sparse_linear.h"
 #include "loom/ops/sparsify.h"
@@ -623,6 +624,33 @@ TEST(QuantizeInt8Gpu, KernelEqualsTheHostReferenceBitForBit) {
   EXPECT_TRUE(at::equal(at::isnan(got.scales.cpu()), at::isnan(want.scales)));
   EXPECT_TRUE(at::equal(bits(got.scales), bits(want.scales)));
   EXPECT_TRUE(at::equal(bits(error_gpu), bits(error_cpu)));
+}
+
+// Sign packing and unpacking on a GPU equal their host reference bit for bit: the words, the
+// scales (a NaN as NaN) and the updated error, and the decoded values, on blocks of seven decades,
+// an all-zero block and a NaN.
+TEST(SignPackGpu, KernelsEqualTheHostReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int64_t blocks = 300;
+  auto x = at::randn({blocks, ops::kSignBlock}) *
+           at::pow(10.0, at::arange(blocks, at::kFloat).remainder(7) - 3).unsqueeze(1);
+  x[4].zero_();
+  x = x.flatten();
+  x[9 * ops::kSignBlock + 3] = std::nanf("");
+  auto error_cpu = at::randn({blocks * ops::kSignBlock}) * 1e-3;
+  error_cpu.narrow(0, 4 * ops::kSignBlock, ops::kSignBlock).zero_();
+  auto error_gpu = error_cpu.cuda();
+  const auto want = ops::pack_signs_with_feedback(x, error_cpu);
+  const auto got = ops::pack_signs_with_feedback(x.cuda(), error_gpu);
+  EXPECT_TRUE(at::equal(got.words.cpu(), want.words));
+  const auto bits = [](const at::Tensor& t) {
+    return at::where(at::isnan(t.cpu()), at::zeros_like(t.cpu()), t.cpu()).view(at::kInt);
+  };
+  EXPECT_TRUE(at::equal(at::isnan(got.scales.cpu()), at::isnan(want.scales)));
+  EXPECT_TRUE(at::equal(bits(got.scales), bits(want.scales)));
+  EXPECT_TRUE(at::equal(bits(error_gpu), bits(error_cpu)));
+  EXPECT_TRUE(at::equal(bits(ops::unpack_signs(want.words.cuda(), want.scales.cuda())),
+                        bits(ops::unpack_signs(want.words, want.scales))));
 }
 
 // Threshold selection and scatter-add on a GPU equal their host reference bit for bit: the

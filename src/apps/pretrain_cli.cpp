@@ -50,6 +50,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
   app.add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--freeze-variance-after", c.freeze_variance_after,
+                 "AdamW's second moment stops changing after this many steps, as in 1-bit Adam "
+                 "(0: never); pair it with a compressing --comm-hook (docs/compression.md)")
+      ->capture_default_str();
   app.add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str();
   app.add_option(
@@ -96,10 +100,12 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--comm-hook", c.comm_hook,
                  "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
-                 "to bfloat16 on the wire) | int8 (blockwise int8 with error feedback) | "
+                 "to bfloat16 on the wire) | int8 (blockwise int8 with error feedback) | onebit "
+                 "(a sign bit per value and a scale per 1024, with error feedback) | "
                  "topk[:ratio=0.01] (the largest values with error feedback) | "
                  "threshold[:ratio=0.01,every=10] (the same, the threshold recomputed every "
-                 "`every` steps); docs/compression.md")
+                 "`every` steps); any of them with warmup=N (plain averages for the first N "
+                 "steps); int8 and onebit also under --zero; docs/compression.md")
       ->capture_default_str();
   app.add_option("--tp", c.tp,
                  "Tensor-parallel size: attention heads, MLP and vocabulary split across this "

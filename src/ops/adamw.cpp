@@ -14,8 +14,9 @@ namespace loom::ops {
 namespace {
 
 // The update of adamw_update_ (the header's formulas, in that order) as one pass over the four
-// buffers: each element's moments and weight are read once and written once.
-template <typename T>
+// buffers: each element's moments and weight are read once and written once. kFrozen: the
+// second moment is read, not updated (AdamWOptions::freeze_variance_after).
+template <typename T, bool kFrozen>
 LOOM_CPU_CLONES void adamw_kernel(T* __restrict weight, const T* __restrict grad,
                                   T* __restrict exp_avg, T* __restrict exp_avg_sq, int64_t n,
                                   T decay, T one_minus_beta1, T beta2, T one_minus_beta2,
@@ -24,9 +25,9 @@ LOOM_CPU_CLONES void adamw_kernel(T* __restrict weight, const T* __restrict grad
     const T w = weight[i] * decay;  // exactly weight[i] when decay == 1
     const T g = grad[i];
     const T m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i]);
-    const T v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
+    const T v = kFrozen ? exp_avg_sq[i] : beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
     exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    if constexpr (!kFrozen) exp_avg_sq[i] = v;
     // sqrt(v) / sqrt(bias2) as a product: one division per element, not two.
     weight[i] = w + step_size * (m / (std::sqrt(v) * inv_sqrt_bias2 + eps));
   }
@@ -53,6 +54,9 @@ void check_adamw_options(const AdamWOptions& options) {
   LOOM_CHECK(options.eps > 0, "AdamW: eps = {} must be > 0", options.eps);
   LOOM_CHECK(options.weight_decay >= 0, "AdamW: weight_decay = {} must be >= 0",
              options.weight_decay);
+  LOOM_CHECK(options.freeze_variance_after >= 0,
+             "AdamW: freeze_variance_after = {} must be >= 0 (0: the variance is never frozen)",
+             options.freeze_variance_after);
 }
 
 void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& options) {
@@ -63,8 +67,10 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
                    const at::Tensor& exp_avg_sq, double lr, int64_t step,
                    const AdamWOptions& options, bool decay) {
   const double b1 = options.beta1, b2 = options.beta2;
+  const int64_t freeze = options.freeze_variance_after;
+  const bool frozen = freeze > 0 && step > freeze;
   const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step));
-  const double bias2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  const double bias2 = 1.0 - std::pow(b2, static_cast<double>(frozen ? freeze : step));
   if (fused_adamw_applies({&weight, &grad, &exp_avg, &exp_avg_sq})) {
     RECORD_FUNCTION("loom::adamw_update_", std::vector<c10::IValue>({weight}));
     AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "loom::adamw_update_", [&] {
@@ -77,9 +83,9 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
       auto* m = exp_avg.mutable_data_ptr<T>();
       auto* v = exp_avg_sq.mutable_data_ptr<T>();
       at::parallel_for(0, weight.numel(), 16384, [&](int64_t begin, int64_t end) {
-        adamw_kernel<T>(w + begin, g + begin, m + begin, v + begin, end - begin, decay_factor,
-                        T(1.0 - b1), T(b2), T(1.0 - b2), T(1.0 / std::sqrt(bias2)), T(options.eps),
-                        T(-lr / bias1));
+        auto* kernel = frozen ? adamw_kernel<T, true> : adamw_kernel<T, false>;
+        kernel(w + begin, g + begin, m + begin, v + begin, end - begin, decay_factor, T(1.0 - b1),
+               T(b2), T(1.0 - b2), T(1.0 / std::sqrt(bias2)), T(options.eps), T(-lr / bias1));
       });
     });
     // Written through raw pointers: bump the versions as ATen's in-place ops would, so that a
@@ -90,7 +96,7 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
   // Elsewhere (CUDA) the same formulas as ATen ops.
   if (decay) adamw_decay_(weight, lr, options);
   exp_avg.lerp_(grad, 1.0 - b1);
-  exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
+  if (!frozen) exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
   auto denom = (exp_avg_sq / bias2).sqrt_().add_(options.eps);
   weight.addcdiv_(exp_avg, denom, -lr / bias1);
 }

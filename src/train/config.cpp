@@ -37,6 +37,9 @@ void TrainConfig::validate() const {
              "--precision '{}' is not valid: use fp32, bf16 or fp64 (fp64: a correctness "
              "instrument, see docs/testing.md)",
              precision);
+  LOOM_CHECK(freeze_variance_after >= 0,
+             "--freeze-variance-after {} must be >= 0 (0: AdamW's variance is never frozen)",
+             freeze_variance_after);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
@@ -159,7 +162,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
-    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune)
+    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,
+    freeze_variance_after)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -187,6 +191,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--weight-decay", saved.weight_decay, weight_decay);
   same("--beta1", saved.beta1, beta1);
   same("--beta2", saved.beta2, beta2);
+  same("--freeze-variance-after", saved.freeze_variance_after, freeze_variance_after);
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);

@@ -77,7 +77,8 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
 
   auto& run = this->run();
   run.device = device_;
-  run.adamw = {config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
+  run.adamw = {config_.beta1, config_.beta2, 1e-8, config_.weight_decay,
+               config_.freeze_variance_after};
   run.decays = default_decays;
   run.train_sampler = train_sampler_.get();
   run.val_sampler = val_sampler_.get();

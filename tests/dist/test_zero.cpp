@@ -656,12 +656,18 @@ TEST(TrainerZero, FlagsThatDoNotFitAreRejected) {
 }
 
 // ZeRO-1/2/3 compose with tp, sequence-parallel partial gradients included (test_pipeline.cpp
-// trains them against one process); a compressing communication hook is refused.
+// trains them against one process); a communication hook that does not reduce-scatter is
+// refused, naming those that do.
 TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
   auto config = zero_config(dir.path(), 2, 1);
-  config.comm_hook = "bf16";
-  EXPECT_TRUE(contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),
-                       "--comm-hook bf16 compresses plain data parallelism"));
+  for (const std::string hook : {"bf16", "topk:ratio=0.1,warmup=3"}) {
+    config.comm_hook = hook;
+    EXPECT_TRUE(
+        contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),
+                 "--comm-hook " + hook +
+                     ": strategy 'zero' reduce-scatters gradients, which this hook does not do; "
+                     "the hooks that do are avg, int8 and onebit"));
+  }
 }

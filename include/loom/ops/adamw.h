@@ -16,6 +16,12 @@ struct AdamWOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.1;
+  // From step freeze_variance_after + 1 on, exp_avg_sq stops changing and its bias correction
+  // stays at step freeze_variance_after's (0: never frozen). 1-bit Adam's observation (Tang et
+  // al. 2021): after a warm-up the second moment barely moves, and holding it fixed makes the
+  // update linear in the gradients, so a compressed gradient whose error is fed back later moves
+  // the weights by what the true gradients would (docs/compression.md).
+  int64_t freeze_variance_after = 0;
 };
 
 // Throws loom::Error naming the first hyperparameter out of range.
@@ -29,8 +35,10 @@ void adamw_decay_(const at::Tensor& weight, double lr, const AdamWOptions& optio
 // in the same pass (the same product, rounded the same way: identical to calling adamw_decay_
 // before, which is what a caller does when only some elements decay, as ZeRO's flat shards):
 //   exp_avg    = lerp(exp_avg, grad, 1 - beta1)
-//   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2
-//   weight    -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^step)) + eps)
+//   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2       (step <= F, or F = 0)
+//   weight    -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq / (1 - beta2^s)) + eps)
+// where F = options.freeze_variance_after and s = step, or F once step > F > 0 (exp_avg_sq is
+// then left as it is).
 void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, double lr, int64_t step,
                    const AdamWOptions& options, bool decay = false);

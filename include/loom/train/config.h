@@ -55,6 +55,10 @@ struct TrainConfig {
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
+  // AdamW's second moment stops changing after this many steps (0: never; ops/adamw.h): what
+  // lets a compressing --comm-hook with error feedback train like the uncompressed run
+  // (docs/compression.md).
+  int64_t freeze_variance_after = 0;
   double grad_clip = 1.0;  // 0 disables clipping
   // fp32 | bf16 | fp64. fp64 is a correctness instrument, not a training mode: parameters,
   // activations, gradients, collectives and optimizer state all in fp64, so that layouts can be

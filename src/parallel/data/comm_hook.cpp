@@ -10,7 +10,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
-#include "loom/ops/quantize.h"
+#include "loom/parallel/data/quantized_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
 
 namespace loom::parallel::data {
@@ -19,19 +19,32 @@ std::string bucket_state_key(int64_t index, const std::string& what) {
   return fmt::format("b{}/{}", index, what);
 }
 
-std::optional<int64_t> bucket_of_error_key(const std::string& key) {
-  constexpr std::string_view kSuffix = "/error";
-  if (key.size() <= 1 + kSuffix.size() || key[0] != 'b' || !key.ends_with(kSuffix))
+std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view what) {
+  const size_t suffix = what.size() + 1;  // "/" + what
+  if (key.size() <= 1 + suffix || key[0] != 'b' || !key.ends_with(what) ||
+      key[key.size() - suffix] != '/')
     return std::nullopt;
-  const auto digits = std::string_view(key).substr(1, key.size() - 1 - kSuffix.size());
+  const auto digits = std::string_view(key).substr(1, key.size() - 1 - suffix);
   int64_t index = 0;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
   if (ec != std::errc() || end != digits.data() + digits.size() || index < 0) return std::nullopt;
   return index;
 }
 
+dist::WorkPtr CommHook::start_reduce_scatter(int64_t /*index*/, const at::Tensor& /*send*/,
+                                             const at::Tensor& /*recv*/,
+                                             dist::Communicator& /*comm*/) {
+  loom::fail("--comm-hook {} does not reduce-scatter (ZeRO's gradient reduction)", name());
+}
+
 dist::WorkPtr AllReduceAvgHook::start(GradBucket& bucket, dist::Communicator& comm) {
   return comm.all_reduce_async(bucket.buffer, dist::ReduceOp::Avg);
+}
+
+dist::WorkPtr AllReduceAvgHook::start_reduce_scatter(int64_t /*index*/, const at::Tensor& send,
+                                                     const at::Tensor& recv,
+                                                     dist::Communicator& comm) {
+  return comm.reduce_scatter_async(recv, send, dist::ReduceOp::Avg);
 }
 
 dist::WorkPtr Bf16CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
@@ -45,117 +58,54 @@ void Bf16CompressHook::finish(GradBucket& bucket, dist::Communicator&) {
   bucket.scratch = at::Tensor();
 }
 
-// ---- int8 -------------------------------------------------------------------------------
+// ---- warm-up -----------------------------------------------------------------------------
 
-namespace {
-
-constexpr auto packed_bytes = Int8CompressHook::packed_bytes;
-
-// Writes q's codes and scales into `row` (uint8, packed_bytes long).
-void pack(const ops::Int8Blocks& q, const at::Tensor& row) {
-  const int64_t n = q.codes.numel();
-  row.narrow(0, 0, n).copy_(q.codes.view(at::kByte));
-  row.narrow(0, n, 4 * q.scales.numel()).copy_(q.scales.contiguous().view(at::kByte));
+DenseWarmupHook::DenseWarmupHook(std::shared_ptr<CommHook> inner, int64_t warmup)
+    : inner_(std::move(inner)), warmup_(warmup) {
+  LOOM_CHECK(inner_ != nullptr, "DenseWarmupHook: no hook to hand over to");
+  LOOM_CHECK(warmup >= 0,
+             "--comm-hook {}: warmup={} must be >= 0 (reductions of each bucket "
+             "done as a plain fp32 average before the hook starts)",
+             inner_->name(), warmup);
 }
 
-// The values of packed chunks [rows, packed_bytes(segment)]: float32 [rows, segment].
-at::Tensor unpack(const at::Tensor& packed, int64_t segment) {
-  const int64_t rows = packed.size(0);
-  const auto codes = packed.narrow(1, 0, segment).contiguous().view(at::kChar);
-  const auto scales = packed.narrow(1, segment, 4 * (segment / Int8CompressHook::kBlock))
-                          .contiguous()
-                          .view(at::kFloat);
-  return ops::dequantize_int8(codes.view({rows, segment}), scales.view({rows, -1}));
+void DenseWarmupHook::begin_step(int64_t steps_completed) {
+  steps_completed_ = steps_completed;
+  inner_->begin_step(steps_completed);
 }
 
-}  // namespace
-
-int64_t Int8CompressHook::segment_numel(int64_t numel, int64_t ranks) {
-  const int64_t per_rank = (numel + ranks - 1) / ranks;
-  return (per_rank + kBlock - 1) / kBlock * kBlock;
+dist::WorkPtr DenseWarmupHook::start(GradBucket& bucket, dist::Communicator& comm) {
+  dense_in_flight_[bucket.index] = dense();
+  return dense() ? dense_.start(bucket, comm) : inner_->start(bucket, comm);
 }
 
-dist::WorkPtr Int8CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
-  const int64_t ranks = comm.size(), n = bucket.numel();
-  auto& s = state_[bucket.index];
-  if (s.ranks != ranks || s.segment != segment_numel(n, ranks)) {
-    s.ranks = ranks;
-    s.segment = segment_numel(n, ranks);
-    s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
-    s.server_error = at::zeros({s.segment}, s.error.options());
-  }
-  // A checkpoint restores the errors on the host.
-  if (s.error.device() != bucket.buffer.device()) {
-    s.error = s.error.to(bucket.buffer.device());
-    s.server_error = s.server_error.to(bucket.buffer.device());
-  }
-  auto padded = at::zeros_like(s.error);
-  padded.narrow(0, 0, n).copy_(bucket.buffer);
-  const auto q = ops::quantize_int8_with_feedback(padded, s.error);
-  const int64_t bytes = packed_bytes(s.segment);
-  s.send = at::empty({ranks, bytes}, s.error.options().dtype(at::kByte));
-  s.recv = at::empty_like(s.send);
-  const auto codes = q.codes.view({ranks, s.segment});
-  const auto scales = q.scales.view({ranks, -1});
-  for (int64_t j = 0; j < ranks; ++j) pack({codes[j], scales[j]}, s.send[j]);
-  return comm.all_to_all_async(s.recv, s.send);
-}
-
-void Int8CompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
-  auto& s = state_.at(bucket.index);
-  // This rank's segment: the mean of every rank's dequantized chunk.
-  const auto mean = unpack(s.recv, s.segment).sum(0) / static_cast<double>(s.ranks);
-  const auto q = ops::quantize_int8_with_feedback(mean, s.server_error);
-  auto mine = at::empty({packed_bytes(s.segment)}, s.send.options());
-  pack(q, mine);
-  auto gathered = at::empty({s.ranks, mine.numel()}, mine.options());
-  comm.all_gather(gathered, mine);
-  bucket.buffer.copy_(unpack(gathered, s.segment).view({-1}).narrow(0, 0, bucket.numel()));
-  s.send = s.recv = at::Tensor();
-}
-
-std::map<std::string, at::Tensor> Int8CompressHook::state() const {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [index, s] : state_) {
-    out[bucket_state_key(index, "error")] = s.error;
-    out[bucket_state_key(index, "server_error")] = s.server_error;
-  }
-  return out;
-}
-
-void Int8CompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
-  state_.clear();
-  for (const auto& [key, error] : state) {
-    const auto bucket = bucket_of_error_key(key);
-    if (!bucket) continue;
-    const int64_t index = *bucket;
-    const auto server = state.find(bucket_state_key(index, "server_error"));
-    LOOM_CHECK(
-        server != state.end() && server->second.dim() == 1 && error.dim() == 1 &&
-            server->second.numel() > 0 && server->second.numel() % kBlock == 0 &&
-            error.numel() % server->second.numel() == 0,
-        "int8 hook state: bucket {}'s error ({} values) and server error ({}) do not fit "
-        "together (the server error must be one segment, a multiple of {}, and the error "
-        "whole segments)",
-        index, error.numel(),
-        server == state.end() ? std::string("missing") : std::to_string(server->second.numel()),
-        kBlock);
-    auto& s = state_[index];
-    s.segment = server->second.numel();
-    s.ranks = error.numel() / s.segment;
-    s.error = error.to(at::kFloat).contiguous().clone();
-    s.server_error = server->second.to(at::kFloat).contiguous().clone();
+void DenseWarmupHook::finish(GradBucket& bucket, dist::Communicator& comm) {
+  if (dense_in_flight_.at(bucket.index)) {
+    dense_.finish(bucket, comm);
+  } else {
+    inner_->finish(bucket, comm);
   }
 }
 
-at::Tensor Int8CompressHook::error(int64_t index) const {
-  const auto it = state_.find(index);
-  return it == state_.end() ? at::Tensor() : it->second.error;
+dist::WorkPtr DenseWarmupHook::start_reduce_scatter(int64_t index, const at::Tensor& send,
+                                                    const at::Tensor& recv,
+                                                    dist::Communicator& comm) {
+  dense_in_flight_[index] = dense();
+  return dense() ? dense_.start_reduce_scatter(index, send, recv, comm)
+                 : inner_->start_reduce_scatter(index, send, recv, comm);
 }
 
-at::Tensor Int8CompressHook::server_error(int64_t index) const {
-  const auto it = state_.find(index);
-  return it == state_.end() ? at::Tensor() : it->second.server_error;
+void DenseWarmupHook::finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+                                            dist::Communicator& comm) {
+  if (!dense_in_flight_.at(index)) inner_->finish_reduce_scatter(index, recv, comm);
+}
+
+std::map<std::string, at::Tensor> DenseWarmupHook::state() const {
+  return inner_->state();
+}
+
+void DenseWarmupHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  inner_->load_state(state);
 }
 
 namespace {
@@ -171,6 +121,8 @@ Registry& registry() {
           [](const core::OptionSpec& spec) { return detail::make_hook<Bf16CompressHook>(spec); });
     r.add("int8",
           [](const core::OptionSpec& spec) { return detail::make_hook<Int8CompressHook>(spec); });
+    r.add("onebit",
+          [](const core::OptionSpec& spec) { return detail::make_hook<OneBitCompressHook>(spec); });
     r.add("topk", [](const core::OptionSpec& spec) { return SparseCompressHook::topk(spec); });
     r.add("threshold",
           [](const core::OptionSpec& spec) { return SparseCompressHook::threshold(spec); });
@@ -191,13 +143,18 @@ std::vector<std::string> comm_hook_names() {
 }
 
 std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
-  const auto spec = core::OptionSpec::parse(text, "--comm-hook");
+  auto spec = core::OptionSpec::parse(text, "--comm-hook");
   const auto factory = registry().find(spec.name);
   LOOM_CHECK(factory, "--comm-hook '{}': '{}' is not a known communication hook; valid: {}", text,
              spec.name, fmt::join(comm_hook_names(), ", "));
+  // "warmup" is every hook's key: read here, hidden from the factory's own check.
+  const bool warms_up = spec.options.contains("warmup");
+  const int64_t warmup = spec.get_int("warmup", 0);
+  spec.options.erase("warmup");
   auto hook = factory(spec);
   LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", spec.name);
-  return hook;
+  if (!warms_up) return hook;
+  return std::make_shared<DenseWarmupHook>(std::move(hook), warmup);
 }
 
 }  // namespace loom::parallel::data

@@ -90,7 +90,7 @@ std::map<std::string, at::Tensor> SparseCompressHook::state() const {
 void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
   for (const auto& [key, error] : state) {
-    const auto bucket = bucket_of_error_key(key);
+    const auto bucket = bucket_of_key(key, "error");
     if (!bucket) continue;
     const int64_t index = *bucket;
     const auto steps = state.find(bucket_state_key(index, "steps"));

@@ -82,6 +82,9 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
   LOOM_CHECK(options_.bucket_mb > 0, "--bucket-mb {} is invalid; it must be positive",
              options_.bucket_mb);
   ops::check_adamw_options(options_.adamw);
+  LOOM_CHECK(!options_.hook || options_.hook->reduces_scatter(),
+             "ZeRO: --comm-hook {} does not reduce-scatter; avg, int8 and onebit do",
+             options_.hook ? options_.hook->name() : std::string());
   rank_ = comm_->rank();
   ranks_ = comm_->size();
   // Stage 3 gathers parameters while gradients are being reduced: on a communicator of its own,
@@ -426,8 +429,16 @@ void ZeroOptimizer::launch_reduce(size_t bucket) {
     // step's other micro-batches).
     if (options_.stage == 3 && !is_root(bucket) && options_.reshard_after_forward) release(bucket);
   }
-  f.work = comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
+  const double sent_before = comm_->bytes_sent();
+  // One rank sends nothing: a compressing hook would only add its rounding.
+  f.compressed = options_.hook && ranks_ > 1;
+  f.work = f.compressed ? options_.hook->start_reduce_scatter(static_cast<int64_t>(bucket), f.send,
+                                                              f.recv, *comm_)
+                        : comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
+  stats_.grad_bytes_sent += comm_->bytes_sent() - sent_before;
   stats_.reduce_scatter_bytes += static_cast<double>(f.send.numel() * f.send.element_size());
+  stats_.grad_fp32_bytes += dist::wire_bytes(
+      dist::OpKind::ReduceScatter, 4.0 * static_cast<double>(f.send.numel()), comm_->size(), false);
   in_flight_.push_back(std::move(f));
   retire(/*wait=*/false);  // frees the send buffers of reductions that are done
 }
@@ -440,6 +451,11 @@ void ZeroOptimizer::retire(bool wait) {
       continue;
     }
     it->work->wait();
+    if (it->compressed) {
+      const double sent_before = comm_->bytes_sent();
+      options_.hook->finish_reduce_scatter(static_cast<int64_t>(it->bucket), it->recv, *comm_);
+      stats_.grad_bytes_sent += comm_->bytes_sent() - sent_before;
+    }
     auto& b = buckets_[it->bucket];
     if (options_.stage == 1)
       b.grad_shard.copy_(it->recv);
@@ -656,6 +672,10 @@ ZeroMemory ZeroOptimizer::memory() const {
     m.optimizer +=
         storage_nbytes(b.master) + storage_nbytes(b.exp_avg) + storage_nbytes(b.exp_avg_sq);
   }
+  // A compressing hook's error feedback: what this rank sends is every shard of each bucket, so
+  // its carried error is bucket-sized (fp32), not shard-sized.
+  if (options_.hook)
+    for (const auto& [key, t] : options_.hook->state()) m.gradients += storage_nbytes(t);
   return m;
 }
 

@@ -2,14 +2,10 @@
 // the batch; gradients are averaged across the ranks in buckets, each bucket's all-reduce
 // starting during the backward of the step's last micro-batch (parallel/data).
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
-
-#include <filesystem>
 
 #include "builtin.h"
-#include "loom/core/safetensors.h"
 #include "loom/parallel/data/data_parallel.h"
-#include "loom/train/checkpoint.h"
+#include "loom/train/comm_hook_state.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
 
@@ -42,15 +38,17 @@ class DataParallelStrategy final : public Strategy {
       dp_.push_back(std::make_unique<parallel::data::DataParallel>(
           run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options));
     }
+    hook_state_ = std::make_unique<CommHookState>("data-parallel", hooks_);
     // Replicas start equal however they were initialized (the init is layout-invariant; this
     // also covers a user-modified model).
     for (auto& dp : dp_) dp->broadcast_parameters();
     run.publish("data_parallel", dp_.front().get());
   }
 
-  void begin_step(RunContext& /*run*/) override {
+  void begin_step(RunContext& run) override {
     // Gradients accumulate over the micro-batches; each chunk's last one turns the sync on.
     for (auto& dp : dp_) dp->set_sync(false);
+    for (auto& hook : hooks_) hook->begin_step(run.step);
   }
   void before_backward(RunContext& /*run*/, const MicroBatch& mb) override {
     dp_.at(static_cast<size_t>(mb.chunk))->set_sync(mb.last);
@@ -64,63 +62,10 @@ class DataParallelStrategy final : public Strategy {
   // Error feedback is per rank: each rank's buckets' carried errors go into its own file.
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    if (!hooks_.front()->carries_state()) return;
-    for (size_t c = 0; c < hooks_.size(); ++c)
-      for (const auto& [key, t] : hooks_[c]->state())
-        tensors.emplace_back(fmt::format("data-parallel/c{}/{}", c, key), t.cpu());
-    metadata["data-parallel.layout"] = layout(run);
+    hook_state_->save(layout(run), tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    if (!hooks_.front()->carries_state()) return;
-    const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
-    std::string why;
-    if (!checkpoint.state.contains("rank_state_files")) {
-      why =
-          "the checkpoint holds none (written without an error-feedback hook, or before a "
-          "gradient was reduced)";
-    } else if (!std::filesystem::exists(file)) {
-      why = fmt::format("the checkpoint was written by another number of ranks (it has no '{}')",
-                        file.filename().string());
-    } else {
-      // A file that does not load costs this rank its error feedback, not the run: the other
-      // ranks are not waiting on this one here, so a throw would leave them to the watchdog.
-      try {
-        why = restore(run, file);
-      } catch (const std::exception& e) {
-        why = e.what();
-      }
-      if (why.empty()) return;
-    }
-    spdlog::warn(
-        "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
-        "continues, not bit for bit as it would have)",
-        run.config.comm_hook, why);
-  }
-  // Loads this rank's file into the hooks; what stood in the way, or "" when restored. On a
-  // throw the hooks are left empty (zeros from their next reduction on).
-  std::string restore(const RunContext& run, const std::filesystem::path& file) {
-    const auto saved = core::load_safetensors(file);
-    const auto it = saved.metadata.find("data-parallel.layout");
-    const auto mine = layout(run);
-    if (it == saved.metadata.end() || it->second != mine)
-      return fmt::format(
-          "it was saved for {}, and this run is {} (error feedback is not resharded yet)",
-          it == saved.metadata.end() ? std::string("no hook") : it->second, mine);
-    try {
-      for (size_t c = 0; c < hooks_.size(); ++c) {
-        const auto prefix = fmt::format("data-parallel/c{}/", c);
-        std::map<std::string, at::Tensor> state;
-        for (const auto& [key, t] : saved.tensors)
-          if (key.rfind(prefix, 0) == 0) state[key.substr(prefix.size())] = t;
-        hooks_[c]->load_state(state);
-      }
-    } catch (...) {
-      for (auto& hook : hooks_) hook->load_state({});
-      throw;
-    }
-    spdlog::info("--comm-hook {}: error feedback restored from '{}'", run.config.comm_hook,
-                 file.string());
-    return {};
+    hook_state_->load(run, checkpoint, layout(run));
   }
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
@@ -163,6 +108,7 @@ class DataParallelStrategy final : public Strategy {
 
   std::vector<std::unique_ptr<parallel::data::DataParallel>> dp_;  // one per chunk
   std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;   // theirs
+  std::unique_ptr<CommHookState> hook_state_;                      // their checkpointed state
 };
 
 }  // namespace

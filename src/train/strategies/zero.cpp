@@ -7,6 +7,7 @@
 #include "builtin.h"
 #include "loom/core/error.h"
 #include "loom/parallel/zero/zero_optimizer.h"
+#include "loom/train/comm_hook_state.h"
 #include "loom/train/grad_clip.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
@@ -103,7 +104,8 @@ class ZeroStrategy final : public Strategy {
   StrategyTraits traits() const override {
     StrategyTraits t;
     t.mesh_dims = {dist::Dim::dp};
-    t.config_keys = {"zero", "bucket_mb", "offload_optimizer", "zero3_reshard_after_forward"};
+    t.config_keys = {"zero", "bucket_mb", "offload_optimizer", "zero3_reshard_after_forward",
+                     "comm_hook"};
     t.syncs_data_parallel_gradients = true;
     t.owns_optimizer = true;
     t.shards_gradients = stage_ >= 2;
@@ -111,9 +113,11 @@ class ZeroStrategy final : public Strategy {
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
-    LOOM_CHECK(core::OptionSpec::parse(run.config.comm_hook, "--comm-hook").name == "avg",
-               "--comm-hook {} compresses plain data parallelism's all-reduce; strategy 'zero' "
-               "reduce-scatters gradients in their own dtype (use --comm-hook avg, or --zero 0)",
+    const auto hook = parallel::data::make_comm_hook(run.config.comm_hook);
+    LOOM_CHECK(hook->reduces_scatter(),
+               "--comm-hook {}: strategy 'zero' reduce-scatters gradients, which this hook does "
+               "not do; the hooks that do are avg, int8 and onebit (each with warmup=N too): use "
+               "one of them, or --zero 0",
                run.config.comm_hook);
   }
 
@@ -134,6 +138,9 @@ class ZeroStrategy final : public Strategy {
     for (size_t c = 0; c < run.chunks.size(); ++c) {
       const auto& chunk = run.chunks[c];
       auto options = base;
+      // One hook per engine: a hook keeps its error feedback by bucket index.
+      options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
+      hooks_.push_back(options.hook);
       const auto tied_copy = chunk->tied_embedding_copy();
       const bool tied_first =
           run.size(dist::Dim::pp) > 1 && run.model_config.tie_embeddings && chunk->part().first;
@@ -163,6 +170,7 @@ class ZeroStrategy final : public Strategy {
               return zero->run_unit(static_cast<size_t>(layer), [&] { return block(x); });
             });
     }
+    hook_state_ = std::make_unique<CommHookState>("zero", hooks_);
     run.collective_forward = stage == 3;
     auto engine = std::make_unique<ZeroEngine>(std::move(engines), run.device);
     engine_ = engine.get();
@@ -170,8 +178,9 @@ class ZeroStrategy final : public Strategy {
     run.optimizer = std::move(engine);
   }
 
-  void begin_step(RunContext& /*run*/) override {
+  void begin_step(RunContext& run) override {
     for (auto& z : engine_->engines()) z->reset_comm_stats();
+    for (auto& hook : hooks_) hook->begin_step(run.step);
   }
   void before_forward(RunContext& /*run*/, const MicroBatch& mb) override {
     engine_->engines().at(static_cast<size_t>(mb.chunk))->prepare_forward();
@@ -184,6 +193,24 @@ class ZeroStrategy final : public Strategy {
   }
   void after_evaluation(RunContext& /*run*/) override {
     for (auto& z : engine_->engines()) z->release_parameters();
+  }
+  void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
+                   nlohmann::json& record) const override {
+    double sent = 0, fp32 = 0;
+    for (const auto& z : engine_->engines()) {
+      sent += z->comm_stats().grad_bytes_sent;
+      fp32 += z->comm_stats().grad_fp32_bytes;
+    }
+    record["grad_sync_bytes"] = sent;
+    if (sent > 0) record["compression_ratio"] = fp32 / sent;
+  }
+  // A compressing hook's error feedback, per rank (beside the optimizer's shards).
+  void save_rank_state(RunContext& run, core::NamedTensors& tensors,
+                       std::map<std::string, std::string>& metadata) override {
+    hook_state_->save(layout(run), tensors, metadata);
+  }
+  void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
+    hook_state_->load(run, checkpoint, layout(run));
   }
 
   std::string describe(const RunContext& run) const override {
@@ -200,8 +227,19 @@ class ZeroStrategy final : public Strategy {
   }
 
  private:
+  // What a rank's error feedback belongs to: the hook, the stage, the mesh, each engine's shards.
+  std::string layout(const RunContext& run) const {
+    std::string out = fmt::format("{} at ZeRO-{} on {}, buckets <= {} MiB", run.config.comm_hook,
+                                  stage_, run.mesh->shape().describe(), run.config.bucket_mb);
+    for (const auto& z : engine_->engines())
+      out += fmt::format("; {} buckets of {} parameters", z->num_buckets(), z->num_params());
+    return out;
+  }
+
   int64_t stage_;
-  ZeroEngine* engine_ = nullptr;  // owned by the RunContext
+  ZeroEngine* engine_ = nullptr;                                  // owned by the RunContext
+  std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;  // one per engine
+  std::unique_ptr<CommHookState> hook_state_;
 };
 
 }  // namespace

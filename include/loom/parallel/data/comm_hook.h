@@ -1,19 +1,20 @@
 #pragma once
 // How a gradient bucket is reduced across data-parallel ranks. The default averages it with an
-// all-reduce; a hook can compress it first (bf16 halves the bytes sent, int8 quarters them, topk
-// and threshold send a small fraction of the values: sparse_hook.h), which is where communication
-// compression plugs in. The communicator counts the bytes each hook sends (docs/compression.md).
+// all-reduce; a hook can compress it first (bf16 halves the bytes sent; int8 quarters them and
+// onebit sends a bit per value: quantized_hook.h; topk and threshold send a small fraction of the
+// values: sparse_hook.h), which is where communication compression plugs in. The communicator
+// counts the bytes each hook sends (docs/compression.md).
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include "loom/core/option_spec.h"
 #include "loom/dist/communicator.h"
-#include "loom/ops/quantize.h"
 #include "loom/parallel/data/grad_bucket.h"
 
 namespace loom::parallel::data {
@@ -28,6 +29,10 @@ class CommHook {
   // After that work completed: leave the mean over ranks of every rank's buffer in
   // `bucket.buffer`.
   virtual void finish(GradBucket& bucket, dist::Communicator& comm) {}
+  // Called by the strategy that owns the hook before each optimizer step's reductions, with the
+  // number of optimizer steps completed (the same on every rank; restored by a resume). A step
+  // may reduce a bucket more than once (ZeRO-2/3 reduce every micro-batch).
+  virtual void begin_step(int64_t /*steps_completed*/) {}
   // Whether it carries state from step to step (error feedback): training state, which
   // checkpoints hold per rank (state / load_state).
   virtual bool carries_state() const { return false; }
@@ -36,18 +41,33 @@ class CommHook {
   // Restores what state() returned, on the same buckets and ranks. Throws loom::Error naming
   // the tensor when one does not fit.
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
+
+  // ZeRO's gradient reduction (parallel/zero): `send` holds comm.size() equal shards in rank
+  // order; once the work is done and finish_reduce_scatter has run, `recv` (one shard, send's
+  // dtype) holds the mean over ranks of every rank's shard comm.rank(). `index` names the bucket
+  // (its state). Only hooks whose reduces_scatter() is true are asked (avg, int8, onebit);
+  // strategy 'zero' refuses the others before any collective.
+  virtual bool reduces_scatter() const { return false; }
+  virtual dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send,
+                                             const at::Tensor& recv, dist::Communicator& comm);
+  virtual void finish_reduce_scatter(int64_t /*index*/, const at::Tensor& /*recv*/,
+                                     dist::Communicator& /*comm*/) {}
 };
 
 // A hook's per-bucket state keys: "b<index>/<what>" ("b3/error").
 std::string bucket_state_key(int64_t index, const std::string& what);
-// The bucket index of a "b<index>/error" key; nullopt for any other key.
-std::optional<int64_t> bucket_of_error_key(const std::string& key);
+// The bucket index of a "b<index>/<what>" key; nullopt for any other key.
+std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view what);
 
 // All-reduce average in the gradients' own dtype.
 class AllReduceAvgHook : public CommHook {
  public:
   std::string name() const override { return "avg"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
+  // A plain reduce-scatter average in the gradients' own dtype.
+  bool reduces_scatter() const override { return true; }
+  dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
+                                     dist::Communicator& comm) override;
 };
 
 // Scales by 1/ranks, rounds to bfloat16, all-reduces the sum in bfloat16 (half the bytes of
@@ -59,59 +79,54 @@ class Bf16CompressHook : public CommHook {
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
 };
 
-// int8 with error feedback: each bucket is reduced as an all-to-all and an all-gather of
-// blockwise int8 codes with one fp32 scale per 256 values (ops/quantize.h), so the sum is
-// quantized once per hop instead of once per rank:
-//   1. every rank adds its carried error to its gradient, quantizes it (the rounding becomes its
-//      new error) and sends chunk j to rank j (all-to-all);
-//   2. rank j dequantizes the R chunks it received, averages them, adds its own carried error
-//      for that segment ("server" error), quantizes the mean and all-gathers it.
-// Over steps the results sum to the true mean gradients minus the carried errors, which stay
-// bounded (half a quantization step each). Bytes a rank sends per bucket (dist::wire_bytes):
-// 2 (R - 1) P for packed chunks of P = S (1 + 1/64) bytes, S = segment_numel(n, R), against an
-// fp32 all-reduce's 2 (R - 1) / R x 4 n: about 3.94 times fewer (docs/compression.md).
-// The error buffers are per rank and per bucket: training state, saved in each rank's checkpoint
-// file.
-class Int8CompressHook : public CommHook {
+// --comm-hook NAME:...,warmup=N (any hook): during the first N optimizer steps every reduction is
+// the plain average (AllReduceAvgHook: an all-reduce, or under ZeRO a reduce-scatter, in the
+// gradients' own dtype), then the named hook takes over with its state (error feedback) at zero.
+// 1-bit Adam's warm-up: the optimizer's statistics settle on exact gradients before compression
+// starts (docs/compression.md). The step comes from begin_step (the optimizer's count, the same
+// on every rank and restored by a resume), so every rank switches at the same step and no state
+// of its own is needed; without a begin_step call it stays at step 0 (dense).
+class DenseWarmupHook : public CommHook {
  public:
-  static constexpr int64_t kBlock = ops::kInt8Block;
-  std::string name() const override { return "int8"; }
+  DenseWarmupHook(std::shared_ptr<CommHook> inner, int64_t warmup);
+  std::string name() const override { return inner_->name(); }
+  void begin_step(int64_t steps_completed) override;
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
-  bool carries_state() const override { return true; }
-  // "b<index>/error" and "b<index>/server_error" of every bucket reduced so far.
+  bool carries_state() const override { return inner_->carries_state(); }
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  bool reduces_scatter() const override { return inner_->reduces_scatter(); }
+  dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
+                                     dist::Communicator& comm) override;
+  void finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+                             dist::Communicator& comm) override;
 
-  // Bytes of one packed chunk of `segment` values: the int8 codes, then the fp32 scales.
-  static int64_t packed_bytes(int64_t segment) { return segment + 4 * (segment / kBlock); }
-  // Each rank's segment of a bucket of `numel` values over `ranks` ranks: a multiple of kBlock
-  // (the bucket is padded with zeros to ranks * segment).
-  static int64_t segment_numel(int64_t numel, int64_t ranks);
-  // The errors carried for bucket `index` (empty before its first reduction): this rank's whole
-  // padded bucket, and its segment of the mean.
-  at::Tensor error(int64_t index) const;
-  at::Tensor server_error(int64_t index) const;
+  int64_t warmup() const { return warmup_; }
+  CommHook& inner() { return *inner_; }
 
  private:
-  struct State {
-    int64_t ranks = 0, segment = 0;
-    at::Tensor error, server_error;  // float32 [ranks * segment], [segment]
-    at::Tensor send, recv;           // packed chunks in flight: uint8 [ranks, packed bytes]
-  };
-  std::map<int64_t, State> state_;  // by bucket index
+  bool dense() const { return steps_completed_ < warmup_; }
+  std::shared_ptr<CommHook> inner_;
+  AllReduceAvgHook dense_;
+  int64_t warmup_;
+  int64_t steps_completed_ = 0;
+  std::map<int64_t, bool> dense_in_flight_;  // by bucket index: started during the warm-up
 };
 
-// The registry of hooks by name: "avg", "bf16", "int8", "topk" and "threshold" are built in; a
-// user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is then chosen
-// by --comm-hook NAME[:key=value,...]. The factory gets the parsed spec and checks its options
-// (spec.check_keys, the typed getters), so bad options fail when the hook is made, before any
-// collective. Registering a name twice is a loom::Error.
+// The registry of hooks by name: "avg", "bf16", "int8", "onebit", "topk" and "threshold" are
+// built in; a user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is
+// then chosen by --comm-hook NAME[:key=value,...]. The factory gets the parsed spec and checks its
+// options (spec.check_keys, the typed getters), so bad options fail when the hook is made, before
+// any collective. The key "warmup" belongs to every hook: make_comm_hook takes it out of the spec
+// before the factory sees it and wraps the hook in a DenseWarmupHook. Registering a name twice is
+// a loom::Error.
 using CommHookFactory = std::function<std::shared_ptr<CommHook>(const core::OptionSpec& spec)>;
 void register_comm_hook(const std::string& name, CommHookFactory factory);
 std::vector<std::string> comm_hook_names();
-// Parses `text` ("int8", "topk:ratio=0.01") and makes the hook. Throws loom::Error naming the
-// registered hooks when the name is not one of them, or what is wrong with an option.
+// Parses `text` ("int8", "topk:ratio=0.01,warmup=50") and makes the hook. Throws loom::Error
+// naming the registered hooks when the name is not one of them, or what is wrong with an option
+// (warmup: an integer >= 0).
 std::shared_ptr<CommHook> make_comm_hook(const std::string& text);
 
 namespace detail {

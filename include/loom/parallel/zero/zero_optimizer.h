@@ -40,6 +40,7 @@
 #include "loom/core/safetensors.h"
 #include "loom/dist/communicator.h"
 #include "loom/ops/adamw.h"
+#include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/grad_ready_hooks.h"
 #include "loom/parallel/zero/flat_layout.h"
 
@@ -75,6 +76,10 @@ struct ZeroOptions {
   // parallelism, 1 / (ranks holding the same values), so a norm summed over tp counts every
   // element once.
   std::function<double(const std::string&)> norm_weight;
+  // How gradients are reduce-scattered (--comm-hook; its reduces_scatter() must be true): null,
+  // a plain reduce-scatter average. int8 and onebit compress each rank's shards, with error
+  // feedback kept per bucket in the hook (parallel/data/quantized_hook.h).
+  std::shared_ptr<data::CommHook> hook;
 };
 
 // A group of parameters gathered together in stage 3 (by fully-qualified name).
@@ -91,7 +96,9 @@ struct ZeroMemory {
 };
 
 struct ZeroCommStats {
-  double reduce_scatter_bytes = 0;  // gradients, per step
+  double reduce_scatter_bytes = 0;  // gradients, per step (their size in the gradients' dtype)
+  double grad_bytes_sent = 0;       // what this rank sent reducing them (dist::wire_bytes)
+  double grad_fp32_bytes = 0;       // what fp32 reduce-scatters of them would send
   double all_gather_bytes = 0;      // parameters, per step
   double wait_seconds = 0;          // blocked on communication in finish_gradient_sync/step
   int64_t gathers = 0;              // stage 3 unit all-gathers issued
@@ -232,6 +239,7 @@ class ZeroOptimizer {
     size_t bucket;
     dist::WorkPtr work;
     at::Tensor send, recv;
+    bool compressed = false;  // through options_.hook (finish_reduce_scatter still to run)
   };
 
   void on_grad_ready(size_t bucket, size_t slot);

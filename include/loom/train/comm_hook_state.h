@@ -1,0 +1,42 @@
+#pragma once
+// Communication hooks' per-rank state (error feedback) in checkpoints, for the strategies that
+// own hooks (data-parallel, zero). Each rank saves its hooks' tensors into its own rank-state
+// file (rank_state_name) under "<prefix>/c<chunk>/", with the layout they belong to (the hook,
+// the mesh, the buckets' sizes). On resume a rank restores them when the layout is the same;
+// otherwise (another layout: error feedback is not resharded yet; no file; a file that does not
+// load) it warns and its hooks start at zero, and the run continues.
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/core/safetensors.h"
+#include "loom/parallel/data/comm_hook.h"
+
+namespace loom::train {
+
+struct CheckpointContents;
+struct RunContext;
+
+class CommHookState {
+ public:
+  // `prefix` names the owner in the file ("data-parallel"); hooks, one per model chunk.
+  CommHookState(std::string prefix, std::vector<std::shared_ptr<parallel::data::CommHook>> hooks);
+
+  bool carries_state() const;
+  // Adds this rank's hook tensors (on the host) and `layout` to a rank-state file's contents.
+  void save(const std::string& layout, core::NamedTensors& tensors,
+            std::map<std::string, std::string>& metadata) const;
+  // Restores them from this rank's file of `checkpoint` when it was saved for `layout`; warns
+  // naming the reason otherwise.
+  void load(const RunContext& run, const CheckpointContents& checkpoint, const std::string& layout);
+
+ private:
+  // "" when restored; else why not. On a throw the hooks are left empty.
+  std::string restore(const std::string& file, const std::string& layout);
+
+  std::string prefix_;
+  std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;
+};
+
+}  // namespace loom::train
