@@ -64,8 +64,8 @@ DenseWarmupHook::DenseWarmupHook(std::shared_ptr<CommHook> inner, int64_t warmup
     : inner_(std::move(inner)), warmup_(warmup) {
   LOOM_CHECK(inner_ != nullptr, "DenseWarmupHook: no hook to hand over to");
   LOOM_CHECK(warmup >= 0,
-             "--comm-hook {}: warmup={} must be >= 0 (reductions of each bucket "
-             "done as a plain fp32 average before the hook starts)",
+             "--comm-hook {}: warmup={} must be >= 0 (the optimizer steps reduced by the "
+             "plain average before the hook starts)",
              inner_->name(), warmup);
 }
 
