@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "crash_report.h"
 #include "loom/core/files.h"
 #include "loom/core/format.h"
 #include "loom/core/json.h"
@@ -471,4 +472,22 @@ TEST(Preemption, WatchRecordsTheSignalAndRestoresThePreviousHandler) {
   std::signal(SIGUSR2, before);
   core::PreemptionWatch again({SIGUSR1});  // a new watch starts clear
   EXPECT_EQ(again.received(), 0);
+}
+
+// The test processes' crash report (tests/crash_report.h) names the caller of a call through a
+// null pointer, where the program counter is 0 and an unwinder stops at once: the first GPU run
+// crashed that way, and Open MPI's report showed one libc frame.
+TEST(CrashReportDeathTest, ANullCallNamesItsCaller) {
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        loom::testing::install_crash_report();
+        void (*volatile null_function)() = nullptr;
+        null_function();
+      },
+      "loom: fatal signal 11 .*pc 0x0.*return address [^ ]*loom_tests\\+0x[0-9a-f]+");
+#else
+  GTEST_SKIP() << "the report reads x86-64 registers (and ASan reports on its own)";
+#endif
 }

@@ -407,30 +407,44 @@ train::TrainConfig gpu_config(const fs::path& dir, const std::string& attention)
 }  // namespace
 
 // 50 steps of a 2-layer GPT-2 (head_dim 64) in bf16 on the GPU: with the fused kernel the loss
-// curve is the math path's to bf16 tolerance (each step's loss within 2 % relative), and it
-// learns (the last loss well below the first).
+// curve stays as close to an fp32 run (math path, TF32 off) as the bf16 math path does, within
+// twice the math path's own worst relative distance (two bf16 runs that far from fp32 can be
+// that far apart), plus 1e-3; and it learns (the last loss well below the first). The first GPU
+// run (2026-12-04, H200) held the old bound, 2 % between fused and math, to 3.2 %: bf16 curves
+// drift apart over 50 steps, so the bound now comes from the bf16 error itself (not yet run).
 TEST(GpuTraining, FusedAttentionTrainsLikeTheMathPath) {
   SKIP_WITHOUT_GPU();
   loom::testing::TempDir dir;
   loom::testing::write_corpus_data(dir.path(), 200000, 20000);
-  auto run = [&](const std::string& attention) {
-    train::Trainer t(gpu_config(dir.path(), attention));
+  auto run = [&](const std::string& attention, const std::string& precision) {
+    auto config = gpu_config(dir.path(), attention);
+    config.precision = precision;
+    train::Trainer t(config);
     std::vector<double> losses;
     for (int i = 0; i < 50; ++i) losses.push_back(t.train_step().loss);
     EXPECT_EQ(t.model().parameters().front().device().type(), at::kCUDA);
     return losses;
   };
-  const auto fused = run("fused"), math = run("math");
-  double worst = 0;
-  for (size_t i = 0; i < fused.size(); ++i)
-    worst = std::max(worst, std::abs(fused[i] - math[i]) / std::abs(math[i]));
-  EXPECT_LE(worst, 0.02) << "largest relative loss difference over 50 steps";
+  const bool tf32 = at::globalContext().allowTF32CuBLAS();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  const auto fused = run("fused", "bf16"), math = run("math", "bf16"), exact = run("math", "fp32");
+  at::globalContext().setAllowTF32CuBLAS(tf32);
+  double fused_error = 0, math_error = 0, apart = 0;
+  for (size_t i = 0; i < exact.size(); ++i) {
+    fused_error = std::max(fused_error, std::abs(fused[i] - exact[i]) / exact[i]);
+    math_error = std::max(math_error, std::abs(math[i] - exact[i]) / exact[i]);
+    apart = std::max(apart, std::abs(fused[i] - math[i]) / math[i]);
+  }
+  EXPECT_LE(fused_error, 2 * math_error + 1e-3)
+      << "worst relative loss distance from fp32 over 50 steps: fused " << fused_error << ", math "
+      << math_error;
   EXPECT_LT(fused.back(), fused.front() - 1.0)
       << "first " << fused.front() << " last " << fused.back();
   std::printf(
-      "[gpu] fused vs math, 50 bf16 steps: worst relative loss difference %.2e, "
-      "loss %.4f -> %.4f\n",
-      worst, fused.front(), fused.back());
+      "[gpu] 50 bf16 steps, worst relative loss distance from fp32: fused %.2e, math %.2e; "
+      "fused vs math %.2e; loss %.4f -> %.4f\n",
+      fused_error, math_error, apart, fused.front(), fused.back());
+  std::fflush(stdout);
 }
 
 // Dropout on the GPU applies the CPU's masks (counter-based, computed where applied): 5 fp32
@@ -663,8 +677,13 @@ TEST(SparseSelectGpu, KernelsEqualTheHostReferenceBitForBit) {
   x[77] = std::nanf("");
   auto error_cpu = at::randn({n}) * 0.1;
   auto error_gpu = error_cpu.cuda();
-  const double t = ops::kth_largest_magnitude(x, error_cpu, 5000);
-  EXPECT_EQ(ops::kth_largest_magnitude(x.cuda(), error_gpu, 5000), t);
+  // With a NaN among them the k-th largest magnitude is NaN on both (its sign bit may differ:
+  // measured -nan on the CPU, nan on an H200); the selection below uses the finite values'.
+  EXPECT_TRUE(std::isnan(ops::kth_largest_magnitude(x, error_cpu, 5000)));
+  EXPECT_TRUE(std::isnan(ops::kth_largest_magnitude(x.cuda(), error_gpu, 5000)));
+  const auto finite = at::nan_to_num(x, 0.0);
+  const double t = ops::kth_largest_magnitude(finite, error_cpu, 5000);
+  EXPECT_EQ(ops::kth_largest_magnitude(finite.cuda(), error_gpu, 5000), t);
   const auto want = ops::select_with_feedback(x, error_cpu, t, 4000);
   const auto got = ops::select_with_feedback(x.cuda(), error_gpu, t, 4000);
   EXPECT_EQ(got.selected, want.selected);

@@ -50,7 +50,9 @@ core::NamedTensors gather_named_tensors(Communicator& comm, int root,
     if (t.numel() > 0) comm.recv(t, src, kTag);
     return t.cpu();
   };
-  core::NamedTensors out(mine.begin(), mine.end());
+  // The root's own tensors too: a caller gets one device for all of them.
+  core::NamedTensors out;
+  for (const auto& [name, tensor] : mine) out.emplace_back(name, tensor.detach().cpu());
   for (int src = 0; src < comm.size(); ++src) {
     if (src == root) continue;
     const auto count = receive({1}, at::kLong, src).item<int64_t>();

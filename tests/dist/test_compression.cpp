@@ -469,3 +469,29 @@ TEST(SparseHook, ANonFiniteGradientReachesEveryRank) {
   EXPECT_FALSE(at::isfinite(bucket.buffer).all().item<bool>())
       << "rank " << comm.rank() << " got only finite values: the NaN was not sent";
 }
+
+// A refresh step that holds a NaN keeps the previous threshold: the k-th largest magnitude
+// would be NaN, and a NaN threshold would pass nothing until the next refresh. The next step
+// refreshes again and sends its k values.
+TEST(SparseHook, ANonFiniteRefreshStepKeepsThePreviousThreshold) {
+  auto& comm = world();
+  const int64_t n = 1000;
+  const auto made = pd::make_comm_hook("threshold:ratio=0.01,every=1");
+  auto& hook = dynamic_cast<pd::SparseCompressHook&>(*made);
+  pd::GradBucket bucket;
+  bucket.buffer = gradient_of(comm.rank(), 0, n);
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  const double first = hook.threshold_of(0);
+  ASSERT_TRUE(std::isfinite(first) && first > 0) << first;
+  bucket.buffer = gradient_of(comm.rank(), 1, n);
+  bucket.buffer[3] = std::numeric_limits<float>::quiet_NaN();
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  EXPECT_EQ(hook.threshold_of(0), first);
+  bucket.buffer = gradient_of(comm.rank(), 2, n);
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  EXPECT_TRUE(std::isfinite(hook.threshold_of(0)));
+  EXPECT_NE(hook.threshold_of(0), first);
+}

@@ -79,8 +79,11 @@ inline RunResult run(loom::train::Trainer& t) {
     r.grad_norms.push_back(step.grad_norm);
   }
   r.val_loss = t.evaluate(1);
-  // Single-process tensors, assembled from tensor-parallel or ZeRO-3 shards (collective).
-  for (const auto& [name, p] : t.gather_parameters()) r.params[name] = p.to(at::kDouble).clone();
+  // Single-process tensors, assembled from tensor-parallel or ZeRO-3 shards (collective), on the
+  // host whatever the layout left them on (pipeline stages arrive there), so that runs on
+  // different layouts compare.
+  for (const auto& [name, p] : t.gather_parameters())
+    r.params[name] = p.to(at::kCPU, at::kDouble).clone();
   return r;
 }
 

@@ -8,9 +8,9 @@ namespace loom::dist {
 
 // Point-to-point over `comm`: every rank but `root` sends `mine` (any names, shapes and devices;
 // each travels on the group's device: the host over MPI, the GPU over NCCL); `root` returns its
-// own tensors as given followed by rank 1's, rank 2's, ... in rank order, those on the host, and
-// the others return nothing. Every rank of `comm` must call it. For checkpoints and exports:
-// each tensor costs a few messages and a host sync.
+// own tensors followed by rank 1's, rank 2's, ... in rank order, all of them on the host (its own
+// copied there from a GPU), and the others return nothing. Every rank of `comm` must call it. For
+// checkpoints and exports: each tensor costs a few messages and a host sync.
 core::NamedTensors gather_named_tensors(Communicator& comm, int root,
                                         const core::NamedTensors& mine);
 

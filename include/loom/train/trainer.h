@@ -83,7 +83,8 @@ class Trainer {
   const parallel::zero::ZeroOptimizer* zero() const;
   // Every parameter in its single-process shape, assembled from tp shards, ZeRO-3 shards or
   // pipeline stages (sharded ones as new tensors; replicated ones may alias the live
-  // parameters). Collective: every rank calls it.
+  // parameters). On the model's device at pp 1, on the host when gathered from pipeline stages.
+  // Collective: every rank calls it.
   std::map<std::string, at::Tensor> gather_parameters();
   // This rank's memory now: parameters, gradients and optimizer state counted from their
   // tensors, peak activations from the last step (0 before the first).

@@ -50,12 +50,14 @@ dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& 
   // A checkpoint restores the error on the host.
   if (s.error.device() != bucket.buffer.device()) s.error = s.error.to(bucket.buffer.device());
   const auto x = bucket.buffer.to(at::kFloat);
-  if (n > 0 && s.steps % refresh_every_ == 0)
+  // A non-finite value must reach every rank (and so the trainer's check on all of them alike):
+  // a step holding one sends only non-finite values, which pass any threshold, even +inf. Such
+  // a step (the trainer skips it) keeps the previous threshold rather than refresh it: the k-th
+  // largest magnitude would be NaN, and a NaN threshold passes nothing until the next refresh.
+  const bool finite = at::isfinite(at::add(x, s.error)).all().item<bool>();
+  if (n > 0 && finite && s.steps % refresh_every_ == 0)
     s.threshold = ops::kth_largest_magnitude(x, s.error, s.capacity);
   ++s.steps;
-  // A non-finite value must reach every rank (and so the trainer's check on all of them alike):
-  // a step holding one sends only non-finite values, which pass any threshold, even +inf.
-  const bool finite = at::isfinite(at::add(x, s.error)).all().item<bool>();
   const double threshold = finite ? s.threshold : std::numeric_limits<double>::infinity();
   const auto picked = ops::select_with_feedback(x, s.error, threshold, s.capacity);
   s.selected = picked.selected;
