@@ -151,12 +151,27 @@ double Communicator::bytes_sent(OpKind kind) const {
   return bytes_sent_.at(static_cast<size_t>(kind)).load(std::memory_order_relaxed);
 }
 
+double Communicator::family_bytes_sent() const {
+  return family_->load(std::memory_order_relaxed);
+}
+
+std::shared_ptr<Communicator> Communicator::in_family(std::shared_ptr<Communicator> child) const {
+  if (child) child->family_ = family_;
+  return child;
+}
+
+void Communicator::take_family_place_of(Communicator& inner) {
+  family_ = inner.family_;
+  inner.family_ = std::make_shared<std::atomic<double>>(0.0);
+}
+
 WorkPtr Communicator::issue(Call call) {
   const auto& payload = call.input.defined() ? call.input : call.output;
   if (payload.defined()) {
     const double bytes =
         wire_bytes(call.kind(), static_cast<double>(payload.nbytes()), size_, call.peer() == rank_);
     bytes_sent_.at(static_cast<size_t>(call.kind())).fetch_add(bytes, std::memory_order_relaxed);
+    family_->fetch_add(bytes, std::memory_order_relaxed);
   }
   auto work = launch(std::move(call));
   Watchdog::instance().track(work);

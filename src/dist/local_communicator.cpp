@@ -13,7 +13,7 @@ std::shared_ptr<Communicator> LocalCommunicator::split(int color, int, const std
   auto comm = std::make_shared<LocalCommunicator>(name);
   comm->set_timeout(timeout());
   comm->set_debug(debug());
-  return comm;
+  return in_family(comm);
 }
 
 std::optional<std::string> LocalCommunicator::check_device(const at::Tensor&) const {

@@ -128,13 +128,16 @@ std::shared_ptr<Mesh> Mesh::single_process() {
 }
 
 double Mesh::bytes_sent() const {
-  // A group may be the same object under two names (a dimension spanning the world): once each.
+  // Each family once: the dimensions' groups are split from the world (or built on such a
+  // group), and a strategy's own groups from those.
   std::vector<const Communicator*> seen;
   double total = 0;
   auto add = [&](const CommunicatorPtr& c) {
-    if (!c || std::find(seen.begin(), seen.end(), c.get()) != seen.end()) return;
+    if (!c || std::any_of(seen.begin(), seen.end(),
+                          [&](const Communicator* s) { return s->same_family(*c); }))
+      return;
     seen.push_back(c.get());
-    total += c->bytes_sent();
+    total += c->family_bytes_sent();
   };
   add(world_);
   for (const auto& c : comms_) add(c);

@@ -227,7 +227,7 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key, const s
   auto comm = std::make_shared<MpiCommunicator>(out, name);
   comm->set_timeout(timeout());
   comm->set_debug(debug());
-  return comm;
+  return in_family(comm);
 }
 
 WorkPtr MpiCommunicator::launch(Call call) {

@@ -188,6 +188,7 @@ class NcclCommunicator : public Communicator {
     bootstrap_->broadcast(id_bytes, 0);
     check_nccl(ncclCommInitRank(&handle_->comm, size(), id, rank()), "ncclCommInitRank");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    take_family_place_of(*bootstrap_);  // the group's sends are NCCL's from here on
   }
   ~NcclCommunicator() override {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -203,7 +204,7 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
     auto sub = bootstrap_->split(color, key, name + ".bootstrap");
     if (!sub) return nullptr;
-    return std::make_shared<NcclCommunicator>(sub, device_, name);
+    return in_family(std::make_shared<NcclCommunicator>(sub, device_, name));
   }
 
  protected:

@@ -60,6 +60,7 @@ class StagedWork : public Work {
 
 StagingCommunicator::StagingCommunicator(CommunicatorPtr inner)
     : Communicator(inner->name(), inner->rank(), inner->size()), inner_(std::move(inner)) {
+  take_family_place_of(*inner_);
   set_timeout(inner_->timeout());
   set_debug(false);  // the wrapped communicator runs the debug check on what it is given
 }
@@ -67,7 +68,7 @@ StagingCommunicator::StagingCommunicator(CommunicatorPtr inner)
 std::shared_ptr<Communicator> StagingCommunicator::split(int color, int key,
                                                          const std::string& name) {
   auto sub = inner_->split(color, key, name);
-  return sub ? std::make_shared<StagingCommunicator>(std::move(sub)) : nullptr;
+  return sub ? in_family(std::make_shared<StagingCommunicator>(std::move(sub))) : nullptr;
 }
 
 WorkPtr StagingCommunicator::launch(Call call) {

@@ -247,6 +247,46 @@ TEST(Communicator, DebugModeReportsASkippedCollective) {
 // Every op through host buffers equals the direct op (CPU tensors: the copies stay on the host,
 // the code path is the one CUDA tensors take), results land in the caller's tensors only on wait,
 // and the tensors an op only reads are left as they were.
+// A communicator's family total counts what it and every group split from it (and from those)
+// send, each op once: a staging wrapper takes the place of the group it wraps, so its sends are
+// not counted a second time through that group. Its own bytes_sent stays its own ops'.
+TEST(Communicator, FamilyBytesCountSplitGroupsAndWrappersOnce) {
+  auto& w = world();
+  auto parent = w.split(0, w.rank(), "family");
+  auto child = parent->split(w.rank() % 2, w.rank(), "child");
+  auto grandchild = child->split(0, w.rank(), "grandchild");
+  EXPECT_TRUE(parent->same_family(w));
+  EXPECT_TRUE(parent->same_family(*child));
+  EXPECT_TRUE(parent->same_family(*grandchild));
+  const auto wire = [](const dist::Communicator& c, double bytes) {
+    return dist::wire_bytes(dist::OpKind::AllReduce, bytes, c.size(), false);
+  };
+  auto t = at::ones({1000});
+  double family = parent->family_bytes_sent();
+  const double own = parent->bytes_sent(), grandchild_own = grandchild->bytes_sent();
+  grandchild->all_reduce(t);
+  child->all_reduce(t);
+  EXPECT_EQ(parent->family_bytes_sent() - family, wire(*grandchild, 4000) + wire(*child, 4000));
+  EXPECT_EQ(w.family_bytes_sent(), parent->family_bytes_sent());
+  EXPECT_EQ(parent->bytes_sent(), own);
+  EXPECT_EQ(grandchild->bytes_sent() - grandchild_own, wire(*grandchild, 4000));
+  auto inner = parent->split(0, w.rank(), "inner");
+  dist::StagingCommunicator staged(inner);
+  EXPECT_TRUE(staged.same_family(*parent));
+  EXPECT_FALSE(inner->same_family(*parent));
+  family = parent->family_bytes_sent();
+  staged.all_reduce(t);
+  EXPECT_EQ(parent->family_bytes_sent() - family, wire(staged, 4000));
+  auto staged_child = staged.split(0, w.rank(), "staged-child");
+  EXPECT_TRUE(staged_child->same_family(*parent));
+  family = parent->family_bytes_sent();
+  staged_child->all_reduce(t);
+  EXPECT_EQ(parent->family_bytes_sent() - family, wire(*staged_child, 4000));
+  // A group made apart from the world (here a lone rank's) keeps its own total.
+  dist::LocalCommunicator alone;
+  EXPECT_FALSE(alone.same_family(w));
+}
+
 TEST(StagingCommunicator, EveryOpThroughHostBuffersEqualsTheDirectOp) {
   auto& w = world();
   dist::StagingCommunicator s(w.split(0, w.rank(), "staged"));

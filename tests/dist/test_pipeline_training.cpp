@@ -342,11 +342,42 @@ TEST(TrainerPipeline, CheckpointsReshardBetweenLayouts) {
             << "step " << s + 3;
       double diff2 = 0, norm2 = 0;
       for (const auto& [name, p] : t.gather_parameters()) {
-        diff2 += (p - reference.params.at(name)).pow(2).sum().item<double>();
+        diff2 +=
+            (p.to(at::kCPU, at::kDouble) - reference.params.at(name)).pow(2).sum().item<double>();
         norm2 += reference.params.at(name).pow(2).sum().item<double>();
       }
       EXPECT_LE(std::sqrt(diff2 / norm2), loom::testing::kFp64Relative);
     }
+  }
+}
+
+// Every message of a step counts in its comm_bytes, the stages' own ones included (they travel
+// on channels split from the pipeline group, Communicator::family_bytes_sent): at pp 2 stage 0
+// sends each micro-batch's activations forward and stage 1 their gradients back, B x T x d
+// values a step each way, and the two stages sum the tied embedding's gradient (an all-reduce of
+// V x d values, which sends V x d at 2 ranks). The rest is the loss and norm's few scalars.
+TEST(TrainerPipeline, CommBytesCountTheStagesMessages) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = Layout{"gpt2", 1, 1, 2, "1f1b"}.applied_to(pipeline_config(dir.path(), "gpt2"));
+  train::Trainer t(config, loom::testing::layout_mesh({.dp = 1, .tp = 1, .pp = 2}));
+  int64_t vocab_rows = 0;
+  for (const auto& item : t.model().named_parameters())
+    if (item.key().find("wte") != std::string::npos ||
+        item.key().find("lm_head") != std::string::npos)
+      vocab_rows = item.value().size(0);
+  ASSERT_GT(vocab_rows, 0) << "no embedding copy on this stage";
+  const double d = static_cast<double>(t.model_config().d_model), value = 8;  // fp64
+  const double activations = static_cast<double>(config.batch_size * config.seq_len) * d * value;
+  const double tied = static_cast<double>(vocab_rows) * d * value;
+  for (int step = 0; step < 2; ++step) {
+    const auto r = t.train_step();
+    if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+      std::printf("pp 2 stage %d: comm_bytes %.0f, activations %.0f, tied embedding %.0f\n",
+                  static_cast<int>(world().rank()), r.comm_bytes, activations, tied);
+    EXPECT_GE(r.comm_bytes, activations + tied);
+    EXPECT_LE(r.comm_bytes, activations + tied + 1024);
   }
 }
 

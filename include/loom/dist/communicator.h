@@ -90,9 +90,22 @@ class Communicator {
   // (op.h) says: in total, or for one kind of op. Readable from any thread.
   double bytes_sent() const;
   double bytes_sent(OpKind kind) const;
+  // Bytes this rank has sent on this communicator's family: it, every communicator split from
+  // it (and from those), and the ones built on top of them (a wrapper such as host staging takes
+  // the place of what it wraps, so each op counts once). A strategy's own groups (pipeline
+  // channels, ZeRO-3's gather group, tensor parallelism's replica groups) are split from the
+  // mesh's, so Mesh::bytes_sent counts them without being told. Readable from any thread.
+  double family_bytes_sent() const;
+  // Whether two communicators count into one family total.
+  bool same_family(const Communicator& other) const { return family_ == other.family_; }
 
  protected:
   Communicator(std::string name, int rank, int size);
+  // split() implementations return their new communicator through this: it joins the family.
+  std::shared_ptr<Communicator> in_family(std::shared_ptr<Communicator> child) const;
+  // For a communicator that sends through `inner`: it takes inner's place in inner's family,
+  // and inner counts apart from then on (its sends are this one's, counted here).
+  void take_family_place_of(Communicator& inner);
 
   // One validated call, handed to the backend.
   // What the op is (kind, reduce op, root or peer, tag) lives in info.call, once.
@@ -129,6 +142,7 @@ class Communicator {
   int64_t seq_ = 0;      // collectives issued
   int64_t p2p_seq_ = 0;  // point-to-point ops issued
   std::array<std::atomic<double>, kNumOpKinds> bytes_sent_{};
+  std::shared_ptr<std::atomic<double>> family_ = std::make_shared<std::atomic<double>>(0.0);
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;

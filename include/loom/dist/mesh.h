@@ -57,11 +57,12 @@ class Mesh {
   int64_t rank() const { return world_->rank(); }
   int64_t world_size() const { return world_->size(); }
 
-  // Bytes this rank has sent over the world, the dimensions' groups and the groups tracked with
-  // them (Communicator::bytes_sent).
+  // Bytes this rank has sent over the world, the dimensions' groups, every group split from
+  // them (a strategy's pipeline channels, gather or replica groups: their families,
+  // Communicator::family_bytes_sent) and the groups tracked, each family once.
   double bytes_sent() const;
-  // Counts `group` (a communicator split from one of the mesh's, say the tied embedding's pair
-  // of stages) in bytes_sent(). Null is ignored.
+  // Counts `group` in bytes_sent(): for a communicator not split from the mesh's (one split
+  // from them is counted already). Null is ignored.
   void track(CommunicatorPtr group);
 
   // The world rank at these coordinates (indexed by Dim).

@@ -240,7 +240,6 @@ class PipelineStrategy final : public Strategy {
       const bool holds_copy = rank == 0 || rank == pp - 1;
       tied_group_ = run.mesh->comm(dist::Dim::pp)
                         .split(holds_copy ? 0 : -1, static_cast<int>(rank), "tied-embedding");
-      run.mesh->track(tied_group_);  // its traffic counts in the step's comm_bytes
     }
   }
 
