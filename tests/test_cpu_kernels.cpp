@@ -14,6 +14,7 @@
 #include "loom/core/rng.h"
 #include "loom/ops/activation.h"
 #include "loom/ops/adamw.h"
+#include "loom/ops/precision.h"
 #include "test_util.h"
 
 namespace {
@@ -326,6 +327,90 @@ TEST(AdamWKernel, BothPathsTrackFp64OverSeveralSteps) {
                 path == &fused ? "fused" : "aten", worst);
     EXPECT_LE(worst, 1.0);
   }
+}
+
+// squared_norms: each tensor's sum of squares, in order, as float64. The per-tensor form is
+// squared_norm's exactly; the multi-tensor form (taken on a GPU) squares ATen's norm: against the
+// fp64 sum, a recursive fp32 sum of n squares is within n eps, and the norm's square root and
+// squaring add 3 eps, so 2 (n + 3) eps relative bounds it whatever order the sum takes.
+TEST(SquaredNorms, EachTensorsSumOfSquaresInOrder) {
+  auto gen = core::make_generator(7);
+  const std::vector<at::Tensor> tensors = {at::randn({1000}, gen, at::kFloat),
+                                           at::randn({3, 17}, gen, at::kFloat).mul(100),
+                                           at::randn({64, 64}, gen, at::kFloat).t(),
+                                           at::randn({5}, gen, at::kDouble),
+                                           at::zeros({0}, at::kFloat),
+                                           at::randn({10}, gen, at::kFloat).to(at::kBFloat16)};
+  const auto single = ops::squared_norms(tensors, false);
+  const auto multi = ops::squared_norms(tensors, true);
+  ASSERT_EQ(single.numel(), 6);
+  ASSERT_EQ(multi.numel(), 6);
+  EXPECT_EQ(single.scalar_type(), at::kDouble);
+  EXPECT_EQ(multi.scalar_type(), at::kDouble);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(single[i].item<double>(), ops::squared_norm(tensors[i]).item<double>());
+    const double exact = tensors[i].to(at::kDouble).pow(2).sum().item<double>();
+    const double n = static_cast<double>(tensors[i].numel());
+    const double eps = tensors[i].scalar_type() == at::kDouble ? 0x1p-53 : 0x1p-24;
+    EXPECT_LE(std::abs(multi[i].item<double>() - exact), 2 * (n + 3) * eps * exact);
+  }
+  EXPECT_EQ(ops::squared_norms({}).numel(), 0);
+  EXPECT_TRUE(at::equal(ops::squared_norms(tensors), single));  // CPU tensors: per tensor
+}
+
+// The list form equals adamw_update_ one tensor at a time, bit for bit on the CPU: contiguous
+// tensors through the fused pass, strided ones (the path CUDA tensors take) through the
+// multi-tensor ops grouped by dtype, each with its own decay flag, over steps before and after
+// the variance freezes. A flag applied to the wrong tensor, a group mixing dtypes or a skipped
+// step shows as a difference.
+TEST(AdamWKernel, ManyTensorsAtOnceEqualOneAtATime) {
+  const ops::AdamWOptions o{
+      .beta1 = 0.8, .beta2 = 0.9, .eps = 1e-8, .weight_decay = 0.1, .freeze_variance_after = 2};
+  struct Kind {
+    at::ScalarType dtype;
+    bool strided, decay;
+  };
+  const std::vector<Kind> kinds = {{at::kFloat, false, true},   {at::kFloat, true, true},
+                                   {at::kFloat, true, false},   {at::kDouble, true, true},
+                                   {at::kDouble, false, false}, {at::kFloat, false, false},
+                                   {at::kDouble, true, false}};
+  std::vector<AdamState> listed, single;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    auto s = adam_state(4096, 100 + i);
+    for (auto* t : {&s.w, &s.g, &s.m, &s.v}) *t = t->to(kinds[i].dtype);
+    listed.push_back(s);
+    single.push_back({s.w.clone(), s.g.clone(), s.m.clone(), s.v.clone()});
+  }
+  const auto view = [](const at::Tensor& t, bool strided) {
+    return strided ? t.view({64, 64}).t() : t;
+  };
+  for (int step = 1; step <= 4; ++step) {
+    ops::AdamWTensors list;
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      const bool strided = kinds[i].strided;
+      list.weights.push_back(view(listed[i].w, strided));
+      list.grads.push_back(view(listed[i].g, strided));
+      list.exp_avgs.push_back(view(listed[i].m, strided));
+      list.exp_avg_sqs.push_back(view(listed[i].v, strided));
+      list.decay.push_back(kinds[i].decay);
+      ops::adamw_update_(view(single[i].w, strided), view(single[i].g, strided),
+                         view(single[i].m, strided), view(single[i].v, strided), 1e-2, step, o,
+                         kinds[i].decay);
+    }
+    ops::adamw_update_(list, 1e-2, step, o);
+  }
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_TRUE(at::equal(listed[i].w, single[i].w));
+    EXPECT_TRUE(at::equal(listed[i].m, single[i].m));
+    EXPECT_TRUE(at::equal(listed[i].v, single[i].v));
+    EXPECT_FALSE(at::equal(listed[i].w, adam_state(4096, 100 + i).w.to(kinds[i].dtype)));
+  }
+  ops::AdamWTensors bad;
+  bad.weights = {at::zeros({2})};
+  const auto msg = loom::testing::error_of([&] { ops::adamw_update_(bad, 1e-2, 1, o); });
+  EXPECT_TRUE(loom::testing::contains(msg, "1 weights but 0 gradients")) << msg;
 }
 
 // freeze_variance_after = F (1-bit Adam's frozen variance): after step F the second moment keeps

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu_vectorize.h"
@@ -99,6 +100,61 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
   if (!frozen) exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1.0 - b2);
   auto denom = (exp_avg_sq / bias2).sqrt_().add_(options.eps);
   weight.addcdiv_(exp_avg, denom, -lr / bias1);
+}
+
+void adamw_update_(const AdamWTensors& tensors, double lr, int64_t step,
+                   const AdamWOptions& options) {
+  const size_t n = tensors.weights.size();
+  LOOM_CHECK(tensors.grads.size() == n && tensors.exp_avgs.size() == n &&
+                 tensors.exp_avg_sqs.size() == n && tensors.decay.size() == n,
+             "adamw_update_: {} weights but {} gradients, {} first moments, {} second moments and "
+             "{} decay flags",
+             n, tensors.grads.size(), tensors.exp_avgs.size(), tensors.exp_avg_sqs.size(),
+             tensors.decay.size());
+  // The lists of one device and dtype, updated together.
+  struct Group {
+    std::vector<at::Tensor> weights, grads, exp_avgs, exp_avg_sqs, decayed;
+  };
+  std::vector<std::pair<std::pair<at::Device, at::ScalarType>, Group>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& w = tensors.weights[i];
+    if (fused_adamw_applies(
+            {&w, &tensors.grads[i], &tensors.exp_avgs[i], &tensors.exp_avg_sqs[i]})) {
+      adamw_update_(w, tensors.grads[i], tensors.exp_avgs[i], tensors.exp_avg_sqs[i], lr, step,
+                    options, tensors.decay[i]);
+      continue;
+    }
+    const std::pair<at::Device, at::ScalarType> key{w.device(), w.scalar_type()};
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
+    if (it == groups.end()) it = groups.insert(groups.end(), {key, Group{}});
+    auto& g = it->second;
+    g.weights.push_back(w);
+    g.grads.push_back(tensors.grads[i]);
+    g.exp_avgs.push_back(tensors.exp_avgs[i]);
+    g.exp_avg_sqs.push_back(tensors.exp_avg_sqs[i]);
+    if (tensors.decay[i]) g.decayed.push_back(w);
+  }
+  if (groups.empty()) return;
+  const double b1 = options.beta1, b2 = options.beta2;
+  const int64_t freeze = options.freeze_variance_after;
+  const bool frozen = freeze > 0 && step > freeze;
+  const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step));
+  const double bias2 = 1.0 - std::pow(b2, static_cast<double>(frozen ? freeze : step));
+  for (auto& [key, g] : groups) {
+    // adamw_update_'s ATen path, one op over each list.
+    if (options.weight_decay > 0 && !g.decayed.empty())
+      at::_foreach_mul_(g.decayed, 1.0 - lr * options.weight_decay);
+    at::_foreach_lerp_(g.exp_avgs, g.grads, 1.0 - b1);
+    if (!frozen) {
+      at::_foreach_mul_(g.exp_avg_sqs, b2);
+      at::_foreach_addcmul_(g.exp_avg_sqs, g.grads, g.grads, 1.0 - b2);
+    }
+    auto denom = at::_foreach_div(g.exp_avg_sqs, bias2);
+    at::_foreach_sqrt_(denom);
+    at::_foreach_add_(denom, options.eps);
+    at::_foreach_addcdiv_(g.weights, g.exp_avgs, denom, -lr / bias1);
+  }
 }
 
 }  // namespace loom::ops

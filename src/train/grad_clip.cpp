@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "loom/core/error.h"
@@ -13,12 +14,6 @@
 namespace loom::train {
 
 namespace {
-
-using ops::squared_norm;
-
-double total_of(const std::vector<at::Tensor>& squares) {
-  return squares.empty() ? 0.0 : at::stack(squares).sum().item<double>();
-}
 
 void scale_if_above(const std::vector<at::Tensor>& params, double total, double max_norm) {
   if (max_norm <= 0 || total <= max_norm) return;
@@ -31,28 +26,25 @@ void scale_if_above(const std::vector<at::Tensor>& params, double total, double 
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> squares;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params)
-    if (p.grad().defined()) squares.push_back(squared_norm(p.grad()));
-  if (squares.empty()) return 0.0;
-  const double total = std::sqrt(total_of(squares));
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0;
+  const double total = std::sqrt(ops::squared_norms(grads).sum().item<double>());
   scale_if_above(params, total, max_norm);
   return total;
 }
 
 at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> squares, grads;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params)
-    if (p.grad().defined()) {
-      squares.push_back(squared_norm(p.grad()));
-      grads.push_back(p.grad());
-    }
-  if (squares.empty()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) {
     const auto device = params.empty() ? at::Device(at::kCPU) : params.front().device();
     return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
   }
-  auto norm = at::stack(squares).sum().sqrt();
+  auto norm = ops::squared_norms(grads).sum().sqrt();
   if (max_norm > 0) {
     // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.
     const auto scale = (max_norm / (norm + 1e-6)).clamp_max(1.0).to(grads.front().scalar_type());
@@ -76,20 +68,24 @@ double grad_norm_weight(const models::CausalLM& part, const std::string& name) {
 at::Tensor local_grad_squares(const std::vector<const models::CausalLM*>& parts) {
   torch::NoGradGuard no_grad;
   LOOM_CHECK(!parts.empty(), "local_grad_squares: no model parts");
-  std::vector<at::Tensor> squares;
+  std::vector<at::Tensor> grads;
+  std::vector<double> weights;
   for (const auto* part : parts)
     for (const auto& item : part->named_parameters()) {
       const auto& g = item.value().grad();
       if (!g.defined()) continue;
       const double w = grad_norm_weight(*part, item.key());
       if (w == 0) continue;
-      auto sq = squared_norm(g);
-      squares.push_back(w == 1 ? sq : sq * w);
+      grads.push_back(g);
+      weights.push_back(w);
     }
   const auto& params = parts.front()->parameters();
   const auto device = params.empty() ? at::Device(at::kCPU) : params.front().device();
-  if (squares.empty()) return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
-  return at::stack(squares).sum().to(at::kDouble);
+  if (grads.empty()) return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
+  auto squares = ops::squared_norms(grads);
+  if (std::any_of(weights.begin(), weights.end(), [](double w) { return w != 1.0; }))
+    squares = squares * at::tensor(weights, at::kDouble).to(squares.device());
+  return squares.sum();
 }
 
 double clip_grad_norm(const std::vector<const models::CausalLM*>& parts, double max_norm,

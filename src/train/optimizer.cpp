@@ -45,14 +45,21 @@ int64_t AdamW::num_not_decayed() const {
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++steps_;
+  // One call for the whole list: on a GPU a few multi-tensor kernels, not eight per tensor.
+  ops::AdamWTensors list;
+  std::vector<const Slot*> with_master;
   for (auto& s : slots_) {
     const auto& grad_any = s.param.grad();
     if (!grad_any.defined()) continue;
-    const auto grad = grad_any.to(s.exp_avg.scalar_type());
-    auto& w = s.master.defined() ? s.master : s.param;
-    ops::adamw_update_(w, grad, s.exp_avg, s.exp_avg_sq, lr, steps_, options_, s.decay);
-    if (s.master.defined()) s.param.copy_(s.master);
+    list.weights.push_back(s.master.defined() ? s.master : s.param);
+    list.grads.push_back(grad_any.to(s.exp_avg.scalar_type()));
+    list.exp_avgs.push_back(s.exp_avg);
+    list.exp_avg_sqs.push_back(s.exp_avg_sq);
+    list.decay.push_back(s.decay);
+    if (s.master.defined()) with_master.push_back(&s);
   }
+  ops::adamw_update_(list, lr, steps_, options_);
+  for (const auto* s : with_master) s->param.copy_(s->master);
 }
 
 void AdamW::zero_grad() {

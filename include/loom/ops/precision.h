@@ -5,6 +5,8 @@
 // no step rounds it back to fp32.
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace loom::ops {
 
 // promote_types(t, fp32): bf16/fp16/fp32 -> fp32, fp64 -> fp64.
@@ -17,5 +19,12 @@ at::Tensor to_accumulation_dtype(const at::Tensor& t);
 // at::sum (cascaded: ~1e-7 relative in fp32 even over tens of millions of elements, unlike
 // at::norm's fp32 reduction, measured 1e-5 off on a 4M-element embedding gradient).
 at::Tensor squared_norm(const at::Tensor& t);
+
+// squared_norm of each tensor, as a float64 tensor of their count on the first one's device.
+// With `multi_tensor` (the default on a GPU: one launch for the list, not three per tensor) each
+// is the square of ATen's multi-tensor norm in the accumulation dtype, within a few roundings of
+// squared_norm's; else squared_norm's own sums. An empty list gives an empty tensor on the host.
+at::Tensor squared_norms(const std::vector<at::Tensor>& tensors);
+at::Tensor squared_norms(const std::vector<at::Tensor>& tensors, bool multi_tensor);
 
 }  // namespace loom::ops
