@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <string>
 
+#include "compression/launch.h"
 #include "compression/quantize.h"
 
 namespace loom::kernels {
@@ -69,15 +70,10 @@ Status quantize_int8_apply(const float* x, float* error, int8_t* codes, float* s
   if (blocks == 0) return Status::success();
   if (x == nullptr || codes == nullptr || scales == nullptr)
     return Status::invalid_argument("quantize_int8: x, codes and scales must not be null");
-  const int64_t warps_per_block = kQuantThreads / 32;
-  const int64_t grid = std::min<int64_t>((blocks + warps_per_block - 1) / warps_per_block,
-                                         max_blocks > 0 ? max_blocks : 65535);
+  const int64_t grid = blocks_for_warps(blocks, kQuantThreads, max_blocks);
   quantize_int8_kernel<<<unsigned(grid), kQuantThreads, 0, stream>>>(
       QuantizeArgs{x, error, codes, scales, blocks});
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string("quantize_int8 kernel launch: ") + cudaGetErrorString(e));
-  return Status::success();
+  return launch_status("quantize_int8");
 }
 
 }  // namespace loom::kernels

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <string>
 
+#include "compression/launch.h"
 #include "compression/sign_pack.h"
 
 namespace loom::kernels {
@@ -82,19 +83,6 @@ __global__ void __launch_bounds__(kSignThreads) sign_unpack_kernel(const UnpackA
   }
 }
 
-int64_t grid_for(int64_t blocks, int64_t max_blocks) {
-  const int64_t warps_per_block = kSignThreads / 32;
-  return std::min<int64_t>((blocks + warps_per_block - 1) / warps_per_block,
-                           max_blocks > 0 ? max_blocks : 65535);
-}
-
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string(what) + " kernel launch: " + cudaGetErrorString(e));
-  return Status::success();
-}
-
 }  // namespace
 
 Status sign_pack_apply(const float* x, float* error, uint32_t* words, float* scales, int64_t n,
@@ -104,9 +92,9 @@ Status sign_pack_apply(const float* x, float* error, uint32_t* words, float* sca
   if (blocks == 0) return Status::success();
   if (x == nullptr || words == nullptr || scales == nullptr)
     return Status::invalid_argument("sign_pack: x, words and scales must not be null");
-  sign_pack_kernel<<<unsigned(grid_for(blocks, max_blocks)), kSignThreads, 0, stream>>>(
-      PackArgs{x, error, words, scales, blocks});
-  return launched("sign_pack");
+  const auto grid = unsigned(blocks_for_warps(blocks, kSignThreads, max_blocks));
+  sign_pack_kernel<<<grid, kSignThreads, 0, stream>>>(PackArgs{x, error, words, scales, blocks});
+  return launch_status("sign_pack");
 }
 
 Status sign_unpack_apply(const uint32_t* words, const float* scales, float* out, int64_t n,
@@ -116,9 +104,9 @@ Status sign_unpack_apply(const uint32_t* words, const float* scales, float* out,
   if (blocks == 0) return Status::success();
   if (words == nullptr || scales == nullptr || out == nullptr)
     return Status::invalid_argument("sign_unpack: words, scales and out must not be null");
-  sign_unpack_kernel<<<unsigned(grid_for(blocks, max_blocks)), kSignThreads, 0, stream>>>(
-      UnpackArgs{words, scales, out, blocks});
-  return launched("sign_unpack");
+  const auto grid = unsigned(blocks_for_warps(blocks, kSignThreads, max_blocks));
+  sign_unpack_kernel<<<grid, kSignThreads, 0, stream>>>(UnpackArgs{words, scales, out, blocks});
+  return launch_status("sign_unpack");
 }
 
 }  // namespace loom::kernels

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <string>
 
+#include "compression/launch.h"
 #include "compression/sparsify.h"
 
 namespace loom::kernels {
@@ -95,19 +96,6 @@ __global__ void __launch_bounds__(kSelectThreads) scatter_add_kernel(const Scatt
   }
 }
 
-int64_t grid_for(int64_t warps_needed, int64_t max_blocks) {
-  const int64_t per_block = kSelectThreads / 32;
-  return std::min<int64_t>((warps_needed + per_block - 1) / per_block,
-                           max_blocks > 0 ? max_blocks : 65535);
-}
-
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string(what) + " kernel launch: " + cudaGetErrorString(e));
-  return Status::success();
-}
-
 }  // namespace
 
 Status select_count_apply(const float* x, const float* error, int64_t n, float threshold,
@@ -117,10 +105,10 @@ Status select_count_apply(const float* x, const float* error, int64_t n, float t
   if (chunks == 0) return Status::success();
   if (x == nullptr || error == nullptr || counts == nullptr)
     return Status::invalid_argument("select_count: x, error and counts must not be null");
-  select_count_kernel<<<unsigned(grid_for(chunks, max_blocks)), kSelectThreads, 0, stream>>>(
-      SelectArgs{x, const_cast<float*>(error), n, threshold, counts, nullptr, 0, nullptr, nullptr,
-                 chunks});
-  return launched("select_count");
+  const auto grid = unsigned(blocks_for_warps(chunks, kSelectThreads, max_blocks));
+  select_count_kernel<<<grid, kSelectThreads, 0, stream>>>(SelectArgs{
+      x, const_cast<float*>(error), n, threshold, counts, nullptr, 0, nullptr, nullptr, chunks});
+  return launch_status("select_count");
 }
 
 Status select_write_apply(const float* x, float* error, int64_t n, float threshold,
@@ -134,9 +122,10 @@ Status select_write_apply(const float* x, float* error, int64_t n, float thresho
     return Status::invalid_argument(
         "select_write: x, error, offsets (and with a capacity, indices and values) must not be "
         "null");
-  select_write_kernel<<<unsigned(grid_for(chunks, max_blocks)), kSelectThreads, 0, stream>>>(
+  const auto grid = unsigned(blocks_for_warps(chunks, kSelectThreads, max_blocks));
+  select_write_kernel<<<grid, kSelectThreads, 0, stream>>>(
       SelectArgs{x, error, n, threshold, nullptr, offsets, capacity, indices, values, chunks});
-  return launched("select_write");
+  return launch_status("select_write");
 }
 
 Status scatter_add_apply(float* dense, int64_t n, const int32_t* indices, const float* values,
@@ -149,7 +138,7 @@ Status scatter_add_apply(float* dense, int64_t n, const int32_t* indices, const 
       std::min<int64_t>((m + threads - 1) / threads, max_blocks > 0 ? max_blocks : 65535);
   scatter_add_kernel<<<unsigned(grid), kSelectThreads, 0, stream>>>(
       ScatterArgs{dense, n, indices, values, m});
-  return launched("scatter_add");
+  return launch_status("scatter_add");
 }
 
 }  // namespace loom::kernels
