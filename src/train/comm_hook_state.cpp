@@ -1,5 +1,7 @@
 #include "loom/train/comm_hook_state.h"
 
+#include <nlohmann/json.hpp>
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -79,6 +81,11 @@ std::string CommHookState::restore(const std::string& file, const std::string& l
     throw;
   }
   return {};
+}
+
+void record_grad_sync(nlohmann::json& record, double bytes_sent, double fp32_bytes) {
+  record["grad_sync_bytes"] = bytes_sent;
+  if (bytes_sent > 0) record["compression_ratio"] = fp32_bytes / bytes_sent;
 }
 
 }  // namespace loom::train

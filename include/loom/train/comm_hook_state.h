@@ -7,6 +7,7 @@
 // load) it warns and its hooks start at zero, and the run continues.
 #include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -38,5 +39,11 @@ class CommHookState {
   std::string prefix_;
   std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;
 };
+
+// The gradient reduction's figures in a metrics record, as both reducing strategies (data-parallel
+// and zero) write them: `grad_sync_bytes` (what the hook's collectives sent this step) and, when
+// anything was sent, `compression_ratio` (what fp32 collectives of the same buckets would have
+// sent, divided by it).
+void record_grad_sync(nlohmann::json& record, double bytes_sent, double fp32_bytes);
 
 }  // namespace loom::train

@@ -74,8 +74,7 @@ class DataParallelStrategy final : public Strategy {
       sent += dp->last_sync().bytes_sent;
       fp32 += dp->last_sync().fp32_bytes;
     }
-    record["grad_sync_bytes"] = sent;
-    if (sent > 0) record["compression_ratio"] = fp32 / sent;
+    record_grad_sync(record, sent, fp32);
   }
   bool zero_grad(RunContext& /*run*/) override {
     // In place: the gradients are views of the communication buckets.

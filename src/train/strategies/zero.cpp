@@ -201,8 +201,7 @@ class ZeroStrategy final : public Strategy {
       sent += z->comm_stats().grad_bytes_sent;
       fp32 += z->comm_stats().grad_fp32_bytes;
     }
-    record["grad_sync_bytes"] = sent;
-    if (sent > 0) record["compression_ratio"] = fp32 / sent;
+    record_grad_sync(record, sent, fp32);
   }
   // A compressing hook's error feedback, per rank (beside the optimizer's shards).
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
