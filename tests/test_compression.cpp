@@ -9,10 +9,12 @@
 #include <cmath>
 #include <limits>
 
+#include "loom/ops/orthogonalize.h"
 #include "loom/ops/quantize.h"
 #include "loom/ops/sign_pack.h"
 #include "loom/ops/sparsify.h"
 #include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/data/powersgd_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
 #include "test_util.h"
 
@@ -266,7 +268,7 @@ TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
   EXPECT_EQ(threshold->refresh_every(), 4);
   EXPECT_EQ(threshold->name(), "threshold");
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("fp8"); }),
-                       "valid: avg, bf16, int8, onebit, threshold, topk"));
+                       "valid: avg, bf16, int8, onebit, powersgd, threshold, topk"));
   EXPECT_TRUE(
       contains(error_of([] { pd::make_comm_hook("topk:ratio=0"); }), "ratio=0 is outside (0, 1]"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio=1.5"); }),
@@ -280,6 +282,21 @@ TEST(CommHookSpec, OptionsAreReadAndBadOnesNamed) {
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:ratio=0.1"); }),
                        "'int8' has no option 'ratio'; its options: none"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:ratio"); }), "is not key=value"));
+  const auto powersgd =
+      std::dynamic_pointer_cast<pd::PowerSgdHook>(pd::make_comm_hook("powersgd:rank=8"));
+  ASSERT_NE(powersgd, nullptr);
+  EXPECT_EQ(powersgd->rank(), 8);
+  EXPECT_EQ(std::dynamic_pointer_cast<pd::PowerSgdHook>(pd::make_comm_hook("powersgd"))->rank(), 4);
+  EXPECT_TRUE(powersgd->compresses(64, 64));  // 8 (64 + 64) = 1024 <= 4096 / 2
+  EXPECT_FALSE(powersgd->compresses(16, 64));  // 8 (16 + 64) = 640 > 1024 / 2
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("powersgd:rank=0"); }),
+                       "rank=0 is outside [1, 32]"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("powersgd:rank=33"); }),
+                       "rank=33 is outside [1, 32]"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("powersgd:rank=two"); }),
+                       "rank=two is not an integer"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("powersgd:ratio=0.1"); }),
+                       "'powersgd' has no option 'ratio'; its options: rank"));
   // The keys of a hook's checkpointed state.
   EXPECT_EQ(pd::bucket_state_key(12, "error"), "b12/error");
   EXPECT_EQ(pd::bucket_of_key("b12/error", "error"), 12);
@@ -394,4 +411,79 @@ TEST(SignPack, NonFiniteValuesStayNonFiniteAndBadInputIsNamed) {
   EXPECT_TRUE(
       contains(error_of([] { ops::unpack_signs(at::zeros({64}, at::kInt), at::zeros({1})); }),
                "do not match"));
+}
+
+// PowerSGD's orthogonalisation (ops/orthogonalize.h; on CPU tensors the kernel's host reference)
+// against the textbook modified Gram-Schmidt in fp64, for ranks 1 to 32 and 8 to 3000 rows, the
+// matrices packed apart in one buffer. Each column is a unit vector orthogonal to the others and
+// equal to the fp64 result within 4 u rows kappa (the dot products' rounding, amplified by the
+// matrix's condition number kappa); the values between the matrices are untouched; a zero column
+// stays zero and the later columns are orthonormalized without it.
+TEST(Orthogonalize, MatchesGramSchmidtInFp64) {
+  struct Shape {
+    int64_t rows, rank;
+  };
+  const std::vector<Shape> shapes = {{8, 1}, {100, 2}, {1000, 4}, {300, 8}, {3000, 32}, {64, 32}};
+  for (const auto& s : shapes) {
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.rank));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(s.rows * 97 + s.rank));
+    // Two matrices, 5 sentinel values before, between and after them.
+    const int64_t size = s.rows * s.rank;
+    auto data = at::full({3 * 5 + 2 * size}, 7.25f);
+    const std::vector<int64_t> offsets = {5, 10 + size}, rows = {s.rows, s.rows};
+    for (const int64_t offset : offsets)
+      data.narrow(0, offset, size).copy_(at::randn({size}, gen) * 1e-3);
+    if (s.rank >= 3) data.narrow(0, offsets[1], size).view({s.rows, s.rank}).select(1, 1).zero_();
+    const auto before = data.clone();
+    ops::orthogonalize_columns_(data, offsets, rows, s.rank);
+    for (size_t m = 0; m < 2; ++m) {
+      const auto input =
+          before.narrow(0, offsets[m], size).view({s.rows, s.rank}).to(at::kDouble);
+      const auto got = data.narrow(0, offsets[m], size).view({s.rows, s.rank}).to(at::kDouble);
+      // fp64 reference
+      auto want = input.clone();
+      std::vector<int64_t> nonzero;
+      for (int64_t i = 0; i < s.rank; ++i) {
+        auto col = want.select(1, i);
+        const double norm2 = col.dot(col).item<double>();
+        if (norm2 == 0) continue;
+        nonzero.push_back(i);
+        for (int64_t j = i + 1; j < s.rank; ++j) {
+          auto other = want.select(1, j);
+          other -= col * (col.dot(other).item<double>() / norm2);
+        }
+        col /= std::sqrt(norm2);
+      }
+      const auto kept = at::tensor(nonzero, at::kLong);
+      const auto sv = at::linalg_svdvals(input.index_select(1, kept));
+      const double kappa = (sv[0] / sv[-1]).item<double>();
+      const double bound = 4 * kU * double(s.rows) * kappa;
+      EXPECT_LE((got - want).abs().max().item<double>(), bound) << "matrix " << m;
+      const auto basis = got.index_select(1, kept);
+      const auto gram = at::mm(basis.t(), basis) - at::eye(basis.size(1), at::kDouble);
+      EXPECT_LE(gram.abs().max().item<double>(), bound) << "matrix " << m;
+      if (nonzero.size() < size_t(s.rank)) {
+        EXPECT_TRUE(at::equal(got.select(1, 1), at::zeros({s.rows}, at::kDouble)));
+      }
+    }
+    for (const int64_t from : {int64_t(0), offsets[0] + size, offsets[1] + size})
+      EXPECT_TRUE(at::equal(data.narrow(0, from, 5), at::full({5}, 7.25f)));
+  }
+}
+
+TEST(Orthogonalize, BadInputIsNamed) {
+  auto data = at::zeros({100});
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(data, {0}, {10}, 0); }),
+                       "rank 0 is outside [1, 32]"));
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(data, {0}, {10}, 33); }),
+                       "rank 33 is outside [1, 32]"));
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(data, {0, 30}, {10, 10}, 4); }),
+                       "overlaps another matrix"));
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(data, {70}, {10}, 4); }),
+                       "outside the buffer of 100 values"));
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(data, {0}, {1, 2}, 4); }),
+                       "1 offsets for 2 row counts"));
+  auto half = at::zeros({100}, at::kHalf);
+  EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(half, {0}, {10}, 4); }),
+                       "contiguous float32 1-D"));
 }

@@ -528,6 +528,15 @@ inline float __fmul_rn(float a, float b) {
 inline float __fdiv_rn(float a, float b) {
   return a / b;
 }
+// fma.rn.f32 (PTX ISA, "fma"): a * b + c in infinite precision, rounded once to nearest even;
+// sqrt.rn.f32: the IEEE square root, rounded to nearest. std::fma and std::sqrt are the same
+// operations (no subnormal flushing: loom's kernels build without -ftz).
+inline float __fmaf_rn(float a, float b, float c) {
+  return std::fma(a, b, c);
+}
+inline float __fsqrt_rn(float a) {
+  return std::sqrt(a);
+}
 using std::isfinite;
 using std::isnan;
 

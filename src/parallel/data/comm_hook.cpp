@@ -10,6 +10,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/registry.h"
+#include "loom/parallel/data/powersgd_hook.h"
 #include "loom/parallel/data/quantized_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
 
@@ -123,6 +124,8 @@ Registry& registry() {
           [](const core::OptionSpec& spec) { return detail::make_hook<Int8CompressHook>(spec); });
     r.add("onebit",
           [](const core::OptionSpec& spec) { return detail::make_hook<OneBitCompressHook>(spec); });
+    r.add("powersgd",
+          [](const core::OptionSpec& spec) { return detail::make_hook<PowerSgdHook>(spec); });
     r.add("topk", [](const core::OptionSpec& spec) { return SparseCompressHook::topk(spec); });
     r.add("threshold",
           [](const core::OptionSpec& spec) { return SparseCompressHook::threshold(spec); });

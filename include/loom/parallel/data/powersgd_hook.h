@@ -1,0 +1,81 @@
+#pragma once
+// PowerSGD (Vogels et al. 2019): each gradient matrix M (rows x cols: a parameter's first
+// dimension by the rest) is sent as two thin factors from one step of power iteration, with
+// error feedback, warm-started from the last step's factor. Per bucket and step, on every rank:
+//   1. M = gradient + carried error (float32), for each matrix the hook compresses;
+//   2. P = M Q (Q: cols x rank, the last step's, the same on every rank); one all-reduce averages
+//      every matrix's P together with the bucket's uncompressed values (biases, norms, matrices
+//      too small to gain), started during backward;
+//   3. P is orthogonalized (ops/orthogonalize.h: loom's kernel on CUDA tensors); Q = M^T P; a
+//      second all-reduce averages Q (after backward, as int8's second stage);
+//   4. the gradient becomes P Q^T and the carried error M - P Q^T.
+// The averages of steps 2 and 3 are the same on every rank, so every rank gets the same P Q^T:
+// the rank-`rank` approximation of the mean gradient that one power-iteration step from Q finds.
+// A matrix is compressed when rank (rows + cols) <= rows cols / 2 (it sends at most half its
+// values); the first Q is uniform in [-1, 1), drawn from integers alone (splitmix64 seeded by the
+// bucket index), so every rank, whatever its CPU or library, draws the same bits. Bytes a rank sends per bucket
+// (dist::wire_bytes): 2 (R - 1)/R x 4 (sum over compressed matrices of rank (rows + cols) +
+// uncompressed values), against 2 (R - 1)/R x 4 n for the fp32 all-reduce (docs/compression.md).
+// A step whose averaged Q is not finite (a NaN or an infinity in some rank's gradient; every rank
+// sees the same Q) leaves the non-finite values in the gradient for the trainer's check, resets
+// the error to 0 and draws the first Q again.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/core/option_spec.h"
+#include "loom/parallel/data/comm_hook.h"
+
+namespace loom::parallel::data {
+
+class PowerSgdHook : public CommHook {
+ public:
+  // rank in [1, ops::max_orthogonalize_rank()] (32); loom::Error naming the value otherwise.
+  explicit PowerSgdHook(int64_t rank);
+  // --comm-hook powersgd[:rank=R] (default 4).
+  explicit PowerSgdHook(const core::OptionSpec& spec);
+
+  std::string name() const override { return "powersgd"; }
+  dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
+  void finish(GradBucket& bucket, dist::Communicator& comm) override;
+  bool carries_state() const override { return true; }
+  // "b<index>/error" (float32: the compressed matrices' errors, one after another) and
+  // "b<index>/q" (float32: their Q factors) of every bucket reduced so far.
+  std::map<std::string, at::Tensor> state() const override;
+  void load_state(const std::map<std::string, at::Tensor>& state) override;
+
+  int64_t rank() const { return rank_; }
+  // Whether a rows x cols matrix is sent as factors: rank (rows + cols) <= rows cols / 2.
+  bool compresses(int64_t rows, int64_t cols) const;
+  // Float32 values a rank contributes per step for `bucket`'s parameters: the two all-reduces'
+  // lengths added up (P and the uncompressed values, then Q).
+  int64_t values_sent(const GradBucket& bucket) const;
+  // Of bucket `index` (empty before its first reduction): the error carried, and the Q factors.
+  at::Tensor error(int64_t index) const;
+  at::Tensor q(int64_t index) const;
+
+ private:
+  struct Matrix {
+    int64_t bucket_offset = 0, rows = 0, cols = 0;
+    int64_t error_offset = 0, p_offset = 0, q_offset = 0;
+  };
+  struct Layout {
+    std::vector<Matrix> matrices;
+    std::vector<std::pair<int64_t, int64_t>> dense;  // (bucket offset, length): sent as they are
+    int64_t error_numel = 0, p_numel = 0, q_numel = 0, dense_numel = 0;
+  };
+  struct State {
+    Layout layout;
+    at::Tensor error;    // [error_numel]; from start to finish it holds M = gradient + error
+    at::Tensor q;        // [q_numel]
+    at::Tensor message;  // in flight: [p_numel + dense_numel]
+  };
+  Layout layout_of(const GradBucket& bucket) const;
+  static at::Tensor first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like);
+
+  int64_t rank_;
+  std::map<int64_t, State> state_;  // by bucket index
+};
+
+}  // namespace loom::parallel::data
