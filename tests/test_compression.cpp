@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 
 #include "loom/ops/orthogonalize.h"
@@ -458,10 +460,17 @@ TEST(Orthogonalize, MatchesGramSchmidtInFp64) {
       const auto sv = at::linalg_svdvals(input.index_select(1, kept));
       const double kappa = (sv[0] / sv[-1]).item<double>();
       const double bound = 4 * kU * double(s.rows) * kappa;
-      EXPECT_LE((got - want).abs().max().item<double>(), bound) << "matrix " << m;
+      const double gap = (got - want).abs().max().item<double>();
+      EXPECT_LE(gap, bound) << "matrix " << m;
       const auto basis = got.index_select(1, kept);
       const auto gram = at::mm(basis.t(), basis) - at::eye(basis.size(1), at::kDouble);
-      EXPECT_LE(gram.abs().max().item<double>(), bound) << "matrix " << m;
+      const double off = gram.abs().max().item<double>();
+      EXPECT_LE(off, bound) << "matrix " << m;
+      if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+        std::printf(
+            "%lld x %lld, matrix %zu: kappa %.3g, gap %.3g and |P^T P - I| %.3g of the "
+            "bound %.3g\n",
+            (long long)s.rows, (long long)s.rank, m, kappa, gap / bound, off / bound, bound);
       if (nonzero.size() < size_t(s.rank)) {
         EXPECT_TRUE(at::equal(got.select(1, 1), at::zeros({s.rows}, at::kDouble)));
       }

@@ -16,11 +16,11 @@
 
 namespace ops = loom::ops;
 
-#define SKIP_WITHOUT_GPU()                                                                     \
-  do {                                                                                         \
-    if (!ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";               \
-    if (ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";       \
-    if (ops::cuda_compute_capability(0) < 80) GTEST_SKIP() << "the kernels need sm_80+";       \
+#define SKIP_WITHOUT_GPU()                                                               \
+  do {                                                                                   \
+    if (!ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";         \
+    if (ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine"; \
+    if (ops::cuda_compute_capability(0) < 80) GTEST_SKIP() << "the kernels need sm_80+"; \
   } while (0)
 
 // The int8 quantization kernel on a GPU equals its host reference bit for bit (codes, scales

@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kOrthoThreads) orthogonalize_kernel(const Orth
             p[k * r + j] = __fmaf_rn(-coef, p[k * r + i], p[k * r + j]);
         }
         const float norm = __fsqrt_rn(norm2);
-        for (int64_t k = tid; k < n; k += kOrthoThreads) p[k * r + i] = __fdiv_rn(p[k * r + i], norm);
+        for (int64_t k = tid; k < n; k += kOrthoThreads)
+          p[k * r + i] = __fdiv_rn(p[k * r + i], norm);
       }
       // The next column's sums overwrite `partial`: every thread must have read it.
       __syncthreads();

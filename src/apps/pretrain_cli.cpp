@@ -102,7 +102,8 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "How gradient buckets are reduced: avg (all-reduce mean) | bf16 (compressed "
                  "to bfloat16 on the wire) | int8 (blockwise int8 with error feedback) | onebit "
                  "(a sign bit per value and a scale per 1024, with error feedback) | "
-                 "topk[:ratio=0.01] (the largest values with error feedback) | "
+                 "powersgd[:rank=4] (each gradient matrix as two rank-R factors, with error "
+                 "feedback) | topk[:ratio=0.01] (the largest values with error feedback) | "
                  "threshold[:ratio=0.01,every=10] (the same, the threshold recomputed every "
                  "`every` steps); any of them with warmup=N (plain averages for the first N "
                  "steps); int8 and onebit also under --zero; docs/compression.md")

@@ -35,7 +35,8 @@ void orthogonalize_columns_(at::Tensor& data, const std::vector<int64_t>& offset
   // or before the next begins), so that no two CUDA blocks write the same values.
   std::vector<size_t> order(offsets.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
   int64_t end = 0;
   for (const size_t m : order) {
     LOOM_CHECK(offsets[m] >= end && rows[m] >= 0 && offsets[m] + rows[m] * rank <= data.numel(),

@@ -89,7 +89,8 @@ bool same_on_every_rank(const at::Tensor& t) {
 // orthogonalisation's loss, amplified by P's condition number); the values sent as they are equal
 // the mean within R u of the largest. Over the steps the results plus the ranks' mean carried
 // error equal the sum of the true means (error feedback) within 6 steps x (4 + R) u of the
-// largest gradient, M or error; the communicator counts two all-reduces of 460 float32 values a step.
+// largest gradient, M or error; the communicator counts two all-reduces of 460 float32 values a
+// step.
 TEST(PowerSgdHook, EveryRankGetsTheMeansRankRApproximationAndErrorFeedbackLosesNothing) {
   auto& comm = world();
   const int ranks = comm.size();
@@ -134,8 +135,8 @@ TEST(PowerSgdHook, EveryRankGetsTheMeansRankRApproximationAndErrorFeedbackLosesN
       const auto want = at::mm(basis, at::mm(m.t(), basis).t());
       const double got_gap =
           (matrix(bucket.buffer, v).to(at::kDouble) - want).abs().max().item<double>();
-      const double bound = 16 * kU * double(v.rows + v.cols) * kappa *
-                           at::linalg_matrix_norm(m, 2).item<double>();
+      const double bound =
+          16 * kU * double(v.rows + v.cols) * kappa * at::linalg_matrix_norm(m, 2).item<double>();
       EXPECT_LE(got_gap, bound) << "step " << t << ", the " << v.rows << " x " << v.cols;
       worst_ratio = std::max(worst_ratio, got_gap / bound);
     }
@@ -167,9 +168,10 @@ TEST(PowerSgdHook, EveryRankGetsTheMeansRankRApproximationAndErrorFeedbackLosesN
   EXPECT_NEAR(sent, steps * 2.0 * (ranks - 1) / ranks * 4.0 * double(hook.values_sent(bucket)),
               1e-9 * (sent + 1));
   if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
-    std::printf("powersgd at %d ranks: worst gap / bound %.3g; lost %.3g, bound %.3g, carried up "
-                "to %.3g\n",
-                ranks, worst_ratio, lost, bound, carried.abs().max().item<double>());
+    std::printf(
+        "powersgd at %d ranks: worst gap / bound %.3g; lost %.3g, bound %.3g, carried up "
+        "to %.3g\n",
+        ranks, worst_ratio, lost, bound, carried.abs().max().item<double>());
 }
 
 // A mean gradient of rank <= r comes through whole: every rank's gradient is A_r B^T with B (and

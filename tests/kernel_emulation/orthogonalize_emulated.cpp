@@ -34,12 +34,8 @@ struct Config {
 };
 
 std::vector<Config> configs() {
-  return {{{5}, 1, 0, false},
-          {{300, 1, 257}, 4, 0, true},
-          {{1000, 64, 200, 31}, 7, 2, true},
-          {{100}, 32, 0, false},
-          {{40, 40, 40}, 3, 1, false},
-          {{}, 2, 0, false}};
+  return {{{5}, 1, 0, false},    {{300, 1, 257}, 4, 0, true}, {{1000, 64, 200, 31}, 7, 2, true},
+          {{100}, 32, 0, false}, {{40, 40, 40}, 3, 1, false}, {{}, 2, 0, false}};
 }
 
 bool same_bits(float a, float b) {
@@ -96,9 +92,9 @@ bool run(const Config& c) {
   for (int64_t i = 0; i < total && problem.empty(); ++i)
     if (want[size_t(i)] == kSentinel && d[i] != kSentinel) problem = "a sentinel was overwritten";
   if (emulation::error_count != errors_before) problem += " (emulation errors)";
-  std::printf("%s  %lld matrices, rank %lld, grid cap %lld%s%s\n", problem.empty() ? "ok  " : "FAIL",
-              (long long)matrices, (long long)r, (long long)c.max_blocks,
-              c.special ? ", a zero and a dependent column, a NaN" : "",
+  std::printf("%s  %lld matrices, rank %lld, grid cap %lld%s%s\n",
+              problem.empty() ? "ok  " : "FAIL", (long long)matrices, (long long)r,
+              (long long)c.max_blocks, c.special ? ", a zero and a dependent column, a NaN" : "",
               problem.empty() ? "" : (": " + problem).c_str());
   return problem.empty();
 }
@@ -117,7 +113,8 @@ int main() {
   const int64_t zero = 0;
   for (const int64_t rank : {int64_t(0), int64_t(33)}) {
     const auto status = loom::kernels::orthogonalize_apply(&dummy, &zero, &zero, rank, 1, nullptr);
-    const bool refused = !status.ok() && status.message.find("outside [1, 32]") != std::string::npos;
+    const bool refused =
+        !status.ok() && status.message.find("outside [1, 32]") != std::string::npos;
     std::printf("%s  rank %lld is refused: %s\n", refused ? "ok  " : "FAIL", (long long)rank,
                 status.message.c_str());
     failed += !refused;

@@ -57,7 +57,8 @@ at::Tensor PowerSgdHook::first_q(int64_t bucket_index, int64_t numel, const at::
   // Integers only (no libm, no vectorized ATen sampler), so that every rank draws the same bits.
   auto q = at::empty({numel}, at::kFloat);
   float* qp = q.data_ptr<float>();
-  const uint64_t seed = core::mix_seed({0x706f776572736764ull, static_cast<uint64_t>(bucket_index)});
+  const uint64_t seed =
+      core::mix_seed({0x706f776572736764ull, static_cast<uint64_t>(bucket_index)});
   for (int64_t i = 0; i < numel; ++i) {
     const uint64_t bits = core::mix_seed({seed, static_cast<uint64_t>(i)});
     qp[i] = static_cast<float>(static_cast<int64_t>(bits >> 40) - (int64_t{1} << 23)) * 0x1p-23f;

@@ -13,12 +13,12 @@
 // the rank-`rank` approximation of the mean gradient that one power-iteration step from Q finds.
 // A matrix is compressed when rank (rows + cols) <= rows cols / 2 (it sends at most half its
 // values); the first Q is uniform in [-1, 1), drawn from integers alone (splitmix64 seeded by the
-// bucket index), so every rank, whatever its CPU or library, draws the same bits. Bytes a rank sends per bucket
-// (dist::wire_bytes): 2 (R - 1)/R x 4 (sum over compressed matrices of rank (rows + cols) +
-// uncompressed values), against 2 (R - 1)/R x 4 n for the fp32 all-reduce (docs/compression.md).
-// A step whose averaged Q is not finite (a NaN or an infinity in some rank's gradient; every rank
-// sees the same Q) leaves the non-finite values in the gradient for the trainer's check, resets
-// the error to 0 and draws the first Q again.
+// bucket index), so every rank, whatever its CPU or library, draws the same bits. Bytes a rank
+// sends per bucket (dist::wire_bytes): 2 (R - 1)/R x 4 (sum over compressed matrices of rank (rows
+// + cols) + uncompressed values), against 2 (R - 1)/R x 4 n for the fp32 all-reduce
+// (docs/compression.md). A step whose averaged Q is not finite (a NaN or an infinity in some rank's
+// gradient; every rank sees the same Q) leaves the non-finite values in the gradient for the
+// trainer's check, resets the error to 0 and draws the first Q again.
 #include <cstdint>
 #include <map>
 #include <string>
