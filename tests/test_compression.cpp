@@ -18,6 +18,7 @@
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/powersgd_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
+#include "loom/train/config.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -329,6 +330,35 @@ TEST(CommHookSpec, WarmupWrapsAnyHook) {
                        "warmup=x is not an integer"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:block=64"); }),
                        "'onebit' has no option 'block'; its options: none"));
+}
+
+// momentum=B belongs to every hook too: it wraps the hook (around its warm-up, so the warm-up
+// averages momenta), the value is checked, and the trainer's config refuses a momentum that is
+// not AdamW's beta1.
+TEST(CommHookSpec, MomentumWrapsAnyHookAroundItsWarmup) {
+  namespace pd = loom::parallel::data;
+  const auto made = pd::make_comm_hook("onebit:warmup=5,momentum=0.9");
+  const auto momentum = std::dynamic_pointer_cast<pd::MomentumCompressionHook>(made);
+  ASSERT_NE(momentum, nullptr);
+  EXPECT_EQ(momentum->beta(), 0.9);
+  EXPECT_EQ(momentum->name(), "onebit");
+  EXPECT_TRUE(momentum->carries_state());
+  const auto* warm = dynamic_cast<pd::DenseWarmupHook*>(&momentum->inner());
+  ASSERT_NE(warm, nullptr);
+  EXPECT_EQ(warm->warmup(), 5);
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:momentum=1"); }),
+                       "momentum=1 is outside [0, 1)"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("topk:momentum=-0.5"); }),
+                       "momentum=-0.5 is outside [0, 1)"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:momentum=high"); }),
+                       "momentum=high is not a number"));
+  loom::train::TrainConfig config;
+  config.data = "unused.bin";  // validate() checks the value, not the file
+  config.comm_hook = "onebit:momentum=0.8";
+  EXPECT_TRUE(contains(error_of([&] { config.validate(); }),
+                       "momentum=0.8 must equal --beta1 0.9"));
+  config.beta1 = 0.8;
+  config.validate();
 }
 
 // Sign packing against the formula written out: per block of 1024 the scale is the mean of |v|

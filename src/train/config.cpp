@@ -54,7 +54,13 @@ void TrainConfig::validate() const {
              "divided by the other mesh dimensions",
              dp);
   LOOM_CHECK(bucket_mb > 0, "--bucket-mb {} must be positive", bucket_mb);
-  parallel::data::make_comm_hook(comm_hook);  // throws naming a bad name or option
+  // Throws naming a bad name or option.
+  const auto hook = parallel::data::make_comm_hook(comm_hook);
+  if (const auto* m = dynamic_cast<const parallel::data::MomentumCompressionHook*>(hook.get()))
+    LOOM_CHECK(m->beta() == beta1,
+               "--comm-hook {}: momentum={} must equal --beta1 {}: the optimizer's momentum "
+               "update rebuilds the momentum the hook averaged only with the same decay",
+               comm_hook, m->beta(), beta1);
   LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
   LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
              pad_vocab_multiple);

@@ -109,6 +109,66 @@ void DenseWarmupHook::load_state(const std::map<std::string, at::Tensor>& state)
   inner_->load_state(state);
 }
 
+// ---- momentum compression ----------------------------------------------------------------
+
+MomentumCompressionHook::MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta)
+    : inner_(std::move(inner)), beta_(beta) {
+  LOOM_CHECK(inner_ != nullptr, "MomentumCompressionHook: no hook to send the momentum through");
+  LOOM_CHECK(beta >= 0 && beta < 1,
+             "--comm-hook {}: momentum={} is outside [0, 1); it is AdamW's beta1 (0.9 by default), "
+             "the momentum's decay",
+             inner_->name(), beta);
+}
+
+dist::WorkPtr MomentumCompressionHook::start(GradBucket& bucket, dist::Communicator& comm) {
+  auto& m = momentum_[bucket.index];
+  if (!m.defined()) m = at::zeros({bucket.numel()}, bucket.buffer.options().dtype(at::kFloat));
+  // Every rank restored the same sizes from one checkpoint layout, so all stop alike.
+  LOOM_CHECK(m.numel() == bucket.numel(),
+             "--comm-hook {}: bucket {} carries a momentum of {} values for {} gradients (state "
+             "from another model or bucket size?)",
+             name(), bucket.index, m.numel(), bucket.numel());
+  if (m.device() != bucket.buffer.device()) m = m.to(bucket.buffer.device());  // a checkpoint's
+  // This rank's momentum, beta m + (1 - beta) g, in the gradient's place.
+  bucket.buffer.mul_(1 - beta_).add_(m, beta_);
+  return inner_->start(bucket, comm);
+}
+
+void MomentumCompressionHook::finish(GradBucket& bucket, dist::Communicator& comm) {
+  inner_->finish(bucket, comm);
+  auto& m = momentum_.at(bucket.index);
+  // The same result on every rank, so every rank takes the same branch.
+  if (!at::isfinite(bucket.buffer).all().item<bool>()) return;
+  // A copy: the buffer is overwritten below (to(kFloat) of an fp32 buffer would be the buffer).
+  const auto averaged = bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  // The gradient whose momentum update beta m + (1 - beta) g is the averaged momentum.
+  bucket.buffer.copy_((averaged - beta_ * m) / (1 - beta_));
+  m.copy_(averaged);
+}
+
+std::map<std::string, at::Tensor> MomentumCompressionHook::state() const {
+  auto out = inner_->state();
+  for (const auto& [index, m] : momentum_) out[bucket_state_key(index, "momentum")] = m;
+  return out;
+}
+
+void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  momentum_.clear();
+  for (const auto& [key, m] : state) {
+    const auto bucket = bucket_of_key(key, "momentum");
+    if (!bucket) continue;
+    LOOM_CHECK(m.dim() == 1, "--comm-hook {} state: bucket {}'s momentum has {} dims, not 1",
+               name(), *bucket, m.dim());
+    momentum_[*bucket] = m.to(at::kFloat).contiguous().clone();
+  }
+  inner_->load_state(state);
+}
+
+at::Tensor MomentumCompressionHook::momentum(int64_t index) const {
+  const auto it = momentum_.find(index);
+  return it == momentum_.end() ? at::Tensor() : it->second;
+}
+
 namespace {
 
 using Registry = core::NamedRegistry<CommHookFactory>;
@@ -150,14 +210,18 @@ std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
   const auto factory = registry().find(spec.name);
   LOOM_CHECK(factory, "--comm-hook '{}': '{}' is not a known communication hook; valid: {}", text,
              spec.name, fmt::join(comm_hook_names(), ", "));
-  // "warmup" is every hook's key: read here, hidden from the factory's own check.
+  // "warmup" and "momentum" are every hook's keys: read here, hidden from the factory's check.
   const bool warms_up = spec.options.contains("warmup");
   const int64_t warmup = spec.get_int("warmup", 0);
+  const bool compresses_momentum = spec.options.contains("momentum");
+  const double momentum = spec.get_double("momentum", 0);
   spec.options.erase("warmup");
+  spec.options.erase("momentum");
   auto hook = factory(spec);
   LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", spec.name);
-  if (!warms_up) return hook;
-  return std::make_shared<DenseWarmupHook>(std::move(hook), warmup);
+  if (warms_up) hook = std::make_shared<DenseWarmupHook>(std::move(hook), warmup);
+  if (compresses_momentum) hook = std::make_shared<MomentumCompressionHook>(std::move(hook), momentum);
+  return hook;
 }
 
 }  // namespace loom::parallel::data

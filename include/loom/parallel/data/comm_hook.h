@@ -2,7 +2,7 @@
 // How a gradient bucket is reduced across data-parallel ranks. The default averages it with an
 // all-reduce; a hook can compress it first (bf16 halves the bytes sent; int8 quarters them and
 // onebit sends a bit per value: quantized_hook.h; topk and threshold send a small fraction of the
-// values: sparse_hook.h), which is where communication compression plugs in. The communicator
+// values: sparse_hook.h; powersgd sends low-rank factors: powersgd_hook.h), which is where communication compression plugs in. The communicator
 // counts the bytes each hook sends (docs/compression.md).
 #include <functional>
 #include <map>
@@ -114,19 +114,57 @@ class DenseWarmupHook : public CommHook {
   std::map<int64_t, bool> dense_in_flight_;  // by bucket index: started during the warm-up
 };
 
-// The registry of hooks by name: "avg", "bf16", "int8", "onebit", "topk" and "threshold" are
-// built in; a user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is
+// --comm-hook NAME:...,momentum=B (any hook): 1-bit Adam's momentum compression (Tang et al.
+// 2021). The hook keeps m, the averaged momentum after the last step (the same on every rank; zero
+// at the start), and sends each rank's local momentum B m + (1 - B) g through the named hook in
+// place of its gradient g. Of the mean m' that comes back it hands the optimizer the gradient
+// whose momentum update gives m' exactly, (m' - B m) / (1 - B), and keeps m'. An AdamW with
+// beta1 = B (the trainer checks it) and its variance frozen then steps with the compressed,
+// averaged momentum, as 1-bit Adam does, and the named hook's error feedback carries what the
+// compression of a momentum lost, not of a gradient. Wrapping a warmup=N hook, the first N steps
+// average the local momenta exactly, so m is the exact momentum when compression starts. A step
+// whose result is not finite (every rank gets the same result) leaves m as it was, as the
+// trainer leaves the optimizer. Gradient clipping scales what the optimizer gets, not m: while it
+// clips, the optimizer's momentum drifts from m (the gap shrinks by B each step). Not under ZeRO:
+// a reduce-scatter returns one shard of m', and every rank needs all of it.
+class MomentumCompressionHook : public CommHook {
+ public:
+  // beta in [0, 1); loom::Error naming the value otherwise.
+  MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta);
+  std::string name() const override { return inner_->name(); }
+  void begin_step(int64_t steps_completed) override { inner_->begin_step(steps_completed); }
+  dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
+  void finish(GradBucket& bucket, dist::Communicator& comm) override;
+  bool carries_state() const override { return true; }
+  // The named hook's state and "b<index>/momentum" (float32, the bucket's length) per bucket.
+  std::map<std::string, at::Tensor> state() const override;
+  void load_state(const std::map<std::string, at::Tensor>& state) override;
+
+  double beta() const { return beta_; }
+  CommHook& inner() { return *inner_; }
+  // Bucket `index`'s averaged momentum (empty before its first reduction).
+  at::Tensor momentum(int64_t index) const;
+
+ private:
+  std::shared_ptr<CommHook> inner_;
+  double beta_;
+  std::map<int64_t, at::Tensor> momentum_;  // by bucket index
+};
+
+// The registry of hooks by name: "avg", "bf16", "int8", "onebit", "powersgd", "topk" and
+// "threshold" are built in; a user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is
 // then chosen by --comm-hook NAME[:key=value,...]. The factory gets the parsed spec and checks its
 // options (spec.check_keys, the typed getters), so bad options fail when the hook is made, before
-// any collective. The key "warmup" belongs to every hook: make_comm_hook takes it out of the spec
-// before the factory sees it and wraps the hook in a DenseWarmupHook. Registering a name twice is
+// any collective. The keys "warmup" and "momentum" belong to every hook: make_comm_hook takes them
+// out of the spec before the factory sees them and wraps the hook in a DenseWarmupHook, then in
+// a MomentumCompressionHook. Registering a name twice is
 // a loom::Error.
 using CommHookFactory = std::function<std::shared_ptr<CommHook>(const core::OptionSpec& spec)>;
 void register_comm_hook(const std::string& name, CommHookFactory factory);
 std::vector<std::string> comm_hook_names();
 // Parses `text` ("int8", "topk:ratio=0.01,warmup=50") and makes the hook. Throws loom::Error
 // naming the registered hooks when the name is not one of them, or what is wrong with an option
-// (warmup: an integer >= 0).
+// (warmup: an integer >= 0; momentum: a number in [0, 1)).
 std::shared_ptr<CommHook> make_comm_hook(const std::string& text);
 
 namespace detail {
