@@ -106,7 +106,9 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "feedback) | topk[:ratio=0.01] (the largest values with error feedback) | "
                  "threshold[:ratio=0.01,every=10] (the same, the threshold recomputed every "
                  "`every` steps); any of them with warmup=N (plain averages for the first N "
-                 "steps); int8 and onebit also under --zero; docs/compression.md")
+                 "steps) and momentum=B (sends momenta, not gradients: 1-bit Adam with "
+                 "--freeze-variance-after; B = --beta1); int8 and onebit also under --zero; "
+                 "docs/compression.md")
       ->capture_default_str();
   app.add_option("--tp", c.tp,
                  "Tensor-parallel size: attention heads, MLP and vocabulary split across this "

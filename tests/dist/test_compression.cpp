@@ -310,7 +310,8 @@ TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
                                    {"onebit:warmup=10", 0.015, 10},
                                    {"topk:ratio=0.005,warmup=10", 0.015, 10},
                                    {"powersgd:rank=2", 6e-3},
-                                   {"powersgd:rank=2,warmup=10", 0.0125, 10}};
+                                   {"powersgd:rank=2,warmup=10", 0.0125, 10},
+                                   {"onebit:warmup=10,momentum=0.9", 0.5, 10}};
   for (const auto& shape : layouts) {
     SCOPED_TRACE(shape.describe());
     const auto want = train_through(dir.path(), "avg", shape);
@@ -337,6 +338,8 @@ TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
       // The last step's ratio: the hook's own, past any warm-up.
       const auto made = pd::make_comm_hook(c.hook);
       pd::CommHook* hook = made.get();
+      if (auto* momentum = dynamic_cast<pd::MomentumCompressionHook*>(hook))
+        hook = &momentum->inner();
       if (auto* warm = dynamic_cast<pd::DenseWarmupHook*>(hook)) hook = &warm->inner();
       if (hook->name() == "int8") {
         EXPECT_LE(got.compression_ratio, 4.0 / (1.0 + 1.0 / 64));
@@ -427,7 +430,8 @@ TEST(CompressedTraining, ResumeWithErrorFeedbackReproducesTheUninterruptedRun) {
                                                           {"threshold:ratio=0.05,every=2", 0},
                                                           {"onebit:warmup=2", 2},
                                                           {"int8", 3},
-                                                          {"powersgd:rank=2", 0}};
+                                                          {"powersgd:rank=2", 0},
+                                                          {"onebit:warmup=2,momentum=0.9", 0}};
   for (const auto& [hook, zero] : cases) {
     SCOPED_TRACE(hook + " at ZeRO-" + std::to_string(zero));
     auto config = loom::testing::small_run_config(dir.path(), 1, "fp32");

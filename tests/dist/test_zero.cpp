@@ -662,7 +662,8 @@ TEST(TrainerZero, WhatZeroCannotShardIsRefused) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
   auto config = zero_config(dir.path(), 2, 1);
-  for (const std::string hook : {"bf16", "topk:ratio=0.1,warmup=3", "powersgd:rank=2"}) {
+  for (const std::string hook :
+       {"bf16", "topk:ratio=0.1,warmup=3", "powersgd:rank=2", "onebit:momentum=0.9"}) {
     config.comm_hook = hook;
     EXPECT_TRUE(
         contains(error_of([&] { train::Trainer t(config, loom::testing::layout_mesh({})); }),

@@ -116,8 +116,8 @@ class ZeroStrategy final : public Strategy {
     const auto hook = parallel::data::make_comm_hook(run.config.comm_hook);
     LOOM_CHECK(hook->reduces_scatter(),
                "--comm-hook {}: strategy 'zero' reduce-scatters gradients, which this hook does "
-               "not do; the hooks that do are avg, int8 and onebit (each with warmup=N too): use "
-               "one of them, or --zero 0",
+               "not do; the hooks that do are avg, int8 and onebit (each with warmup=N too, not "
+               "momentum=B, whose momentum every rank needs whole): use one of them, or --zero 0",
                run.config.comm_hook);
   }
 
