@@ -302,6 +302,9 @@ TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
   // (34.6 times fewer bytes at dp): measured at most 2.1e-3 (final, dp 2 x tp 2) and 1.9e-3
   // (validation), margin 6e-3; with the 10-step warm-up and frozen variance 5.9e-4 and 5.0e-3,
   // margin 0.0125 (both with the default and AVX2 CPU kernels; it lags later: docs/compression.md).
+  // onebit on momenta (1-bit Adam) switched on at step 10 lags early: measured 3.6e-2 to 3.8e-2
+  // (final) and 4.6e-2 to 4.8e-2 (validation), margin 0.1; over 300 steps it ends far closer
+  // than onebit on gradients (docs/compression.md).
   const std::vector<Case> cases = {{"int8", 2.5e-3},
                                    {"topk:ratio=1", 1e-5},
                                    {"topk:ratio=0.005", 0.30},
@@ -311,7 +314,7 @@ TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
                                    {"topk:ratio=0.005,warmup=10", 0.015, 10},
                                    {"powersgd:rank=2", 6e-3},
                                    {"powersgd:rank=2,warmup=10", 0.0125, 10},
-                                   {"onebit:warmup=10,momentum=0.9", 0.5, 10}};
+                                   {"onebit:warmup=10,momentum=0.9", 0.1, 10}};
   for (const auto& shape : layouts) {
     SCOPED_TRACE(shape.describe());
     const auto want = train_through(dir.path(), "avg", shape);
