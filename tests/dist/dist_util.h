@@ -1,5 +1,8 @@
 #pragma once
-// Helpers of the multi-rank tests: the process's Runtime, and a directory every rank shares.
+// Helpers of the multi-rank tests: the process's Runtime, a directory every rank shares, and the
+// test gradients of the communication-hook tests.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -22,6 +25,22 @@ inline dist::Runtime& runtime() {
 }
 inline dist::Communicator& world() {
   return *runtime().world();
+}
+
+// Rank `rank`'s test gradient at step `step` (n values) from a generator seeded with
+// seed + 31 rank + step: the same on every rank that asks, so each can form the mean.
+inline at::Tensor rank_gradient(int seed, int rank, int step, int64_t n) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed + 31 * rank + step);
+  return at::randn({n}, g) * (1.0 + step % 3) + 0.01 * rank;
+}
+
+// Whether every rank of the world holds the same bits in t. Collective.
+inline bool same_on_every_rank(const at::Tensor& t) {
+  auto all = at::empty({world().size(), t.numel()}, t.options());
+  world().all_gather(all, t.contiguous().view({-1}));
+  for (int r = 1; r < world().size(); ++r)
+    if (!at::equal(all[r], all[0])) return false;
+  return true;
 }
 
 // A fresh directory with the same path on every rank (rank 0 picks the name), removed at scope

@@ -14,6 +14,7 @@
 #include "dist_util.h"
 #include "loom/parallel/data/comm_hook.h"
 
+using loom::testing::same_on_every_rank;
 using loom::testing::world;
 namespace pd = loom::parallel::data;
 
@@ -22,8 +23,7 @@ namespace {
 constexpr double kU = 5.960464477539063e-08;  // 2^-24
 
 at::Tensor gradient_of(int rank, int step, int64_t n) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1300 + 31 * rank + step);
-  return at::randn({n}, g) * (1.0 + step % 3) + 0.01 * rank;
+  return loom::testing::rank_gradient(1300, rank, step, n);
 }
 
 std::shared_ptr<pd::MomentumCompressionHook> momentum_hook(const std::string& spec) {
@@ -32,23 +32,14 @@ std::shared_ptr<pd::MomentumCompressionHook> momentum_hook(const std::string& sp
   return hook;
 }
 
-bool same_on_every_rank(const at::Tensor& t) {
-  auto& comm = world();
-  auto all = at::empty({comm.size(), t.numel()}, t.options());
-  comm.all_gather(all, t.contiguous().view({-1}));
-  for (int r = 1; r < comm.size(); ++r)
-    if (!at::equal(all[r], all[0])) return false;
-  return true;
-}
-
 }  // namespace
 
 // Six steps through avg and through onebit (2 of them dense), beta 0.9. Every rank gets the same
 // gradient; AdamW's momentum update m <- beta m + (1 - beta) g applied to it (in fp64, from zero)
 // gives the hook's averaged momentum within 8 u / (1 - beta) of the largest momentum per step (the
-// division by 1 - beta and the update's roundings). Through avg the averages are exact, so the
-// gradient returned is the mean gradient within that bound times (1 - beta) / ... the same bound;
-// through onebit it is not (compressed), and the hook's momentum equals what onebit returned.
+// division by 1 - beta and the update's roundings). Through avg (and onebit's dense steps) the
+// averages are exact, so the gradient handed over is the mean gradient within 16 u / (1 - beta)
+// of the largest momentum and mean gradient; through onebit's compressed steps it is not.
 TEST(MomentumCompression, TheOptimizersMomentumUpdateRebuildsTheAveragedMomentum) {
   auto& comm = world();
   const int ranks = comm.size();

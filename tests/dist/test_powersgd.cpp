@@ -17,6 +17,7 @@
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/powersgd_hook.h"
 
+using loom::testing::same_on_every_rank;
 using loom::testing::world;
 namespace pd = loom::parallel::data;
 
@@ -46,8 +47,7 @@ const std::vector<View> kMatrices = {{0, 64, 48}, {3136, 6, 80}};
 constexpr int64_t kDenseFrom = 3072, kDenseLength = 64;
 
 at::Tensor gradient_of(int rank, int step, int64_t n) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(900 + 31 * rank + step);
-  return at::randn({n}, g) * (1.0 + step % 3) + 0.01 * rank;
+  return loom::testing::rank_gradient(900, rank, step, n);
 }
 
 // The textbook modified Gram-Schmidt, in fp64.
@@ -68,16 +68,6 @@ at::Tensor orthonormal_columns(at::Tensor p) {
 
 at::Tensor matrix(const at::Tensor& flat, const View& v) {
   return flat.narrow(0, v.offset, v.rows * v.cols).view({v.rows, v.cols});
-}
-
-// Whether every rank holds the same bits in t.
-bool same_on_every_rank(const at::Tensor& t) {
-  auto& comm = world();
-  auto all = at::empty({comm.size(), t.numel()}, t.options());
-  comm.all_gather(all, t.contiguous().view({-1}));
-  for (int r = 1; r < comm.size(); ++r)
-    if (!at::equal(all[r], all[0])) return false;
-  return true;
 }
 
 }  // namespace
