@@ -84,8 +84,9 @@ TEST(MomentumCompression, TheOptimizersMomentumUpdateRebuildsTheAveragedMomentum
 }
 
 // A NaN in one rank's gradient reaches every rank's result and leaves the momentum as it was
-// (the trainer skips such a step); the state holds the momentum and onebit's errors, and a hook
-// restored from it reduces the next step to the same bits.
+// (the trainer stops before such a step's update); the state holds the momentum and onebit's
+// errors, and a hook restored from it reduces the next step to the same bits, and one restored on
+// rank 0 alone keeps the ranks equal.
 TEST(MomentumCompression, ANaNLeavesTheMomentumAndTheStateRoundTrips) {
   auto& comm = world();
   const int64_t n = 2048;
@@ -120,4 +121,14 @@ TEST(MomentumCompression, ANaNLeavesTheMomentumAndTheStateRoundTrips) {
   restored->finish(twin, comm);
   EXPECT_TRUE(at::equal(bucket.buffer, twin.buffer));
   EXPECT_TRUE(at::equal(hook->momentum(bucket.index), restored->momentum(twin.index)));
+
+  // Restored on rank 0 alone (the others' files did not load): the first reduction takes rank 0's
+  // momentum everywhere, so the ranks stay equal.
+  const auto partial = momentum_hook("onebit:momentum=0.9");
+  partial->load_state(comm.rank() == 0 ? hook->state() : std::map<std::string, at::Tensor>{});
+  twin.buffer.copy_(gradient_of(comm.rank(), 5, n));
+  partial->start(twin, comm)->wait();
+  partial->finish(twin, comm);
+  EXPECT_TRUE(same_on_every_rank(twin.buffer));
+  EXPECT_TRUE(same_on_every_rank(partial->momentum(twin.index)));
 }

@@ -236,3 +236,53 @@ TEST(PowerSgdHook, StateRoundTripsAndANaNDoesNotOutliveItsStep) {
   wrong.load_state({{"b2/error", at::zeros({5})}, {"b2/q", at::zeros({3})}});
   EXPECT_THROW(wrong.start(bucket, comm), loom::Error);
 }
+
+// A matrix whose gradient is zero on every rank for a step gives a zero P column, so Q = M^T P
+// comes back zero; warm start would keep it there and send that matrix as zeros for good. The
+// dead columns take the first Q's again, and the next step's gradients come through.
+TEST(PowerSgdHook, AZeroGradientDoesNotStallTheFactors) {
+  auto& comm = world();
+  pd::PowerSgdHook hook(2);
+  auto bucket = make_bucket();
+  const int64_t n = bucket.numel();
+  auto work = hook.start(bucket, comm);  // every gradient zero
+  const auto first_q = hook.q(bucket.index).clone();
+  work->wait();
+  hook.finish(bucket, comm);
+  EXPECT_TRUE(at::equal(hook.q(bucket.index), first_q));
+  bucket.buffer.copy_(gradient_of(comm.rank(), 1, n));
+  auto mean = bucket.buffer.clone();
+  comm.all_reduce(mean, loom::dist::ReduceOp::Avg);
+  hook.start(bucket, comm)->wait();
+  hook.finish(bucket, comm);
+  for (const auto& v : kMatrices)
+    EXPECT_GT(matrix(bucket.buffer, v).abs().max().item<double>(),
+              0.1 * matrix(mean, v).abs().max().item<double>())
+        << "the " << v.rows << " x " << v.cols << " came through as zeros";
+}
+
+// With bf16 gradients the carried error is M less the gradient as stored (rounded to bf16), so
+// the rounding is fed back too: error + stored gradient = M within fp32 rounding, where the bf16
+// rounding alone is about 2^-9 of the values.
+TEST(PowerSgdHook, Bf16GradientsFeedTheirRoundingBack) {
+  auto& comm = world();
+  pd::PowerSgdHook hook(2);
+  auto bucket = make_bucket();
+  bucket.buffer = bucket.buffer.to(at::kBFloat16);
+  for (int t = 0; t < 3; ++t) {
+    bucket.buffer.copy_(gradient_of(comm.rank(), t, bucket.numel()));
+    auto work = hook.start(bucket, comm);
+    const auto big = hook.error(bucket.index).clone();  // M, between start and finish
+    work->wait();
+    hook.finish(bucket, comm);
+    int64_t from = 0;
+    for (const auto& v : kMatrices) {
+      const auto m = big.narrow(0, from, v.rows * v.cols).view({v.rows, v.cols});
+      const auto e = hook.error(bucket.index).narrow(0, from, v.rows * v.cols).view(m.sizes());
+      from += v.rows * v.cols;
+      const double gap =
+          (e + matrix(bucket.buffer, v).to(at::kFloat) - m).abs().max().item<double>();
+      EXPECT_LE(gap, 4 * kU * m.abs().max().item<double>()) << "step " << t;
+    }
+  }
+}

@@ -84,13 +84,11 @@ bool run(const Config& c) {
   int64_t wrong = 0;
   for (int64_t i = 0; i < total && problem.empty(); ++i) wrong += !same_bits(d[i], want[size_t(i)]);
   if (wrong) problem = std::to_string(wrong) + " values differ from the reference";
-  // The reference itself: column 1 of the special matrix stays zero, and no column of a finite
-  // matrix is left unnormalized by mistake (the kernel equals it, so this checks both).
+  // The reference itself: column 1 of the special matrix stays zero (the kernel equals it, so
+  // this checks both). The sentinels between the matrices are part of the bit-for-bit comparison.
   if (problem.empty() && c.special && matrices > 0 && r >= 3)
     for (int64_t k = 0; k < c.rows[0]; ++k)
       if (want[size_t(offsets[0] + k * r + 1)] != 0.0f) problem = "the zero column changed";
-  for (int64_t i = 0; i < total && problem.empty(); ++i)
-    if (want[size_t(i)] == kSentinel && d[i] != kSentinel) problem = "a sentinel was overwritten";
   if (emulation::error_count != errors_before) problem += " (emulation errors)";
   std::printf("%s  %lld matrices, rank %lld, grid cap %lld%s%s\n",
               problem.empty() ? "ok  " : "FAIL", (long long)matrices, (long long)r,

@@ -129,6 +129,10 @@ dist::WorkPtr MomentumCompressionHook::start(GradBucket& bucket, dist::Communica
              "from another model or bucket size?)",
              name(), bucket.index, m.numel(), bucket.numel());
   if (m.device() != bucket.buffer.device()) m = m.to(bucket.buffer.device());  // a checkpoint's
+  // m must be the same on every rank, but a rank whose checkpoint file did not load starts from
+  // zero while the others restore theirs (CommHookState warns and goes on): the first reduction
+  // of each bucket after construction or a restore takes rank 0's. Blocking, once per bucket.
+  if (agreed_.insert(bucket.index).second) comm.broadcast(m, 0);
   // This rank's momentum, beta m + (1 - beta) g, in the gradient's place.
   bucket.buffer.mul_(1 - beta_).add_(m, beta_);
   return inner_->start(bucket, comm);
@@ -154,6 +158,7 @@ std::map<std::string, at::Tensor> MomentumCompressionHook::state() const {
 
 void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>& state) {
   momentum_.clear();
+  agreed_.clear();
   for (const auto& [key, m] : state) {
     const auto bucket = bucket_of_key(key, "momentum");
     if (!bucket) continue;
@@ -220,7 +225,8 @@ std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
   auto hook = factory(spec);
   LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", spec.name);
   if (warms_up) hook = std::make_shared<DenseWarmupHook>(std::move(hook), warmup);
-  if (compresses_momentum) hook = std::make_shared<MomentumCompressionHook>(std::move(hook), momentum);
+  if (compresses_momentum)
+    hook = std::make_shared<MomentumCompressionHook>(std::move(hook), momentum);
   return hook;
 }
 

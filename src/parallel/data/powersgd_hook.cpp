@@ -53,7 +53,7 @@ PowerSgdHook::Layout PowerSgdHook::layout_of(const GradBucket& bucket) const {
   return l;
 }
 
-at::Tensor PowerSgdHook::first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like) {
+at::Tensor PowerSgdHook::draw_first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like) {
   // Integers only (no libm, no vectorized ATen sampler), so that every rank draws the same bits.
   auto q = at::empty({numel}, at::kFloat);
   float* qp = q.data_ptr<float>();
@@ -78,8 +78,10 @@ dist::WorkPtr PowerSgdHook::start(GradBucket& bucket, dist::Communicator& comm) 
   const auto options = bucket.buffer.options().dtype(at::kFloat);
   if (!s.error.defined()) {
     s.error = at::zeros({l.error_numel}, options);
-    s.q = first_q(bucket.index, l.q_numel, s.error);
+    s.q = draw_first_q(bucket.index, l.q_numel, s.error);
   }
+  if (!s.first_q.defined() || s.first_q.numel() != l.q_numel)
+    s.first_q = draw_first_q(bucket.index, l.q_numel, s.error);
   // Restored state must fit (every rank restores the same sizes, so all stop alike).
   LOOM_CHECK(s.error.numel() == l.error_numel && s.q.numel() == l.q_numel,
              "--comm-hook powersgd: bucket {} carries an error of {} values and Q factors of {}; "
@@ -90,6 +92,7 @@ dist::WorkPtr PowerSgdHook::start(GradBucket& bucket, dist::Communicator& comm) 
   if (s.error.device() != bucket.buffer.device()) {
     s.error = s.error.to(bucket.buffer.device());
     s.q = s.q.to(bucket.buffer.device());
+    s.first_q = s.first_q.to(bucket.buffer.device());
   }
   s.message = at::empty({l.p_numel + l.dense_numel}, options);
   for (const auto& m : l.matrices) {
@@ -141,13 +144,23 @@ void PowerSgdHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   // The averaged Q is the same on every rank, so all of them take the same branch.
   const bool finite = at::isfinite(s.q).all().item<bool>();
   for (const auto& m : l.matrices) {
-    const auto approx = at::mm(p_of(m), q_of(m).t());
-    big_of(m).sub_(approx);
-    bucket.buffer.narrow(0, m.bucket_offset, m.rows * m.cols).view({m.rows, m.cols}).copy_(approx);
+    auto grad = bucket.buffer.narrow(0, m.bucket_offset, m.rows * m.cols).view({m.rows, m.cols});
+    grad.copy_(at::mm(p_of(m), q_of(m).t()));
+    // What the gradient holds, rounded to its dtype (bf16 buffers), is what was applied.
+    big_of(m).sub_(grad);
   }
   if (!finite) {
     s.error.zero_();
-    s.q = first_q(bucket.index, l.q_numel, s.error);
+    s.q.copy_(s.first_q);
+  } else {
+    // A column of Q that is all zero (its P column was: a matrix whose gradient was zero on every
+    // rank) would stay zero under warm start, and the matrix would be sent as zeros from then on:
+    // such columns start again from the first Q's. The same on every rank (Q is).
+    for (const auto& m : l.matrices) {
+      auto q = q_of(m);
+      const auto dead = q.abs().amax(0, /*keepdim=*/true) == 0;
+      q.copy_(at::where(dead, s.first_q.narrow(0, m.q_offset, m.cols * rank_).view(q.sizes()), q));
+    }
   }
   s.message = at::Tensor();
 }

@@ -2,12 +2,14 @@
 // How a gradient bucket is reduced across data-parallel ranks. The default averages it with an
 // all-reduce; a hook can compress it first (bf16 halves the bytes sent; int8 quarters them and
 // onebit sends a bit per value: quantized_hook.h; topk and threshold send a small fraction of the
-// values: sparse_hook.h; powersgd sends low-rank factors: powersgd_hook.h), which is where communication compression plugs in. The communicator
-// counts the bytes each hook sends (docs/compression.md).
+// values: sparse_hook.h; powersgd sends low-rank factors: powersgd_hook.h), which is where
+// communication compression plugs in. The communicator counts the bytes each hook sends
+// (docs/compression.md).
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -124,9 +126,13 @@ class DenseWarmupHook : public CommHook {
 // compression of a momentum lost, not of a gradient. Wrapping a warmup=N hook, the first N steps
 // average the local momenta exactly, so m is the exact momentum when compression starts. A step
 // whose result is not finite (every rank gets the same result) leaves m as it was, as the
-// trainer leaves the optimizer. Gradient clipping scales what the optimizer gets, not m: while it
-// clips, the optimizer's momentum drifts from m (the gap shrinks by B each step). Not under ZeRO:
-// a reduce-scatter returns one shard of m', and every rank needs all of it.
+// optimizer is left (the trainer stops before the update). The first reduction of each bucket
+// after construction or a restore broadcasts rank 0's m, so a rank whose checkpoint file failed
+// to load cannot drift from the others. Gradient clipping scales what the optimizer gets, not m:
+// while it clips, the optimizer's momentum drifts from m (the gap shrinks by B each step). The
+// optimizer should freeze its variance (--freeze-variance-after, 1-bit Adam): a moving variance
+// is fed the returned gradients, whose compression errors are 1 / (1 - B) times larger. Not under
+// ZeRO: a reduce-scatter returns one shard of m', and every rank needs all of it.
 class MomentumCompressionHook : public CommHook {
  public:
   // beta in [0, 1); loom::Error naming the value otherwise.
@@ -149,16 +155,17 @@ class MomentumCompressionHook : public CommHook {
   std::shared_ptr<CommHook> inner_;
   double beta_;
   std::map<int64_t, at::Tensor> momentum_;  // by bucket index
+  std::set<int64_t> agreed_;  // buckets whose momentum came from rank 0 since the last restore
 };
 
 // The registry of hooks by name: "avg", "bf16", "int8", "onebit", "powersgd", "topk" and
-// "threshold" are built in; a user's own hook registers with register_comm_hook or LOOM_REGISTER_COMM_HOOK and is
-// then chosen by --comm-hook NAME[:key=value,...]. The factory gets the parsed spec and checks its
-// options (spec.check_keys, the typed getters), so bad options fail when the hook is made, before
-// any collective. The keys "warmup" and "momentum" belong to every hook: make_comm_hook takes them
-// out of the spec before the factory sees them and wraps the hook in a DenseWarmupHook, then in
-// a MomentumCompressionHook. Registering a name twice is
-// a loom::Error.
+// "threshold" are built in; a user's own hook registers with register_comm_hook or
+// LOOM_REGISTER_COMM_HOOK and is then chosen by --comm-hook NAME[:key=value,...]. The factory gets
+// the parsed spec and checks its options (spec.check_keys, the typed getters), so bad options fail
+// when the hook is made, before any collective. The keys "warmup" and "momentum" belong to every
+// hook: make_comm_hook takes them out of the spec before the factory sees them and wraps the hook
+// in a DenseWarmupHook, then in a MomentumCompressionHook. Registering a name twice is a
+// loom::Error.
 using CommHookFactory = std::function<std::shared_ptr<CommHook>(const core::OptionSpec& spec)>;
 void register_comm_hook(const std::string& name, CommHookFactory factory);
 std::vector<std::string> comm_hook_names();

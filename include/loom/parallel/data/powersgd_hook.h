@@ -14,11 +14,15 @@
 // A matrix is compressed when rank (rows + cols) <= rows cols / 2 (it sends at most half its
 // values); the first Q is uniform in [-1, 1), drawn from integers alone (splitmix64 seeded by the
 // bucket index), so every rank, whatever its CPU or library, draws the same bits. Bytes a rank
-// sends per bucket (dist::wire_bytes): 2 (R - 1)/R x 4 (sum over compressed matrices of rank (rows
-// + cols) + uncompressed values), against 2 (R - 1)/R x 4 n for the fp32 all-reduce
-// (docs/compression.md). A step whose averaged Q is not finite (a NaN or an infinity in some rank's
-// gradient; every rank sees the same Q) leaves the non-finite values in the gradient for the
-// trainer's check, resets the error to 0 and draws the first Q again.
+// sends per bucket (dist::wire_bytes): 2 (R - 1)/R x 4 (sum over compressed matrices of
+// rank (rows + cols) + uncompressed values), against 2 (R - 1)/R x 4 n for the fp32 all-reduce
+// (docs/compression.md).
+// A step whose averaged Q is not finite (a NaN or an infinity in some rank's gradient; every rank
+// sees the same Q) leaves the non-finite values in the gradient for the trainer's check, resets
+// the error to 0 and Q to the first step's. A column of Q that comes back all zero (a matrix
+// whose gradient was zero on every rank) takes the first step's column again, so warm start
+// cannot stick at zero. The error is M less the gradient as stored: with bf16 gradients their
+// rounding to bf16 is fed back too.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -69,10 +73,11 @@ class PowerSgdHook : public CommHook {
     Layout layout;
     at::Tensor error;    // [error_numel]; from start to finish it holds M = gradient + error
     at::Tensor q;        // [q_numel]
+    at::Tensor first_q;  // [q_numel]: the first step's, for columns that die and a NaN's reset
     at::Tensor message;  // in flight: [p_numel + dense_numel]
   };
   Layout layout_of(const GradBucket& bucket) const;
-  static at::Tensor first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like);
+  static at::Tensor draw_first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like);
 
   int64_t rank_;
   std::map<int64_t, State> state_;  // by bucket index
