@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <random>
 
@@ -32,6 +33,19 @@ inline dist::Communicator& world() {
 inline at::Tensor rank_gradient(int seed, int rank, int step, int64_t n) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed + 31 * rank + step);
   return at::randn({n}, g) * (1.0 + step % 3) + 0.01 * rank;
+}
+
+// The mean over the world's ranks of their rank_gradient(seed, rank, step, n), in fp64 (every rank
+// computes it alone); *largest grows to the largest magnitude among them when given.
+inline at::Tensor mean_rank_gradient(int seed, int step, int64_t n, double* largest = nullptr) {
+  const int ranks = world().size();
+  auto mean = at::zeros({n}, at::kDouble);
+  for (int r = 0; r < ranks; ++r) {
+    const auto g = rank_gradient(seed, r, step, n);
+    if (largest != nullptr) *largest = std::max(*largest, g.abs().max().item<double>());
+    mean += g.to(at::kDouble) / ranks;
+  }
+  return mean;
 }
 
 // Whether every rank of the world holds the same bits in t. Collective.

@@ -32,8 +32,10 @@ namespace {
 constexpr double kU = 5.960464477539063e-08;  // 2^-24
 
 // Rank r's gradient at step t: the same on every rank that asks, so each can form the mean.
+constexpr int kGradientSeed = 500;
+
 at::Tensor gradient_of(int rank, int step, int64_t n) {
-  return loom::testing::rank_gradient(500, rank, step, n);
+  return loom::testing::rank_gradient(kGradientSeed, rank, step, n);
 }
 
 }  // namespace
@@ -59,12 +61,7 @@ TEST(QuantizedHooks, EveryRankGetsTheSameMeanAndErrorFeedbackLosesNothing) {
     double largest = 0, sent = 0;
     for (int t = 0; t < steps; ++t) {
       bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
-      auto mean = at::zeros({n}, at::kDouble);
-      for (int r = 0; r < ranks; ++r) {
-        const auto g = gradient_of(r, t, n);
-        largest = std::max(largest, g.abs().max().item<double>());
-        mean += g.to(at::kDouble) / ranks;
-      }
+      const auto mean = loom::testing::mean_rank_gradient(kGradientSeed, t, n, &largest);
       const double sent_before = comm.bytes_sent();
       hook.start(bucket, comm)->wait();
       hook.finish(bucket, comm);

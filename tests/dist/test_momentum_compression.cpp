@@ -22,8 +22,10 @@ namespace {
 
 constexpr double kU = 5.960464477539063e-08;  // 2^-24
 
+constexpr int kGradientSeed = 1300;
+
 at::Tensor gradient_of(int rank, int step, int64_t n) {
-  return loom::testing::rank_gradient(1300, rank, step, n);
+  return loom::testing::rank_gradient(kGradientSeed, rank, step, n);
 }
 
 std::shared_ptr<pd::MomentumCompressionHook> momentum_hook(const std::string& spec) {
@@ -56,8 +58,7 @@ TEST(MomentumCompression, TheOptimizersMomentumUpdateRebuildsTheAveragedMomentum
     for (int t = 0; t < 6; ++t) {
       hook->begin_step(t);
       bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
-      auto mean = at::zeros({n}, at::kDouble);
-      for (int r = 0; r < ranks; ++r) mean += gradient_of(r, t, n).to(at::kDouble) / ranks;
+      const auto mean = loom::testing::mean_rank_gradient(kGradientSeed, t, n);
       hook->start(bucket, comm)->wait();
       hook->finish(bucket, comm);
       ASSERT_TRUE(same_on_every_rank(bucket.buffer)) << "step " << t;

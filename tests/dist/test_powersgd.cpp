@@ -46,8 +46,10 @@ struct View {
 const std::vector<View> kMatrices = {{0, 64, 48}, {3136, 6, 80}};
 constexpr int64_t kDenseFrom = 3072, kDenseLength = 64;
 
+constexpr int kGradientSeed = 900;
+
 at::Tensor gradient_of(int rank, int step, int64_t n) {
-  return loom::testing::rank_gradient(900, rank, step, n);
+  return loom::testing::rank_gradient(kGradientSeed, rank, step, n);
 }
 
 // The textbook modified Gram-Schmidt, in fp64.
@@ -93,12 +95,7 @@ TEST(PowerSgdHook, EveryRankGetsTheMeansRankRApproximationAndErrorFeedbackLosesN
   double largest = 0, sent = 0, worst_ratio = 0;
   for (int t = 0; t < steps; ++t) {
     bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
-    auto mean = at::zeros({n}, at::kDouble);
-    for (int r = 0; r < ranks; ++r) {
-      const auto g = gradient_of(r, t, n);
-      largest = std::max(largest, g.abs().max().item<double>());
-      mean += g.to(at::kDouble) / ranks;
-    }
+    const auto mean = loom::testing::mean_rank_gradient(kGradientSeed, t, n, &largest);
     const double sent_before = comm.bytes_sent();
     auto work = hook.start(bucket, comm);
     // Between start and finish the hook's error holds M, and Q is still the last step's.
