@@ -12,8 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "loom/apps/cli.h"
 #include "bench_util.h"
+#include "loom/apps/cli.h"
+#include "loom/core/files.h"
 #include "loom/loom.h"
 
 int main(int argc, char** argv) {
@@ -111,7 +112,8 @@ int main(int argc, char** argv) {
     }
     trainers.clear();
     world->barrier();
-    if (world->rank() == 0) std::filesystem::remove_all(dir);
+    std::error_code ec;
+    if (world->rank() == 0) loom::core::remove_tree(dir, ec);
     return 0;
   });
 }

@@ -280,6 +280,45 @@ TEST(Core, EnsureWritableDirNamesTheProblem) {
             std::string::npos);
 }
 
+// core::remove_tree (loom's remove_all, which the torch wheel's exported copy cannot be trusted
+// with): a tree of files, directories and a link is removed and counted; the link is removed,
+// its target kept; a missing path removes nothing without an error; a trailing separator names
+// the directory; ".", ".." and "" are refused.
+TEST(Core, RemoveTreeRemovesEverythingBelowAndNoLinkTarget) {
+  TempDir dir;
+  const auto tree = dir / "tree";
+  std::filesystem::create_directories(tree / "a" / "b");
+  std::filesystem::create_directories(dir / "kept");
+  std::ofstream(dir / "kept" / "target.txt") << "stays";
+  std::ofstream(tree / "top.txt") << "x";
+  std::ofstream(tree / "a" / "b" / "deep.txt") << "y";
+  std::filesystem::create_directory_symlink(dir / "kept", tree / "a" / "link");
+  std::error_code ec;
+  // tree, top.txt, a, a/b, a/b/deep.txt, a/link: 6 entries.
+  EXPECT_EQ(core::remove_tree(tree, ec), 6u);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(std::filesystem::exists(tree));
+  EXPECT_EQ(core::read_file(dir / "kept" / "target.txt"), "stays");
+
+  EXPECT_EQ(core::remove_tree(dir / "missing", ec), 0u);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_EQ(core::remove_tree(dir / "missing" / "deeper", ec), 0u);
+  EXPECT_FALSE(ec) << ec.message();
+
+  std::filesystem::create_directories(dir / "slash" / "x");
+  EXPECT_EQ(core::remove_tree((dir / "slash").string() + "/", ec), 2u);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(std::filesystem::exists(dir / "slash"));
+
+  EXPECT_EQ(core::remove_tree(dir / "kept" / "target.txt", ec), 1u);  // a file alone
+  EXPECT_FALSE(std::filesystem::exists(dir / "kept" / "target.txt"));
+  for (const char* refused : {"", ".", ".."}) {
+    EXPECT_EQ(core::remove_tree(refused, ec), 0u);
+    EXPECT_EQ(ec, std::errc::invalid_argument) << "'" << refused << "'";
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "kept"));
+}
+
 namespace {
 
 constexpr int64_t kMiB = 1024 * 1024;

@@ -721,6 +721,7 @@ TEST(Cuda, ActivationOffloadMovesBlockInputsOffTheDevice) {
   if (loom::ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
   auto c = tiny(models::Family::kGpt2);
   c.n_layers = 8;
+  c.max_seq_len = 128;
   const at::Device cuda(at::kCUDA, 0);
   auto tokens = at::randint(0, c.vocab_size, {8, 128}, loom::core::make_generator(1)).to(cuda);
   auto targets = at::randint(0, c.vocab_size, {8, 128}, loom::core::make_generator(2)).to(cuda);

@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "loom/apps/cli.h"
+#include "loom/core/files.h"
 #include "loom/loom.h"
 
 namespace {
@@ -126,7 +127,9 @@ int main(int argc, char** argv) {
     const int64_t ranks = world->size(), rank = world->rank();
     const std::filesystem::path root = dir;
     if (rank == 0) {
-      std::filesystem::remove_all(root);
+      std::error_code ec;
+      loom::core::remove_tree(root, ec);  // a leftover of an earlier run
+      LOOM_CHECK(!ec, "cannot remove '{}': {}", root.string(), ec.message());
       std::filesystem::create_directories(root);
       std::string text;
       for (int i = 0; i < 300; ++i)

@@ -1,6 +1,8 @@
 #include "loom/core/files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -156,6 +158,81 @@ std::string read_file(const std::filesystem::path& path) {
   } catch (const std::ios_base::failure& e) {
     fail("reading '{}' failed: {}", path.string(), e.what());
   }
+}
+
+namespace {
+
+// Removes the entry `name` of the directory `parent_fd` (a directory: its contents first),
+// adding to `removed`. Plain POSIX calls on descriptors, so no path is looked up twice and no
+// std::filesystem function (see remove_tree) is involved.
+bool remove_entry(int parent_fd, const char* name, uintmax_t& removed, std::error_code& ec) {
+  struct stat st {};
+  if (::fstatat(parent_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return true;  // gone meanwhile
+    ec.assign(errno, std::generic_category());
+    return false;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    const int fd = ::openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+      ec.assign(errno, std::generic_category());
+      return false;
+    }
+    DIR* dir = ::fdopendir(fd);  // owns fd from here
+    if (dir == nullptr) {
+      ec.assign(errno, std::generic_category());
+      ::close(fd);
+      return false;
+    }
+    std::vector<std::string> names;
+    errno = 0;
+    while (const dirent* e = ::readdir(dir)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
+        names.emplace_back(e->d_name);
+    }
+    bool ok = errno == 0;
+    if (!ok) ec.assign(errno, std::generic_category());
+    for (size_t i = 0; ok && i < names.size(); ++i)
+      ok = remove_entry(::dirfd(dir), names[i].c_str(), removed, ec);
+    ::closedir(dir);
+    if (!ok) return false;
+  }
+  if (::unlinkat(parent_fd, name, S_ISDIR(st.st_mode) ? AT_REMOVEDIR : 0) != 0) {
+    if (errno == ENOENT) return true;
+    ec.assign(errno, std::generic_category());
+    return false;
+  }
+  ++removed;
+  return true;
+}
+
+}  // namespace
+
+uintmax_t remove_tree(const std::filesystem::path& path, std::error_code& ec) noexcept {
+  ec.clear();
+  uintmax_t removed = 0;
+  try {
+    // unlinkat needs a parent directory and a name: the path's parent ("." for a bare name).
+    auto target = path;
+    if (target.filename().empty() && target.has_parent_path()) target = target.parent_path();
+    const auto parent =
+        target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+    const auto name = target.filename();
+    if (name.empty() || name == "." || name == "..") {
+      ec = std::make_error_code(std::errc::invalid_argument);  // "", "." or "..": refused
+      return 0;
+    }
+    const int parent_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (parent_fd < 0) {
+      if (errno != ENOENT) ec.assign(errno, std::generic_category());
+      return 0;
+    }
+    remove_entry(parent_fd, name.c_str(), removed, ec);
+    ::close(parent_fd);
+  } catch (const std::bad_alloc&) {
+    ec = std::make_error_code(std::errc::not_enough_memory);
+  }
+  return removed;
 }
 
 void ensure_writable_dir(const std::filesystem::path& dir) {

@@ -222,7 +222,7 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
   const auto name = final_dir.filename().string();
   const auto tmp_dir = dir / (name + ".tmp");
   std::error_code ec;
-  fs::remove_all(tmp_dir, ec);  // leftovers of an earlier interrupted save
+  core::remove_tree(tmp_dir, ec);  // leftovers of an earlier interrupted save
   fs::create_directories(tmp_dir, ec);
   LOOM_CHECK(!ec, "cannot create '{}': {}", tmp_dir.string(), ec.message());
 
@@ -264,7 +264,7 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
 
     // Re-saving a step that exists (a resumed run passing it again): move the old copy aside
     // first, so a valid checkpoint exists under one of the two names at every moment.
-    fs::remove_all(old_dir, ec);
+    core::remove_tree(old_dir, ec);
     if (fs::exists(final_dir)) {
       fs::rename(final_dir, old_dir, ec);
       LOOM_CHECK(!ec, "cannot move '{}' aside: {}", final_dir.string(), ec.message());
@@ -274,10 +274,10 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
                ec.message());
     core::fsync_path(dir);
     core::write_file_atomic(dir / "latest", name + "\n");
-    fs::remove_all(old_dir, ec);
+    core::remove_tree(old_dir, ec);
   } catch (...) {
     if (!fs::exists(final_dir, ec) && fs::exists(old_dir, ec)) fs::rename(old_dir, final_dir, ec);
-    fs::remove_all(tmp_dir, ec);
+    core::remove_tree(tmp_dir, ec);
     throw;
   }
 
@@ -291,7 +291,8 @@ fs::path save_checkpoint(const fs::path& dir, int64_t step, const core::NamedTen
       if (s < step) older.emplace_back(s, entry.path());
     }
     std::sort(older.begin(), older.end());
-    for (size_t i = 0; i + keep_last - 1 < older.size(); ++i) fs::remove_all(older[i].second, ec);
+    for (size_t i = 0; i + keep_last - 1 < older.size(); ++i)
+      core::remove_tree(older[i].second, ec);
   }
   return final_dir;
 }

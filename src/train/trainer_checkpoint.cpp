@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 #include "loom/core/format.h"
 #include "loom/core/json.h"
 #include "loom/core/rng.h"
@@ -353,7 +354,7 @@ fs::path Trainer::save_checkpoint() {
     if (is_rank0()) {
       try {
         std::error_code ec;
-        fs::remove_all(staging, ec);  // leftovers of an interrupted save
+        core::remove_tree(staging, ec);  // leftovers of an interrupted save
         fs::create_directories(staging, ec);
         LOOM_CHECK(!ec, "cannot create '{}': {}", staging.string(), ec.message());
       } catch (...) {
@@ -407,7 +408,7 @@ fs::path Trainer::save_checkpoint() {
                                        run().step, staging.string()));
     } catch (...) {
       std::error_code ec;
-      if (is_rank0()) fs::remove_all(staging, ec);  // a full disk keeps no partial shards
+      if (is_rank0()) core::remove_tree(staging, ec);  // a full disk keeps no partial shards
       throw;
     }
     for (int64_t p = 0; p < mesh_->size(dist::Dim::pp); ++p)
@@ -456,13 +457,13 @@ fs::path Trainer::save_checkpoint() {
                              shard_files);
       if (!shard_files.empty()) {
         std::error_code ec;
-        fs::remove_all(shard_files.front().parent_path(), ec);
+        core::remove_tree(shard_files.front().parent_path(), ec);
       }
       spdlog::info("saved checkpoint {}", dir.string());
     } catch (...) {
       failure = std::current_exception();
       std::error_code ec;
-      if (!shard_files.empty()) fs::remove_all(shard_files.front().parent_path(), ec);
+      if (!shard_files.empty()) core::remove_tree(shard_files.front().parent_path(), ec);
     }
   }
   share_rank0_outcome(

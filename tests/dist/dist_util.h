@@ -10,6 +10,7 @@
 #include <random>
 
 #include "../test_util.h"
+#include "loom/core/files.h"
 #include "loom/dist/runtime.h"
 
 namespace loom::testing {
@@ -73,7 +74,7 @@ class SharedTempDir {
   ~SharedTempDir() {
     world().barrier();
     std::error_code ec;
-    if (world().rank() == 0) std::filesystem::remove_all(path_, ec);
+    if (world().rank() == 0) loom::core::remove_tree(path_, ec);
   }
   SharedTempDir(const SharedTempDir&) = delete;
   SharedTempDir& operator=(const SharedTempDir&) = delete;

@@ -9,6 +9,7 @@
 
 #include "../test_util.h"
 #include "dist_util.h"
+#include "loom/core/files.h"
 #include "loom/data/sampler.h"
 #include "loom/parallel/data/data_parallel.h"
 #include "loom/train/trainer.h"
@@ -325,7 +326,9 @@ TEST(TrainerDp, ACheckpointRank0CannotWriteFailsOnEveryRank) {
   train::Trainer t(config, loom::testing::layout_mesh({}));
   // After the constructor's checks, the save directory turns into a file: rank 0's write fails.
   if (world().rank() == 0) {
-    fs::remove_all(dir / "ckpt");
+    std::error_code ec;
+    loom::core::remove_tree(dir / "ckpt", ec);
+    ASSERT_FALSE(ec) << ec.message();
     std::ofstream(dir / "ckpt") << "not a directory";
   }
   world().barrier();

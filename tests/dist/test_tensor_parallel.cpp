@@ -566,7 +566,10 @@ TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
     world().broadcast(tokens, 0);
     torch::NoGradGuard no_grad;
     t.model().eval();
-    auto logits = t.model().forward(tokens);
+    // On the training device (scripts/gpu-check trains these on the GPU); the export loads on
+    // the host.
+    const auto device = t.model().parameters().front().device();
+    auto logits = t.model().forward(tokens.to(device)).cpu();
     if (world().rank() == 0) {
       auto exported = models::load_hf(config.export_hf);
       exported->eval();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 
 namespace loom::fuzz {
 
@@ -29,7 +30,8 @@ inline const std::filesystem::path& scratch_dir() {
     const char* tmp = std::getenv("TMPDIR");
     auto d = std::filesystem::path(tmp && *tmp ? tmp : "/tmp") /
              ("loom-fuzz-" + std::to_string(::getpid()));
-    std::filesystem::remove_all(d);
+    std::error_code ec;
+    loom::core::remove_tree(d, ec);
     std::filesystem::create_directories(d);
     return d;
   }();

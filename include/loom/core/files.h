@@ -7,6 +7,7 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 namespace loom::core {
 
@@ -29,6 +30,13 @@ void fsync_path(const std::filesystem::path& path);
 // Creates `dir` (and parents) and proves it is writable by creating and removing a probe file.
 // Throws loom::Error naming the directory and the OS reason otherwise.
 void ensure_writable_dir(const std::filesystem::path& dir);
+
+// Removes `path` and everything below it, as std::filesystem::remove_all (symbolic links are
+// removed, not followed); returns how many entries it removed, 0 for a path that does not exist.
+// On failure sets `ec` and returns what it removed so far. Why not remove_all itself: the torch
+// wheel's libtorch.so exports its own copy of it, and on machines where the dynamic linker binds
+// a program's call to that copy it jumps to address 0 (seen on a GPU machine, docs/gpu.md).
+uintmax_t remove_tree(const std::filesystem::path& path, std::error_code& ec) noexcept;
 
 // Test-only fault injection, so tests can prove what a full or read-only disk does to a
 // checkpoint (docs/reliability.md): with LOOM_TEST_WRITE_FAULT=BYTES[:ERRNO[:RANK]] set, every
