@@ -18,6 +18,7 @@
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/powersgd_hook.h"
 #include "loom/parallel/data/sparse_hook.h"
+#include "loom/parallel/pipeline/activation_codec.h"
 #include "loom/train/config.h"
 #include "test_util.h"
 
@@ -525,4 +526,80 @@ TEST(Orthogonalize, BadInputIsNamed) {
   auto half = at::zeros({100}, at::kHalf);
   EXPECT_TRUE(contains(error_of([&] { ops::orthogonalize_columns_(half, {0}, {10}, 4); }),
                        "contiguous float32 1-D"));
+}
+
+// --compress-activations' codecs (parallel/pipeline/activation_codec.h), as a pipeline message
+// carries them: encoded, copied into the buffers the receiver allocates from the header's sizes,
+// dtype and codec, decoded. none returns the same bits; bf16 the bf16 rounding; int8 each value
+// within half a step of its block (scale = the block's largest magnitude / 127, ops/quantize.h),
+// the tail padded to a whole block. Bytes on the wire as encoded_bytes states; tensors that are
+// not floating point (and bf16 ones under bf16) go as they are.
+TEST(ActivationCodec, EachCodecRoundTripsWithinItsBoundAndCountsItsBytes) {
+  namespace pl = loom::parallel::pipeline;
+  auto through_the_wire = [](const at::Tensor& t, pl::ActivationCodec codec) {
+    const auto used = pl::codec_for(t.scalar_type(), codec);
+    const auto sent = pl::encode_activation(t, codec);
+    auto received = pl::activation_parts(t.sizes(), t.scalar_type(), used, t.device());
+    EXPECT_EQ(sent.size(), received.size());
+    int64_t bytes = 0;
+    for (size_t i = 0; i < sent.size() && i < received.size(); ++i) {
+      EXPECT_EQ(sent[i].sizes(), received[i].sizes()) << "part " << i;
+      EXPECT_EQ(sent[i].scalar_type(), received[i].scalar_type()) << "part " << i;
+      received[i].copy_(sent[i]);
+      bytes += sent[i].numel() * sent[i].element_size();
+    }
+    EXPECT_EQ(bytes, pl::encoded_bytes(t.numel(), t.scalar_type(), codec));
+    auto out = pl::decode_activation(received, t.sizes(), t.scalar_type(), used);
+    EXPECT_EQ(out.sizes(), t.sizes());
+    EXPECT_EQ(out.scalar_type(), t.scalar_type());
+    return out;
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  // 1500 values: five whole blocks of 256 and a tail of 220, one block much larger than the rest.
+  auto x = at::randn({3, 5, 100}, gen);
+  x.view({-1}).narrow(0, 256, 256).mul_(1000);
+  EXPECT_TRUE(at::equal(through_the_wire(x, pl::ActivationCodec::kNone), x));
+  EXPECT_TRUE(at::equal(through_the_wire(x, pl::ActivationCodec::kBf16),
+                        x.to(at::kBFloat16).to(at::kFloat)));
+  const auto q = through_the_wire(x, pl::ActivationCodec::kInt8);
+  EXPECT_EQ(pl::encoded_bytes(1500, at::kFloat, pl::ActivationCodec::kInt8), 1536 + 6 * 4);
+  auto padded = at::constant_pad_nd(x.reshape({-1}), {0, 36}, 0.0).view({6, 256});
+  auto error = at::constant_pad_nd((q - x).reshape({-1}), {0, 36}, 0.0).view({6, 256});
+  auto half_step = std::get<0>(padded.abs().max(1)) / 127 / 2;
+  // The bound plus the fp32 roundings of the scale and the division: a few units in the last
+  // place of the block's largest value.
+  auto slack = std::get<0>(padded.abs().max(1)) * 4 * std::numeric_limits<float>::epsilon();
+  EXPECT_TRUE(at::all(std::get<0>(error.abs().max(1)) <= half_step + slack).item<bool>())
+      << "worst error per block " << std::get<0>(error.abs().max(1)) << " half steps " << half_step;
+  EXPECT_GT((q - x).abs().max().item<double>(), 0) << "int8 lost nothing: the test cannot tell";
+  EXPECT_NO_THROW(through_the_wire(x, pl::ActivationCodec::kInt8).requires_grad_(true));
+  // Other dtypes: fp64 compressed the same way; bf16 under bf16 and integers sent as they are.
+  auto x64 = at::randn({2, 7}, gen).to(at::kDouble);
+  EXPECT_TRUE(at::equal(through_the_wire(x64, pl::ActivationCodec::kBf16),
+                        x64.to(at::kBFloat16).to(at::kDouble)));
+  EXPECT_EQ(pl::encoded_bytes(14, at::kDouble, pl::ActivationCodec::kInt8), 256 + 4);
+  auto xb = at::randn({4, 64}, gen).to(at::kBFloat16);
+  EXPECT_EQ(pl::codec_for(at::kBFloat16, pl::ActivationCodec::kBf16), pl::ActivationCodec::kNone);
+  EXPECT_TRUE(at::equal(through_the_wire(xb, pl::ActivationCodec::kBf16), xb));
+  auto ids = at::randint(0, 50, {3, 9}, gen);
+  EXPECT_TRUE(at::equal(through_the_wire(ids, pl::ActivationCodec::kInt8), ids));
+  EXPECT_EQ(pl::encoded_bytes(27, at::kLong, pl::ActivationCodec::kInt8), 27 * 8);
+}
+
+TEST(ActivationCodec, BadNamesAndLayoutsAreRefusedWithTheValidOnes) {
+  namespace pl = loom::parallel::pipeline;
+  EXPECT_EQ(pl::parse_activation_codec("int8"), pl::ActivationCodec::kInt8);
+  const auto bad = error_of([] { pl::parse_activation_codec("fp8"); });
+  EXPECT_TRUE(contains(bad, "'fp8'") && contains(bad, "none, bf16 or int8")) << bad;
+  loom::train::TrainConfig config;
+  config.data = "unused.bin";
+  config.compress_activations = "int8";
+  const auto no_pipeline = error_of([&] { config.validate(); });
+  EXPECT_TRUE(contains(no_pipeline, "--compress-activations int8") &&
+              contains(no_pipeline, "--pp > 1"))
+      << no_pipeline;
+  config.pp = 2;
+  config.validate();
+  config.compress_activations = "int4";
+  EXPECT_TRUE(contains(error_of([&] { config.validate(); }), "none, bf16 or int8"));
 }

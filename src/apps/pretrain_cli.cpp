@@ -142,6 +142,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "JSON file of the pipeline ranks' devices: {\"devices\": [{\"name\": ..., "
                  "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers. "
                  "'measured': each rank times a block at start-up");
+  app.add_option("--compress-activations", c.compress_activations,
+                 "What crosses the pipeline stages, activations forward and their gradients "
+                 "backward: none | bf16 (half of fp32's bytes) | int8 (blocks of 256 with a "
+                 "scale: about a quarter)")
+      ->capture_default_str();
   app.add_option("--zero", c.zero,
                  "ZeRO stage: 0 replicated data parallelism | 1 optimizer state sharded across "
                  "dp ranks | 2 plus gradients | 3 plus parameters (gathered per block)")

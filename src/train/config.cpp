@@ -15,6 +15,7 @@
 #include "loom/ops/attention.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/pipeline/activation_codec.h"
 
 namespace loom::train {
 
@@ -77,6 +78,11 @@ void TrainConfig::validate() const {
   LOOM_CHECK(pp_partition == "uniform" || pp_partition == "params" || pp_partition == "flops" ||
                  pp_partition == "measured",
              "--pp-partition '{}' is not valid: uniform, params, flops or measured", pp_partition);
+  // Names the valid ones for a value that is not one of them.
+  const auto codec = parallel::pipeline::parse_activation_codec(compress_activations);
+  LOOM_CHECK(codec == parallel::pipeline::ActivationCodec::kNone || pp > 1,
+             "--compress-activations {} compresses what crosses pipeline stages: it needs --pp > 1",
+             compress_activations);
   LOOM_CHECK(pp_devices.empty() || pp > 1,
              "--pp-devices '{}' describes pipeline ranks: it needs --pp > 1", pp_devices);
   LOOM_CHECK(zero >= 0 && zero <= 3,
@@ -167,8 +173,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
     eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
-    pp, schedule, virtual_stages, pp_partition, pp_devices, device, attention, peak_tflops,
-    strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,
+    pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device, attention,
+    peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,
     freeze_variance_after)
 
 nlohmann::json TrainConfig::to_json() const {

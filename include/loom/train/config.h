@@ -87,6 +87,8 @@ struct TrainConfig {
   int64_t virtual_stages = 1;          // model chunks per pipeline rank (interleaved)
   std::string pp_partition = "flops";  // uniform | params | flops | measured: layer cost
   std::string pp_devices;              // JSON device file: relative speed and memory per pp rank
+  // What crosses the stage boundaries: none | bf16 | int8 (parallel/pipeline/activation_codec.h).
+  std::string compress_activations = "none";
 
   // Memory. ZeRO shards the training state across the dp ranks: 1 optimizer state, 2 plus
   // gradients, 3 plus parameters (0: plain replicated data parallelism).

@@ -20,17 +20,23 @@ double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// A message is a fixed header (its id, number of dimensions, dtype, sizes), then the tensor: the
-// receiver allocates from the header, so stages may send any shape (sequence-parallel chunks, a
-// last micro-batch of another size).
+// A message is a fixed header (its id, number of dimensions, dtype, the codec it was sent with,
+// sizes), then the tensor's parts under that codec (activation_codec.h): the receiver allocates
+// from the header, so stages may send any shape (sequence-parallel chunks, a last micro-batch of
+// another size).
 constexpr int64_t kMaxDims = 6;
-constexpr int64_t kHeaderLength = kMaxDims + 3;
+constexpr int64_t kSizesAt = 4;
+constexpr int64_t kHeaderLength = kMaxDims + kSizesAt;
 
 }  // namespace
 
 PipelineExecutor::PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape,
-                                   SchedulePtr schedule, at::Device device)
-    : comm_(std::move(comm)), shape_(shape), schedule_(std::move(schedule)), device_(device) {
+                                   SchedulePtr schedule, at::Device device, ActivationCodec codec)
+    : comm_(std::move(comm)),
+      shape_(shape),
+      schedule_(std::move(schedule)),
+      device_(device),
+      codec_(codec) {
   LOOM_CHECK(comm_ && schedule_, "PipelineExecutor needs a communicator and a schedule");
   LOOM_CHECK(comm_->size() == shape_.ranks,
              "the pipeline communicator has {} ranks but the pipeline shape has pp {}",
@@ -115,19 +121,23 @@ void PipelineExecutor::send(const at::Tensor& t, int64_t to_stage, int64_t id,
   LOOM_CHECK(t.defined() && t.dim() <= kMaxDims,
              "pipeline stage output must be a tensor of at most {} dimensions; got {}", kMaxDims,
              t.defined() ? std::to_string(t.dim()) + " dimensions" : "an undefined tensor");
+  const auto codec = codec_for(t.scalar_type(), codec_);
   auto header = at::zeros({kHeaderLength}, at::kLong);
   auto h = header.accessor<int64_t, 1>();
   h[0] = id;
   h[1] = t.dim();
   h[2] = static_cast<int64_t>(t.scalar_type());
-  for (int64_t d = 0; d < t.dim(); ++d) h[d + 3] = t.size(d);
+  h[3] = static_cast<int64_t>(codec);
+  for (int64_t d = 0; d < t.dim(); ++d) h[d + kSizesAt] = t.size(d);
   const auto peer = shape_.rank_of(to_stage);
   auto& channel = *outbound_.at(peer);
-  auto body = t.detach().contiguous();
   pending_sends_.push_back(channel.send_async(header.to(device_), 1));
-  pending_sends_.push_back(channel.send_async(body, 1));
+  for (auto& part : encode_activation(t, codec)) {
+    stats.bytes_sent += static_cast<double>(part.numel() * part.element_size());
+    pending_sends_.push_back(channel.send_async(part, 1));
+  }
   ++stats.messages_sent;
-  stats.bytes_sent += static_cast<double>(body.numel() * body.element_size());
+  stats.uncompressed_bytes += static_cast<double>(t.numel() * t.element_size());
   // Let go of the buffers of sends that have completed.
   std::erase_if(pending_sends_, [](const dist::WorkPtr& w) { return w->is_completed(); });
 }
@@ -156,9 +166,12 @@ at::Tensor PipelineExecutor::receive(int64_t from_stage, int64_t id, PipelineSta
                "ranks disagree on the schedule",
                rank(), expected, peer, h[0]);
     std::vector<int64_t> sizes;
-    for (int64_t d = 0; d < h[1]; ++d) sizes.push_back(h[d + 3]);
-    auto t = at::empty(sizes, at::TensorOptions(static_cast<at::ScalarType>(h[2])).device(device_));
-    in.comm->recv(t, 0);
+    for (int64_t d = 0; d < h[1]; ++d) sizes.push_back(h[d + kSizesAt]);
+    const auto dtype = static_cast<at::ScalarType>(h[2]);
+    const auto codec = static_cast<ActivationCodec>(h[3]);
+    auto parts = activation_parts(sizes, dtype, codec, device_);
+    for (auto& part : parts) in.comm->recv(part, 0);
+    auto t = decode_activation(parts, sizes, dtype, codec);
     if (expected == id) {
       out = t;
     } else {

@@ -230,7 +230,8 @@ class PipelineStrategy final : public Strategy {
   void apply(RunContext& run) override {
     executor_ = std::make_shared<pl::PipelineExecutor>(
         run.mesh->comm_ptr(dist::Dim::pp), shape(run), pl::make_schedule(run.config.schedule),
-        run.chunks.front()->parameters().front().device());
+        run.chunks.front()->parameters().front().device(),
+        pl::parse_activation_codec(run.config.compress_activations));
     run.runner = std::make_unique<PipelineRunner>(executor_, last_);
     run.publish("pipeline.executor", executor_.get());
     // The first and last stages hold the two copies of a tied embedding; their gradients are
@@ -268,14 +269,22 @@ class PipelineStrategy final : public Strategy {
                    nlohmann::json& record) const override {
     record["pipeline"] = {{"bubble", last_->bubble_fraction()},
                           {"wait_s", last_->wait_seconds},
-                          {"max_in_flight", last_->max_in_flight}};
+                          {"max_in_flight", last_->max_in_flight},
+                          {"bytes_sent", last_->bytes_sent}};
+    // What --compress-activations saved: the tensors' own bytes over the bytes sent.
+    if (last_->bytes_sent > 0)
+      record["pipeline"]["activation_compression_ratio"] =
+          last_->uncompressed_bytes / last_->bytes_sent;
   }
 
   std::string describe(const RunContext& run) const override {
-    return fmt::format("pipeline: {} | schedule {} | {} stages, partitioned by {} cost:{}",
+    const auto codec = executor_->codec();
+    return fmt::format("pipeline: {} | schedule {} | {} stages, partitioned by {} cost:{}{}",
                        executor_->shape().describe(), run.config.schedule,
-                       executor_->shape().stages(), run.config.pp_partition,
-                       partition_->describe());
+                       executor_->shape().stages(), run.config.pp_partition, partition_->describe(),
+                       codec == pl::ActivationCodec::kNone
+                           ? std::string()
+                           : " | activations and their gradients sent as " + pl::to_string(codec));
   }
 
  private:

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "loom/dist/communicator.h"
+#include "loom/parallel/pipeline/activation_codec.h"
 #include "loom/parallel/pipeline/schedule.h"
 
 namespace loom::parallel::pipeline {
@@ -37,7 +38,9 @@ struct PipelineStats {
   double backward_seconds = 0;
   int64_t max_in_flight = 0;  // most (micro-batch, chunk) pairs forwarded, not yet backwarded
   int64_t messages_sent = 0;
-  double bytes_sent = 0;
+  double bytes_sent = 0;  // activations and their gradients as sent (headers not counted)
+  // What those tensors take in their own dtypes: bytes_sent / this is what the codec saved.
+  double uncompressed_bytes = 0;
   // Messages received before the action that needs them (kept until it runs): the channel's
   // order differed from this rank's order of use.
   int64_t messages_received_early = 0;
@@ -55,8 +58,10 @@ class PipelineExecutor {
   // where received activations and gradients (and the message headers) are allocated: the
   // stages' device, one the communicator's backend takes. Collective over `comm` (it splits the
   // channels off it): every pipeline rank constructs its executor at the same point.
+  // `codec`: how activations and their gradients cross the stage boundaries
+  // (activation_codec.h; --compress-activations).
   PipelineExecutor(dist::CommunicatorPtr comm, PipelineShape shape, SchedulePtr schedule,
-                   at::Device device = at::kCPU);
+                   at::Device device = at::kCPU, ActivationCodec codec = ActivationCodec::kNone);
 
   // Runs chunk `chunk` forward on micro-batch `micro_batch`. `input` is undefined on the first
   // stage (which reads its own tokens) and the received activation elsewhere. The first stages
@@ -76,6 +81,7 @@ class PipelineExecutor {
   PipelineStats run_forward(const ForwardFn& forward, int64_t micro_batches);
 
   const PipelineShape& shape() const { return shape_; }
+  ActivationCodec codec() const { return codec_; }
   const Schedule& schedule() const { return *schedule_; }
   int64_t rank() const { return comm_->rank(); }
   // Whether this rank holds the first / last global stage.
@@ -110,6 +116,7 @@ class PipelineExecutor {
   PipelineShape shape_;
   SchedulePtr schedule_;
   at::Device device_;
+  ActivationCodec codec_;
   std::vector<Action> actions_;  // this rank's, checked at construction
   std::vector<dist::WorkPtr> pending_sends_;
 };
