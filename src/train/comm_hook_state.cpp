@@ -7,6 +7,8 @@
 
 #include <filesystem>
 
+#include "loom/core/error.h"
+#include "loom/core/safetensors.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/run_context.h"
 
@@ -20,17 +22,22 @@ bool CommHookState::carries_state() const {
   return !hooks_.empty() && hooks_.front()->carries_state();
 }
 
-void CommHookState::save(const std::string& layout, core::NamedTensors& tensors,
+void CommHookState::save(const std::string& layout, const Reshard& reshard,
+                         core::NamedTensors& tensors,
                          std::map<std::string, std::string>& metadata) const {
   if (!carries_state()) return;
   for (size_t c = 0; c < hooks_.size(); ++c)
     for (const auto& [key, t] : hooks_[c]->state())
       tensors.emplace_back(fmt::format("{}/c{}/{}", prefix_, c, key), t.cpu());
   metadata[prefix_ + ".layout"] = layout;
+  if (!reshard.key.empty()) {
+    metadata[prefix_ + ".reshard_key"] = reshard.key;
+    metadata[prefix_ + ".dp_rank"] = std::to_string(reshard.dp_rank);
+  }
 }
 
 void CommHookState::load(const RunContext& run, const CheckpointContents& checkpoint,
-                         const std::string& layout) {
+                         const std::string& layout, const Reshard& reshard) {
   if (!carries_state()) return;
   const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
   std::string why;
@@ -55,19 +62,72 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
       return;
     }
   }
+  if (checkpoint.state.contains("rank_state_files") && !reshard.key.empty()) {
+    try {
+      if (const int64_t from = reshard_from(checkpoint, reshard); from > 0) {
+        spdlog::info(
+            "--comm-hook {}: error feedback resharded from the {} data-parallel ranks that saved "
+            "it (each rank carries their mean error; what the group carries once is split anew)",
+            run.config.comm_hook, from);
+        return;
+      }
+    } catch (const std::exception& e) {
+      why += fmt::format("; resharding it failed: {}", e.what());
+    }
+  }
   spdlog::warn(
       "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
       "continues, not bit for bit as it would have)",
       run.config.comm_hook, why);
 }
 
+int64_t CommHookState::reshard_from(const CheckpointContents& checkpoint, const Reshard& reshard) {
+  // The old ranks of this rank's group, by their place in it.
+  std::map<int64_t, std::filesystem::path> sources;
+  for (const auto& name : checkpoint.state.at("rank_state_files")) {
+    const auto path = checkpoint.dir / name.get<std::string>();
+    const core::SafetensorsReader reader(path);
+    const auto& meta = reader.metadata();
+    const auto key = meta.find(prefix_ + ".reshard_key");
+    const auto place = meta.find(prefix_ + ".dp_rank");
+    if (key == meta.end() || key->second != reshard.key || place == meta.end()) continue;
+    const int64_t dp_rank = std::stoll(place->second);
+    LOOM_CHECK(sources.emplace(dp_rank, path).second,
+               "two rank-state files hold data-parallel rank {} of this group: '{}' and '{}'",
+               dp_rank, sources.at(dp_rank).string(), path.string());
+  }
+  if (sources.empty()) return 0;
+  LOOM_CHECK(sources.rbegin()->first == static_cast<int64_t>(sources.size()) - 1,
+             "the group's rank-state files hold data-parallel ranks up to {} but only {} of them",
+             sources.rbegin()->first, sources.size());
+  try {
+    std::vector<parallel::data::StateResharder> resharders;
+    for (const auto& hook : hooks_) resharders.emplace_back(*hook);
+    for (const auto& [dp_rank, path] : sources) {  // one file at a time, in dp order
+      const core::SafetensorsReader reader(path);
+      for (size_t c = 0; c < hooks_.size(); ++c) {
+        const auto prefix = fmt::format("{}/c{}/", prefix_, c);
+        std::map<std::string, at::Tensor> state;
+        for (const auto& name : reader.names())
+          if (name.rfind(prefix, 0) == 0) state[name.substr(prefix.size())] = reader.read(name);
+        resharders[c].add(state);
+      }
+    }
+    for (size_t c = 0; c < hooks_.size(); ++c)
+      hooks_[c]->load_resharded_state(resharders[c].result());
+  } catch (...) {
+    for (auto& hook : hooks_) hook->load_state({});
+    throw;
+  }
+  return static_cast<int64_t>(sources.size());
+}
+
 std::string CommHookState::restore(const std::string& file, const std::string& layout) {
   const auto saved = core::load_safetensors(file);
   const auto it = saved.metadata.find(prefix_ + ".layout");
   if (it == saved.metadata.end() || it->second != layout)
-    return fmt::format(
-        "it was saved for {}, and this run is {} (error feedback is not resharded yet)",
-        it == saved.metadata.end() ? std::string("no hook") : it->second, layout);
+    return fmt::format("it was saved for {}, and this run is {}",
+                       it == saved.metadata.end() ? std::string("no hook") : it->second, layout);
   try {
     for (size_t c = 0; c < hooks_.size(); ++c) {
       const auto prefix = fmt::format("{}/c{}/", prefix_, c);

@@ -2,9 +2,12 @@
 // Communication hooks' per-rank state (error feedback) in checkpoints, for the strategies that
 // own hooks (data-parallel, zero). Each rank saves its hooks' tensors into its own rank-state
 // file (rank_state_name) under "<prefix>/c<chunk>/", with the layout they belong to (the hook,
-// the mesh, the buckets' sizes). On resume a rank restores them when the layout is the same;
-// otherwise (another layout: error feedback is not resharded yet; no file; a file that does not
-// load) it warns and its hooks start at zero, and the run continues.
+// the mesh, the buckets' sizes). On resume a rank restores them when the layout is the same. When
+// only the number of data-parallel ranks changed (the owner gives a reshard key: everything but
+// that number), each rank builds its state from every old rank of its group, file by file, by the
+// hooks' reshard rules (parallel/data/comm_hook.h: StateResharder): what the run owes stays the
+// same. Otherwise (another layout, no file, a file that does not load) it warns and its hooks
+// start at zero, and the run continues.
 #include <map>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
@@ -24,17 +27,31 @@ class CommHookState {
   // `prefix` names the owner in the file ("data-parallel"); hooks, one per model chunk.
   CommHookState(std::string prefix, std::vector<std::shared_ptr<parallel::data::CommHook>> hooks);
 
+  // Where the state may be resharded across numbers of data-parallel ranks: `key` names all the
+  // layout but that number (the hook, the other dimensions with this rank's coordinates, the
+  // buckets), `dp_rank` is this rank's place among its group. An empty key: never.
+  struct Reshard {
+    std::string key;
+    int64_t dp_rank = 0;
+  };
+
   bool carries_state() const;
-  // Adds this rank's hook tensors (on the host) and `layout` to a rank-state file's contents.
-  void save(const std::string& layout, core::NamedTensors& tensors,
+  // Adds this rank's hook tensors (on the host), `layout` and `reshard` to a rank-state file's
+  // contents.
+  void save(const std::string& layout, const Reshard& reshard, core::NamedTensors& tensors,
             std::map<std::string, std::string>& metadata) const;
-  // Restores them from this rank's file of `checkpoint` when it was saved for `layout`; warns
-  // naming the reason otherwise.
-  void load(const RunContext& run, const CheckpointContents& checkpoint, const std::string& layout);
+  // Restores them from this rank's file of `checkpoint` when it was saved for `layout`, else
+  // reshards them from the files saved under the same reshard key; warns naming the reason when
+  // neither can be done.
+  void load(const RunContext& run, const CheckpointContents& checkpoint, const std::string& layout,
+            const Reshard& reshard);
 
  private:
   // "" when restored; else why not. On a throw the hooks are left empty.
   std::string restore(const std::string& file, const std::string& layout);
+  // From every file of `checkpoint` saved under `reshard.key`: how many old ranks they were (0:
+  // none), or throws loom::Error (the hooks are then left empty).
+  int64_t reshard_from(const CheckpointContents& checkpoint, const Reshard& reshard);
 
   std::string prefix_;
   std::vector<std::shared_ptr<parallel::data::CommHook>> hooks_;

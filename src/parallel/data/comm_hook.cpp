@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <charconv>
 #include <string_view>
 
@@ -30,6 +31,58 @@ std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view wh
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
   if (ec != std::errc() || end != digits.data() + digits.size() || index < 0) return std::nullopt;
   return index;
+}
+
+StateReshard CommHook::reshard_rule(const std::string& key) const {
+  return bucket_of_key(key, "error") ? StateReshard::kMean : StateReshard::kFirst;
+}
+
+void StateResharder::add(const std::map<std::string, at::Tensor>& rank_state) {
+  if (ranks_ > 0) {
+    std::vector<std::string> mine, theirs;
+    for (const auto& [key, t] : rank_state) mine.push_back(key);
+    for (const auto& [key, t] : first_) theirs.push_back(key);
+    for (const auto& [key, t] : pieces_) theirs.push_back(key);
+    std::sort(theirs.begin(), theirs.end());
+    LOOM_CHECK(mine == theirs,
+               "--comm-hook {}: old rank {}'s state holds [{}], rank 0's [{}]: they cannot be "
+               "resharded together",
+               hook_.name(), ranks_, fmt::join(mine, ", "), fmt::join(theirs, ", "));
+  }
+  for (const auto& [key, t] : rank_state) {
+    switch (hook_.reshard_rule(key)) {
+      case StateReshard::kMean:
+        if (ranks_ == 0) {
+          first_[key] = t.to(at::kDouble).cpu().clone();
+        } else {
+          auto& sum = first_.at(key);
+          LOOM_CHECK(sum.sizes() == t.sizes(),
+                     "--comm-hook {}: '{}' has shape {} on old rank {} and {} on rank 0",
+                     hook_.name(), key, fmt::join(t.sizes(), "x"), ranks_,
+                     fmt::join(sum.sizes(), "x"));
+          sum.add_(t.to(at::kDouble).cpu());
+        }
+        break;
+      case StateReshard::kFirst:
+        if (ranks_ == 0) first_[key] = t.cpu().clone();
+        break;
+      case StateReshard::kConcat:
+        pieces_[key].push_back(t.cpu().clone());
+        break;
+    }
+  }
+  ++ranks_;
+}
+
+std::map<std::string, at::Tensor> StateResharder::result() const {
+  LOOM_CHECK(ranks_ > 0, "--comm-hook {}: no old rank's state to reshard", hook_.name());
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, t] : first_)
+    out[key] = hook_.reshard_rule(key) == StateReshard::kMean
+                   ? (t / static_cast<double>(ranks_)).to(at::kFloat)
+                   : t;
+  for (const auto& [key, pieces] : pieces_) out[key] = at::cat(pieces);
+  return out;
 }
 
 dist::WorkPtr CommHook::start_reduce_scatter(int64_t /*index*/, const at::Tensor& /*send*/,
@@ -156,7 +209,7 @@ std::map<std::string, at::Tensor> MomentumCompressionHook::state() const {
   return out;
 }
 
-void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>& state) {
+void MomentumCompressionHook::load_momentum(const std::map<std::string, at::Tensor>& state) {
   momentum_.clear();
   agreed_.clear();
   for (const auto& [key, m] : state) {
@@ -166,7 +219,20 @@ void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>
                name(), *bucket, m.dim());
     momentum_[*bucket] = m.to(at::kFloat).contiguous().clone();
   }
+}
+
+void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  load_momentum(state);
   inner_->load_state(state);
+}
+
+StateReshard MomentumCompressionHook::reshard_rule(const std::string& key) const {
+  return bucket_of_key(key, "momentum") ? StateReshard::kFirst : inner_->reshard_rule(key);
+}
+
+void MomentumCompressionHook::load_resharded_state(const std::map<std::string, at::Tensor>& state) {
+  load_momentum(state);
+  inner_->load_resharded_state(state);
 }
 
 at::Tensor MomentumCompressionHook::momentum(int64_t index) const {

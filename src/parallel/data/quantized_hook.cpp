@@ -26,6 +26,19 @@ dist::WorkPtr QuantizedAllReduceHook::start(GradBucket& bucket, dist::Communicat
     s.segment = segment_numel(n, ranks);
     s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
     s.server_error = at::zeros({s.segment}, s.error.options());
+    if (s.resharded_error.defined()) {
+      // Resharded: the bucket's values of the mean error, and this rank's segment of the server
+      // error (what lies past the bucket was padding, zero).
+      const int64_t kept = std::min(n, s.resharded_error.numel());
+      s.error.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
+      const int64_t first = comm.rank() * s.segment;
+      const int64_t served =
+          std::min({s.segment, n - first, s.resharded_server_error.numel() - first});
+      if (served > 0)
+        s.server_error.narrow(0, 0, served)
+            .copy_(s.resharded_server_error.narrow(0, first, served));
+      s.resharded_error = s.resharded_server_error = at::Tensor();
+    }
   }
   // A checkpoint restores the errors on the host.
   if (s.error.device() != bucket.buffer.device()) {
@@ -98,6 +111,7 @@ void QuantizedAllReduceHook::finish_reduce_scatter(int64_t index, const at::Tens
 std::map<std::string, at::Tensor> QuantizedAllReduceHook::state() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& [index, s] : state_) {
+    if (!s.error.defined()) continue;  // resharded, not laid out yet (no reduction since)
     out[bucket_state_key(index, "error")] = s.error;
     out[bucket_state_key(index, "server_error")] = s.server_error;
   }
@@ -149,6 +163,26 @@ void QuantizedAllReduceHook::load_state(const std::map<std::string, at::Tensor>&
     s.ranks = error.numel() / s.segment;
     s.error = error.to(at::kFloat).contiguous().clone();
     s.server_error = server->second.to(at::kFloat).contiguous().clone();
+  }
+}
+
+StateReshard QuantizedAllReduceHook::reshard_rule(const std::string& key) const {
+  return bucket_of_key(key, "server_error") ? StateReshard::kConcat : CommHook::reshard_rule(key);
+}
+
+void QuantizedAllReduceHook::load_resharded_state(const std::map<std::string, at::Tensor>& state) {
+  state_.clear();
+  scatter_state_.clear();
+  for (const auto& [key, error] : state) {
+    const auto bucket = bucket_of_key(key, "error");
+    if (!bucket) continue;
+    const auto server = state.find(bucket_state_key(*bucket, "server_error"));
+    LOOM_CHECK(server != state.end() && server->second.dim() == 1 && error.dim() == 1,
+               "{} hook state: bucket {}'s resharded error needs a 1-D server error beside it",
+               name_, *bucket);
+    auto& s = state_[*bucket];  // ranks 0: the next reduction lays it out
+    s.resharded_error = error.to(at::kFloat).contiguous().clone();
+    s.resharded_server_error = server->second.to(at::kFloat).contiguous().clone();
   }
 }
 

@@ -62,10 +62,10 @@ class DataParallelStrategy final : public Strategy {
   // Error feedback is per rank: each rank's buckets' carried errors go into its own file.
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    hook_state_->save(layout(run), tensors, metadata);
+    hook_state_->save(layout(run), reshard(run), tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    hook_state_->load(run, checkpoint, layout(run));
+    hook_state_->load(run, checkpoint, layout(run), reshard(run));
   }
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
@@ -97,7 +97,20 @@ class DataParallelStrategy final : public Strategy {
  private:
   // What a rank's error feedback belongs to: the hook, the mesh, and each chunk's bucket sizes.
   std::string layout(const RunContext& run) const {
-    std::string out = fmt::format("{} on {}", run.config.comm_hook, run.mesh->shape().describe());
+    return fmt::format("{} on {}{}", run.config.comm_hook, run.mesh->shape().describe(),
+                       bucket_sizes());
+  }
+  // The same but for the number of dp ranks, with this rank's place in the other dimensions (the
+  // ranks whose errors it may take over: same buckets, same slices of the model), and its dp
+  // coordinate: error feedback is resharded across numbers of dp ranks.
+  CommHookState::Reshard reshard(const RunContext& run) const {
+    std::string key = run.config.comm_hook;
+    for (auto d : {dist::Dim::tp, dist::Dim::cp, dist::Dim::pp})
+      key += fmt::format(" {} {} rank {}", dist::to_string(d), run.size(d), run.coord(d));
+    return {key + bucket_sizes(), run.coord(dist::Dim::dp)};
+  }
+  std::string bucket_sizes() const {
+    std::string out;
     for (size_t c = 0; c < dp_.size(); ++c) {
       out += fmt::format("; chunk {} buckets", c);
       for (const auto& b : dp_[c]->buckets()) out += fmt::format(" {}", b.numel());

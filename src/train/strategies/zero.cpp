@@ -206,10 +206,11 @@ class ZeroStrategy final : public Strategy {
   // A compressing hook's error feedback, per rank (beside the optimizer's shards).
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    hook_state_->save(layout(run), tensors, metadata);
+    // Not resharded across dp sizes: the errors are laid out on the dp shards.
+    hook_state_->save(layout(run), {}, tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    hook_state_->load(run, checkpoint, layout(run));
+    hook_state_->load(run, checkpoint, layout(run), {});
   }
 
   std::string describe(const RunContext& run) const override {

@@ -21,6 +21,15 @@
 
 namespace loom::parallel::data {
 
+// How one state() entry is carried over when a checkpoint resumes with another number of
+// data-parallel ranks on the same buckets (CommHook::reshard_rule, StateResharder). What the run
+// owes, the mean of the ranks' carried errors plus what the group carries once, stays the same.
+enum class StateReshard {
+  kMean,    // a rank's own carried error: every new rank gets the old ranks' mean
+  kFirst,   // held alike by every rank (a warm start, a momentum, a threshold): the first's
+  kConcat,  // one piece per rank of what the group holds once: the pieces joined in dp order
+};
+
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -43,6 +52,14 @@ class CommHook {
   // Restores what state() returned, on the same buckets and ranks. Throws loom::Error naming
   // the tensor when one does not fit.
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
+  // How entry `key` of state() is resharded: "b<i>/error" kMean, anything else kFirst.
+  virtual StateReshard reshard_rule(const std::string& key) const;
+  // Restores a state resharded from another number of ranks (StateResharder: kConcat entries
+  // hold every old rank's piece). The default: load_state, for hooks whose state does not depend
+  // on the number of ranks.
+  virtual void load_resharded_state(const std::map<std::string, at::Tensor>& state) {
+    load_state(state);
+  }
 
   // ZeRO's gradient reduction (parallel/zero): `send` holds comm.size() equal shards in rank
   // order; once the work is done and finish_reduce_scatter has run, `recv` (one shard, send's
@@ -54,6 +71,25 @@ class CommHook {
                                              const at::Tensor& recv, dist::Communicator& comm);
   virtual void finish_reduce_scatter(int64_t /*index*/, const at::Tensor& /*recv*/,
                                      dist::Communicator& /*comm*/) {}
+};
+
+// Builds one new rank's hook state from every old rank's state() (added in dp order, one at a
+// time, so a checkpoint's files are read one by one), by `hook`'s reshard_rule. kMean entries are
+// summed in fp64 and divided once; kConcat pieces joined along their first dimension.
+class StateResharder {
+ public:
+  explicit StateResharder(const CommHook& hook) : hook_(hook) {}
+  // Throws loom::Error naming the entry when this rank's entries or a kMean entry's shape differ
+  // from the first rank's.
+  void add(const std::map<std::string, at::Tensor>& rank_state);
+  int64_t ranks() const { return ranks_; }
+  std::map<std::string, at::Tensor> result() const;
+
+ private:
+  const CommHook& hook_;
+  int64_t ranks_ = 0;
+  std::map<std::string, at::Tensor> first_;                // kFirst, and kMean's fp64 sums
+  std::map<std::string, std::vector<at::Tensor>> pieces_;  // kConcat
 };
 
 // A hook's per-bucket state keys: "b<index>/<what>" ("b3/error").
@@ -98,6 +134,12 @@ class DenseWarmupHook : public CommHook {
   bool carries_state() const override { return inner_->carries_state(); }
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  StateReshard reshard_rule(const std::string& key) const override {
+    return inner_->reshard_rule(key);
+  }
+  void load_resharded_state(const std::map<std::string, at::Tensor>& state) override {
+    inner_->load_resharded_state(state);
+  }
   bool reduces_scatter() const override { return inner_->reduces_scatter(); }
   dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
@@ -145,6 +187,9 @@ class MomentumCompressionHook : public CommHook {
   // The named hook's state and "b<index>/momentum" (float32, the bucket's length) per bucket.
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  // The momentum is held alike by every rank (kFirst); the named hook's entries by its rules.
+  StateReshard reshard_rule(const std::string& key) const override;
+  void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
 
   double beta() const { return beta_; }
   CommHook& inner() { return *inner_; }
@@ -152,6 +197,7 @@ class MomentumCompressionHook : public CommHook {
   at::Tensor momentum(int64_t index) const;
 
  private:
+  void load_momentum(const std::map<std::string, at::Tensor>& state);
   std::shared_ptr<CommHook> inner_;
   double beta_;
   std::map<int64_t, at::Tensor> momentum_;  // by bucket index

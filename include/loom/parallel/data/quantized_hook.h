@@ -37,6 +37,11 @@ class QuantizedAllReduceHook : public CommHook {
   bool carries_state() const override { return true; }
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  // The error kMean (its padding past the bucket is zero on every rank), the server segments
+  // kConcat (joined they are the group's second-hop error over the whole bucket); the next
+  // reduction lays both out for its number of ranks (reduce-scatter state: ZeRO, not resharded).
+  StateReshard reshard_rule(const std::string& key) const override;
+  void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   bool reduces_scatter() const override { return true; }
   dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
@@ -69,6 +74,9 @@ class QuantizedAllReduceHook : public CommHook {
     int64_t ranks = 0, segment = 0;
     at::Tensor error, server_error;  // float32 [ranks * segment], [segment]
     at::Tensor send, recv;           // chunks in flight: uint8 [ranks, chunk bytes]
+    // Restored from another number of ranks, until the next reduction lays them out: the mean
+    // error and the whole server error, each over the old ranks' padded bucket.
+    at::Tensor resharded_error, resharded_server_error;
   };
   struct ScatterState {
     int64_t ranks = 0, shard = 0, segment = 0;  // segment: the shard padded to the block
