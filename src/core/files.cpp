@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -178,23 +179,28 @@ bool remove_entry(int parent_fd, const char* name, uintmax_t& removed, std::erro
       ec.assign(errno, std::generic_category());
       return false;
     }
-    DIR* dir = ::fdopendir(fd);  // owns fd from here
-    if (dir == nullptr) {
+    // Owns fd from here; closed however this scope ends (an allocation may throw below).
+    const std::unique_ptr<DIR, int (*)(DIR*)> dir(::fdopendir(fd), &::closedir);
+    if (!dir) {
       ec.assign(errno, std::generic_category());
       ::close(fd);
       return false;
     }
     std::vector<std::string> names;
-    errno = 0;
-    while (const dirent* e = ::readdir(dir)) {
+    bool ok = true;
+    for (;;) {
+      errno = 0;  // readdir signals an error only through errno
+      const dirent* e = ::readdir(dir.get());
+      if (e == nullptr) {
+        ok = errno == 0;
+        break;
+      }
       if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
         names.emplace_back(e->d_name);
     }
-    bool ok = errno == 0;
     if (!ok) ec.assign(errno, std::generic_category());
     for (size_t i = 0; ok && i < names.size(); ++i)
-      ok = remove_entry(::dirfd(dir), names[i].c_str(), removed, ec);
-    ::closedir(dir);
+      ok = remove_entry(::dirfd(dir.get()), names[i].c_str(), removed, ec);
     if (!ok) return false;
   }
   if (::unlinkat(parent_fd, name, S_ISDIR(st.st_mode) ? AT_REMOVEDIR : 0) != 0) {
@@ -224,11 +230,15 @@ uintmax_t remove_tree(const std::filesystem::path& path, std::error_code& ec) no
     }
     const int parent_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (parent_fd < 0) {
-      if (errno != ENOENT) ec.assign(errno, std::generic_category());
+      // A missing parent, or one that is a file: nothing there to remove, as remove_all says.
+      if (errno != ENOENT && errno != ENOTDIR) ec.assign(errno, std::generic_category());
       return 0;
     }
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }
+    } close_parent{parent_fd};
     remove_entry(parent_fd, name.c_str(), removed, ec);
-    ::close(parent_fd);
   } catch (const std::bad_alloc&) {
     ec = std::make_error_code(std::errc::not_enough_memory);
   }

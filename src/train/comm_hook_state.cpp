@@ -33,6 +33,7 @@ void CommHookState::save(const std::string& layout, const Reshard& reshard,
   if (!reshard.key.empty()) {
     metadata[prefix_ + ".reshard_key"] = reshard.key;
     metadata[prefix_ + ".dp_rank"] = std::to_string(reshard.dp_rank);
+    metadata[prefix_ + ".dp_size"] = std::to_string(reshard.dp_size);
   }
 }
 
@@ -82,24 +83,36 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
 }
 
 int64_t CommHookState::reshard_from(const CheckpointContents& checkpoint, const Reshard& reshard) {
-  // The old ranks of this rank's group, by their place in it.
+  // The old ranks of this rank's group, by their place in it. A file that cannot be read is
+  // skipped here: if it was one of the group's, the count below says so.
   std::map<int64_t, std::filesystem::path> sources;
+  int64_t group_size = 0;
   for (const auto& name : checkpoint.state.at("rank_state_files")) {
     const auto path = checkpoint.dir / name.get<std::string>();
-    const core::SafetensorsReader reader(path);
-    const auto& meta = reader.metadata();
+    std::map<std::string, std::string> meta;
+    try {
+      meta = core::SafetensorsReader(path).metadata();
+    } catch (const std::exception&) {
+      continue;
+    }
     const auto key = meta.find(prefix_ + ".reshard_key");
     const auto place = meta.find(prefix_ + ".dp_rank");
-    if (key == meta.end() || key->second != reshard.key || place == meta.end()) continue;
+    const auto size = meta.find(prefix_ + ".dp_size");
+    if (key == meta.end() || key->second != reshard.key || place == meta.end() ||
+        size == meta.end())
+      continue;
     const int64_t dp_rank = std::stoll(place->second);
+    group_size = std::stoll(size->second);
     LOOM_CHECK(sources.emplace(dp_rank, path).second,
                "two rank-state files hold data-parallel rank {} of this group: '{}' and '{}'",
                dp_rank, sources.at(dp_rank).string(), path.string());
   }
   if (sources.empty()) return 0;
-  LOOM_CHECK(sources.rbegin()->first == static_cast<int64_t>(sources.size()) - 1,
-             "the group's rank-state files hold data-parallel ranks up to {} but only {} of them",
-             sources.rbegin()->first, sources.size());
+  LOOM_CHECK(static_cast<int64_t>(sources.size()) == group_size &&
+                 sources.rbegin()->first == group_size - 1,
+             "the group saved its state from {} data-parallel ranks, and {} of their files were "
+             "found and read",
+             group_size, sources.size());
   try {
     std::vector<parallel::data::StateResharder> resharders;
     for (const auto& hook : hooks_) resharders.emplace_back(*hook);

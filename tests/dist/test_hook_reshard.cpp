@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "loom/core/safetensors.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/data_parallel.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
@@ -133,7 +135,8 @@ TEST(HookReshard, WhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
 
 // The same through checkpoints: a run at dp R - 1 with --comm-hook int8 saves at step 2, and the
 // run resumed at dp R reshards its error feedback (the log says so; no warning of a restart at
-// zero) and trains on.
+// zero), holds the resharded errors in a checkpoint written before its first step, and trains
+// on.
 TEST(HookReshard, AResumeAtAnotherDpSizeReshardsTheErrorFeedback) {
   const int world_size = world().size(), me = world().rank();
   // The saving run needs 2 dp ranks to reduce anything.
@@ -157,10 +160,14 @@ TEST(HookReshard, AResumeAtAnotherDpSizeReshardsTheErrorFeedback) {
   spdlog::set_level(spdlog::level::info);
   auto resumed = config;
   resumed.steps = 4;
-  resumed.save_dir.clear();
+  resumed.save_dir = (dir / "again").string();
   resumed.resume = (dir / "ckpt" / "step-00000002").string();
   {
     train::Trainer t(resumed, loom::testing::layout_mesh({}));
+    // Saved before any reduction: the resharded errors are laid out already, so they are in it.
+    t.save_checkpoint();
+    EXPECT_TRUE(std::filesystem::exists(dir / "again" / "step-00000002" /
+                                        train::rank_state_name(me, world_size)));
     for (int s = 0; s < 2; ++s) EXPECT_TRUE(std::isfinite(t.train_step().loss));
   }
   spdlog::set_level(level);

@@ -29,10 +29,10 @@ class CommHookState {
 
   // Where the state may be resharded across numbers of data-parallel ranks: `key` names all the
   // layout but that number (the hook, the other dimensions with this rank's coordinates, the
-  // buckets), `dp_rank` is this rank's place among its group. An empty key: never.
+  // buckets), `dp_rank` is this rank's place among its group of `dp_size`. An empty key: never.
   struct Reshard {
     std::string key;
-    int64_t dp_rank = 0;
+    int64_t dp_rank = 0, dp_size = 1;
   };
 
   bool carries_state() const;

@@ -54,6 +54,7 @@ void StateResharder::add(const std::map<std::string, at::Tensor>& rank_state) {
       case StateReshard::kMean:
         if (ranks_ == 0) {
           first_[key] = t.to(at::kDouble).cpu().clone();
+          mean_dtypes_[key] = t.scalar_type();
         } else {
           auto& sum = first_.at(key);
           LOOM_CHECK(sum.sizes() == t.sizes(),
@@ -79,7 +80,7 @@ std::map<std::string, at::Tensor> StateResharder::result() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& [key, t] : first_)
     out[key] = hook_.reshard_rule(key) == StateReshard::kMean
-                   ? (t / static_cast<double>(ranks_)).to(at::kFloat)
+                   ? (t / static_cast<double>(ranks_)).to(mean_dtypes_.at(key))
                    : t;
   for (const auto& [key, pieces] : pieces_) out[key] = at::cat(pieces);
   return out;

@@ -18,28 +18,36 @@ int64_t QuantizedAllReduceHook::segment_numel(int64_t numel, int64_t ranks) cons
   return (per_rank + block_ - 1) / block_ * block_;
 }
 
+void QuantizedAllReduceHook::lay_out(State& s, int64_t n, int64_t rank, int64_t ranks,
+                                     const at::TensorOptions& options) const {
+  s.ranks = ranks;
+  s.segment = segment_numel(n, ranks);
+  s.error = at::zeros({ranks * s.segment}, options.dtype(at::kFloat));
+  s.server_error = at::zeros({s.segment}, s.error.options());
+  if (!s.resharded_error.defined()) return;
+  // Resharded: the bucket's values of the mean error, and this rank's segment of the server
+  // error (what lies past the bucket was padding, zero).
+  const int64_t kept = std::min(n, s.resharded_error.numel());
+  s.error.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
+  const int64_t first = rank * s.segment;
+  const int64_t served = std::min({s.segment, n - first, s.resharded_server_error.numel() - first});
+  if (served > 0)
+    s.server_error.narrow(0, 0, served).copy_(s.resharded_server_error.narrow(0, first, served));
+  s.resharded_error = s.resharded_server_error = at::Tensor();
+}
+
+void QuantizedAllReduceHook::lay_out_resharded(int64_t index, int64_t numel, int64_t rank,
+                                               int64_t ranks) {
+  const auto it = state_.find(index);
+  if (it == state_.end() || !it->second.resharded_error.defined()) return;
+  lay_out(it->second, numel, rank, ranks, at::TensorOptions(at::kCPU));
+}
+
 dist::WorkPtr QuantizedAllReduceHook::start(GradBucket& bucket, dist::Communicator& comm) {
   const int64_t ranks = comm.size(), n = bucket.numel();
   auto& s = state_[bucket.index];
-  if (s.ranks != ranks || s.segment != segment_numel(n, ranks)) {
-    s.ranks = ranks;
-    s.segment = segment_numel(n, ranks);
-    s.error = at::zeros({ranks * s.segment}, bucket.buffer.options().dtype(at::kFloat));
-    s.server_error = at::zeros({s.segment}, s.error.options());
-    if (s.resharded_error.defined()) {
-      // Resharded: the bucket's values of the mean error, and this rank's segment of the server
-      // error (what lies past the bucket was padding, zero).
-      const int64_t kept = std::min(n, s.resharded_error.numel());
-      s.error.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
-      const int64_t first = comm.rank() * s.segment;
-      const int64_t served =
-          std::min({s.segment, n - first, s.resharded_server_error.numel() - first});
-      if (served > 0)
-        s.server_error.narrow(0, 0, served)
-            .copy_(s.resharded_server_error.narrow(0, first, served));
-      s.resharded_error = s.resharded_server_error = at::Tensor();
-    }
-  }
+  if (s.ranks != ranks || s.segment != segment_numel(n, ranks))
+    lay_out(s, n, comm.rank(), ranks, bucket.buffer.options());
   // A checkpoint restores the errors on the host.
   if (s.error.device() != bucket.buffer.device()) {
     s.error = s.error.to(bucket.buffer.device());

@@ -165,6 +165,11 @@ at::Tensor PipelineExecutor::receive(int64_t from_stage, int64_t id, PipelineSta
                "pipeline: rank {} expected message {} from rank {} next and got message {}: the "
                "ranks disagree on the schedule",
                rank(), expected, peer, h[0]);
+    LOOM_CHECK(h[1] >= 0 && h[1] <= kMaxDims && h[3] >= 0 &&
+                   h[3] <= static_cast<int64_t>(ActivationCodec::kInt8),
+               "pipeline: message {} from rank {} has a malformed header ({} dimensions, codec "
+               "{})",
+               h[0], peer, h[1], h[3]);
     std::vector<int64_t> sizes;
     for (int64_t d = 0; d < h[1]; ++d) sizes.push_back(h[d + kSizesAt]);
     const auto dtype = static_cast<at::ScalarType>(h[2]);

@@ -66,6 +66,12 @@ class DataParallelStrategy final : public Strategy {
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
     hook_state_->load(run, checkpoint, layout(run), reshard(run));
+    // Resharded state is laid out for this rank's buckets now, so that a checkpoint written
+    // before the next reduction holds it (a no-op otherwise).
+    for (size_t c = 0; c < dp_.size(); ++c)
+      for (const auto& b : dp_[c]->buckets())
+        hooks_[c]->lay_out_resharded(b.index, b.numel(), run.coord(dist::Dim::dp),
+                                     run.size(dist::Dim::dp));
   }
   void add_metrics(const RunContext& /*run*/, const StepResult& /*result*/,
                    nlohmann::json& record) const override {
@@ -107,7 +113,7 @@ class DataParallelStrategy final : public Strategy {
     std::string key = run.config.comm_hook;
     for (auto d : {dist::Dim::tp, dist::Dim::cp, dist::Dim::pp})
       key += fmt::format(" {} {} rank {}", dist::to_string(d), run.size(d), run.coord(d));
-    return {key + bucket_sizes(), run.coord(dist::Dim::dp)};
+    return {key + bucket_sizes(), run.coord(dist::Dim::dp), run.size(dist::Dim::dp)};
   }
   std::string bucket_sizes() const {
     std::string out;

@@ -26,7 +26,7 @@ namespace loom::parallel::data {
 // owes, the mean of the ranks' carried errors plus what the group carries once, stays the same.
 enum class StateReshard {
   kMean,    // a rank's own carried error: every new rank gets the old ranks' mean
-  kFirst,   // held alike by every rank (a warm start, a momentum, a threshold): the first's
+  kFirst,   // held alike by every rank (a warm start, a momentum, a step count): the first's
   kConcat,  // one piece per rank of what the group holds once: the pieces joined in dp order
 };
 
@@ -60,6 +60,11 @@ class CommHook {
   virtual void load_resharded_state(const std::map<std::string, at::Tensor>& state) {
     load_state(state);
   }
+  // After load_resharded_state, for each bucket (its index and size) as this rank (of `ranks`)
+  // will reduce it: lays the state out for it now, so that a checkpoint written before the next
+  // reduction holds it. The default: nothing to do.
+  virtual void lay_out_resharded(int64_t /*index*/, int64_t /*numel*/, int64_t /*rank*/,
+                                 int64_t /*ranks*/) {}
 
   // ZeRO's gradient reduction (parallel/zero): `send` holds comm.size() equal shards in rank
   // order; once the work is done and finish_reduce_scatter has run, `recv` (one shard, send's
@@ -90,6 +95,7 @@ class StateResharder {
   int64_t ranks_ = 0;
   std::map<std::string, at::Tensor> first_;                // kFirst, and kMean's fp64 sums
   std::map<std::string, std::vector<at::Tensor>> pieces_;  // kConcat
+  std::map<std::string, at::ScalarType> mean_dtypes_;      // kMean entries' own dtypes
 };
 
 // A hook's per-bucket state keys: "b<index>/<what>" ("b3/error").
@@ -139,6 +145,9 @@ class DenseWarmupHook : public CommHook {
   }
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override {
     inner_->load_resharded_state(state);
+  }
+  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override {
+    inner_->lay_out_resharded(index, numel, rank, ranks);
   }
   bool reduces_scatter() const override { return inner_->reduces_scatter(); }
   dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
@@ -190,6 +199,9 @@ class MomentumCompressionHook : public CommHook {
   // The momentum is held alike by every rank (kFirst); the named hook's entries by its rules.
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
+  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override {
+    inner_->lay_out_resharded(index, numel, rank, ranks);
+  }
 
   double beta() const { return beta_; }
   CommHook& inner() { return *inner_; }

@@ -42,6 +42,7 @@ class QuantizedAllReduceHook : public CommHook {
   // reduction lays both out for its number of ranks (reduce-scatter state: ZeRO, not resharded).
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
+  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
   bool reduces_scatter() const override { return true; }
   dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
@@ -74,8 +75,9 @@ class QuantizedAllReduceHook : public CommHook {
     int64_t ranks = 0, segment = 0;
     at::Tensor error, server_error;  // float32 [ranks * segment], [segment]
     at::Tensor send, recv;           // chunks in flight: uint8 [ranks, chunk bytes]
-    // Restored from another number of ranks, until the next reduction lays them out: the mean
-    // error and the whole server error, each over the old ranks' padded bucket.
+    // Restored from another number of ranks, until lay_out_resharded (or the next reduction) lays
+    // them out: the mean error and the whole server error, each over the old ranks' padded
+    // bucket.
     at::Tensor resharded_error, resharded_server_error;
   };
   struct ScatterState {
@@ -83,6 +85,10 @@ class QuantizedAllReduceHook : public CommHook {
     at::Tensor error;                           // float32 [ranks * segment]
     at::Tensor send, recv;
   };
+  // (Re)allocates `s` for a bucket of `numel` values reduced as `rank` of `ranks`: zero errors,
+  // or what a reshard left in it.
+  void lay_out(State& s, int64_t numel, int64_t rank, int64_t ranks,
+               const at::TensorOptions& options) const;
   std::string name_;
   int64_t block_;
   std::map<int64_t, State> state_;                 // by bucket index

@@ -41,6 +41,10 @@ class SparseCompressHook : public CommHook {
   // every bucket reduced so far.
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  // Each rank finds its threshold from its own values: resharded, the old ranks' mean (kMean).
+  StateReshard reshard_rule(const std::string& key) const override {
+    return bucket_of_key(key, "threshold") ? StateReshard::kMean : CommHook::reshard_rule(key);
+  }
 
   double ratio() const { return ratio_; }
   int64_t refresh_every() const { return refresh_every_; }
