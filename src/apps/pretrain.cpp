@@ -49,8 +49,9 @@ int pretrain_main(int argc, char** argv) {
                                      loom::ops::cuda_device_count(), loom::ops::built_with_cuda());
     trainer = std::make_unique<loom::train::Trainer>(
         cli.config,
-        runtime->mesh({.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp},
-                      loom::dist::parse_backend_choice(cli.config.dist_backend), cuda_index));
+        runtime->mesh(
+            {.dp = cli.config.dp, .tp = cli.config.tp, .pp = cli.config.pp, .cp = cli.config.cp},
+            loom::dist::parse_backend_choice(cli.config.dist_backend), cuda_index));
     trainer->fit();
     preempted = trainer->preempted_by();
   });

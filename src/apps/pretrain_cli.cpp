@@ -121,6 +121,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "Pad the vocabulary to a multiple of this times --tp (padding is masked out of "
                  "the loss and never exported)")
       ->capture_default_str();
+  app.add_option(
+         "--cp", c.cp,
+         "Context-parallel size: each sequence split across this many ranks (2 x cp "
+         "chunks, ring attention; --seq-len a multiple of 2 x cp; docs/context-parallel.md)")
+      ->capture_default_str();
   app.add_option("--pp", c.pp,
                  "Pipeline-parallel size: the layers split into this many stages, one per rank "
                  "(outermost mesh dimension)")

@@ -56,14 +56,12 @@ MeshShape MeshShape::resolve(int64_t world_size, int64_t ranks_per_node) const {
              "mesh: --dp {} is invalid; use a size of at least 1, or 0 to take what "
              "the other dimensions leave of the world",
              dp);
-  LOOM_CHECK(cp == 1, "mesh: cp {} is not supported yet (context parallelism is reserved); use 1",
-             cp);
   const int64_t others = tp * pp * cp;
   if (s.dp == 0) {
     LOOM_CHECK(world_size % others == 0,
-               "mesh: tp {} x pp {} = {} ranks does not divide the world of {} processes, so dp "
-               "cannot be derived; launch a multiple of {} processes",
-               tp, pp, others, world_size, others);
+               "mesh: tp {} x pp {} x cp {} = {} ranks does not divide the world of {} "
+               "processes, so dp cannot be derived; launch a multiple of {} processes",
+               tp, pp, cp, others, world_size, others);
     s.dp = world_size / others;
   }
   LOOM_CHECK(s.product() == world_size,

@@ -14,6 +14,7 @@
 #include "loom/models/llama.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/precision.h"
+#include "loom/parallel/context/ring_attention.h"
 #include "loom/parallel/memory/activation_checkpoint.h"
 #include "loom/parallel/tensor/cross_entropy.h"
 #include "loom/parallel/tensor/layers.h"
@@ -139,11 +140,33 @@ int64_t CausalLM::full_seq_len(const at::Tensor& x) const {
   return tp_->sequence_parallel() ? x.size(1) * tp_->size() : x.size(1);
 }
 
+at::Tensor CausalLM::token_positions(int64_t first, int64_t len, int64_t slice_len,
+                                     at::Device device) const {
+  if (context_parallel_size() == 1)
+    return at::arange(first, first + len, at::TensorOptions(at::kLong).device(device));
+  return execution_->context->local_positions(slice_len, device).narrow(0, first, len);
+}
+
+void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
+  if (group && group->size() > 1)
+    LOOM_CHECK(config_.family != Family::kCustom,
+               "context parallelism needs to know where each token sits in its sequence; a "
+               "custom model does not say, so it trains with cp 1");
+  if (group && group->size() > 1)
+    LOOM_CHECK(config_.dropout == 0,
+               "dropout ({}) under context parallelism is not supported yet: its masks would "
+               "follow this rank's slice, not the tokens' places in the sequence; train with "
+               "--dropout 0 or cp 1",
+               config_.dropout);
+  execution_->context = group && group->size() > 1 ? std::move(group) : nullptr;
+}
+
 at::Tensor CausalLM::forward_part(const at::Tensor& input) {
   at::Tensor x;
   if (part_.first) {
     check_tokens(input);
-    x = embed(input);
+    // Under context parallelism the whole sequences arrive and this rank keeps its chunks.
+    x = embed(context_parallel_size() > 1 ? execution_->context->slice_sequence(input, 1) : input);
   } else {
     LOOM_CHECK(input.dim() == 3 && input.size(2) == config_.d_model,
                "{} takes hidden states [batch, seq, {}]; got shape {}",
@@ -162,6 +185,20 @@ at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
 
 at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
   check_ids(targets, "target");
+  if (context_parallel_size() > 1) {
+    auto& group = *execution_->context;
+    LOOM_CHECK(targets.dim() == 2 && targets.size(1) == logits.size(1) * group.size(),
+               "under context parallelism the targets are the whole sequences [batch, {}] for "
+               "this rank's logits {}; got {}",
+               logits.size(1) * group.size(), logits.sizes(), targets.sizes());
+    // Every rank holds as many tokens: the mean of the ranks' means is the whole mean.
+    const auto local = group.slice_sequence(targets, 1);
+    const auto mean =
+        tp_->size() == 1 && logits.size(-1) == config_.vocab_size
+            ? next_token_loss(logits, local)
+            : pt::vocab_parallel_cross_entropy(logits, local, config_.vocab_size, *tp_);
+    return parallel::context::context_mean(mean, group);
+  }
   if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
     return next_token_loss(logits, targets);
   return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
@@ -239,9 +276,12 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
              "sequence length {} exceeds the model's max_seq_len {}", tokens.size(1),
              config_.max_seq_len);
   check_ids(tokens, "token");
-  LOOM_CHECK(!tp_->sequence_parallel() || tokens.size(1) % tp_->size() == 0,
-             "sequence parallelism splits the sequence: length {} is not divisible by tp {}",
-             tokens.size(1), tp_->size());
+  const int64_t cp = context_parallel_size();
+  if (cp > 1) execution_->context->check_seq_len(tokens.size(1));
+  LOOM_CHECK(!tp_->sequence_parallel() || (tokens.size(1) / cp) % tp_->size() == 0,
+             "sequence parallelism splits the sequence: length {} (this rank's {} of it under "
+             "cp {}) is not divisible by tp {}",
+             tokens.size(1), tokens.size(1) / cp, cp, tp_->size());
 }
 
 namespace {
@@ -279,6 +319,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
                             int64_t layer) {
   const int64_t t = q.size(2);
+  if (execution && execution->context) {
+    LOOM_CHECK(p == 0,
+               "attention dropout ({}) under context parallelism is not supported yet: train "
+               "with --dropout 0 or cp 1",
+               p);
+    auto group = execution->context;
+    return attention_core(
+        {q, k, v}, {q.size(0), q.size(1), t, t}, 0.0, tp, execution, layer,
+        [group](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
+          return parallel::context::ring_attention(in[0], in[1], in[2], *group, o.scale);
+        });
+  }
   return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution, layer,
                         [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
                           return ops::attention(in[0], in[1], in[2], o);
@@ -289,6 +341,12 @@ at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias
                                    const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
                                    int64_t layer) {
   const int64_t t = qkv.size(1);
+  if (execution && execution->context) {
+    // Ring attention takes q, k and v apart: the heads of the packed projection, bias added.
+    const auto x = bias.defined() ? qkv + bias.view({3, qkv.size(3), qkv.size(4)}) : qkv;
+    return causal_attention(x.select(2, 0).transpose(1, 2), x.select(2, 1).transpose(1, 2),
+                            x.select(2, 2).transpose(1, 2), p, tp, execution, layer);
+  }
   std::vector<at::Tensor> inputs{qkv};
   if (bias.defined()) inputs.push_back(bias);
   return attention_core(
@@ -300,6 +358,7 @@ at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias
 
 bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,
                                      const BlockExecutionPtr& execution) {
+  if (execution && execution->context) return false;  // ring attention adds no bias itself
   return ops::attention_packed_takes_bias(
       input, head_dim,
       {.dropout = p, .backend = execution ? execution->attention : ops::AttentionBackend::kAuto});

@@ -97,7 +97,7 @@ at::Tensor Gpt2::embed(const at::Tensor& tokens) {
   // of the sequence, to which its positions' embeddings are added.
   auto x = wte_->forward(tokens);
   const int64_t first = tp.sequence_parallel() ? tp.rank() * x.size(1) : 0;
-  x = x + wpe_->forward(at::arange(first, first + x.size(1), tokens.options()));
+  x = x + wpe_->forward(token_positions(first, x.size(1), full_seq_len(x), tokens.device()));
   return pt::sharded_dropout(x, config().dropout, is_training(), tp,
                              tp.sequence_parallel() ? 1 : -1,
                              ops::dropout_site(-1, ops::DropoutPlace::kInput));

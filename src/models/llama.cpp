@@ -149,8 +149,13 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
     rope_cos_used_ = rope_cos_.to(input.device(), dtype);
     rope_sin_used_ = rope_sin_.to(input.device(), dtype);
   }
-  auto cos = rope_cos_used_.narrow(0, 0, t);
-  auto sin = rope_sin_used_.narrow(0, 0, t);
+  // Under context parallelism this rank's tokens sit at positions of two chunks.
+  const auto positions =
+      context_parallel_size() > 1 ? token_positions(0, t, t, input.device()) : at::Tensor();
+  auto cos = positions.defined() ? rope_cos_used_.index_select(0, positions)
+                                 : rope_cos_used_.narrow(0, 0, t);
+  auto sin = positions.defined() ? rope_sin_used_.index_select(0, positions)
+                                 : rope_sin_used_.narrow(0, 0, t);
   auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
   for (size_t i = 0; i < layers_.size(); ++i) {

@@ -65,10 +65,15 @@ void TrainConfig::validate() const {
   LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
   LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
              pad_vocab_multiple);
-  LOOM_CHECK(!sequence_parallel || seq_len % tp == 0,
-             "--sequence-parallel splits the sequence across tp ranks: --seq-len {} is not "
-             "divisible by --tp {}",
-             seq_len, tp);
+  LOOM_CHECK(cp >= 1, "--cp {} must be at least 1", cp);
+  LOOM_CHECK(cp == 1 || seq_len % (2 * cp) == 0,
+             "--cp {} cuts each sequence into 2 x cp = {} chunks: --seq-len {} is not divisible "
+             "by {}",
+             cp, 2 * cp, seq_len, 2 * cp);
+  LOOM_CHECK(!sequence_parallel || (seq_len / cp) % tp == 0,
+             "--sequence-parallel splits the sequence across tp ranks: --seq-len {} (each rank's "
+             "{} of it at --cp {}) is not divisible by --tp {}",
+             seq_len, seq_len / cp, cp, tp);
   LOOM_CHECK(layers >= 0, "--layers {} must be >= 0 (0: the preset's)", layers);
   LOOM_CHECK(pp >= 1, "--pp {} must be at least 1", pp);
   LOOM_CHECK(virtual_stages >= 1, "--virtual-stages {} must be at least 1", virtual_stages);

@@ -34,6 +34,7 @@ const std::vector<std::pair<std::string, std::string>>& builtin_flags() {
   static const std::vector<std::pair<std::string, std::string>> flags = {
       {"pipeline", "--pp N"},
       {"tensor-parallel", "--tp N"},
+      {"context-parallel", "--cp N"},
       {"activation-checkpointing", "--activation-checkpointing full|selective"},
       {"activation-offload", "--offload-activations"},
       {"data-parallel", "running with dp > 1 (and --zero 0)"},
@@ -232,6 +233,7 @@ std::vector<StrategySpec> strategy_specs(const TrainConfig& config, const dist::
   };
   if (mesh.size(dist::Dim::pp) > 1) add("pipeline");
   if (mesh.size(dist::Dim::tp) > 1) add("tensor-parallel");
+  if (mesh.size(dist::Dim::cp) > 1) add("context-parallel");
   if (config.activation_checkpointing != "none") add("activation-checkpointing");
   if (config.offload_activations) add("activation-offload");
   if (config.zero > 0) {

@@ -1,8 +1,10 @@
 #pragma once
 // The device mesh: the world's ranks arranged as pp x dp x cp x tp, tp innermost so that the
-// ranks of a tensor-parallel group are neighbours (on one node), then cp (context parallel,
-// reserved: size 1 for now), then dp, then pp outermost. Every rank knows its coordinate in each
-// dimension and holds the communicator of the group that varies along it.
+// ranks of a tensor-parallel group are neighbours (on one node), then cp (context parallel), then
+// dp, then pp outermost. cp sits next to tp because after tp's it is the heaviest traffic: every
+// layer's keys and values travel the cp ring in forward and again, with their gradients, in
+// backward, so its groups should share a node where tp x cp allows. Every rank knows its
+// coordinate in each dimension and holds the communicator of the group that varies along it.
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -26,8 +28,8 @@ struct MeshShape {
   int64_t cp = 1;
 
   // The shape with dp filled in, checked against the world before any collective: sizes below
-  // 1, a product that is not the world size, cp other than 1 — each a loom::Error naming the
-  // numbers. tp larger than the ranks on one node only logs a warning.
+  // 1, a product that is not the world size — each a loom::Error naming the numbers. tp larger than
+  // the ranks on one node only logs a warning.
   MeshShape resolve(int64_t world_size, int64_t ranks_per_node) const;
   int64_t size(Dim d) const;
   int64_t product() const { return dp * tp * pp * cp; }

@@ -13,6 +13,7 @@
 
 #include "loom/models/config.h"
 #include "loom/ops/attention.h"
+#include "loom/parallel/context/context_group.h"
 #include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
 #include "loom/parallel/tensor/tp_group.h"
@@ -45,6 +46,9 @@ struct BlockExecution {
   std::shared_ptr<parallel::memory::ActivationOffloader> offload;
   // Which implementation computes the blocks' attention (kAuto: the fused kernel on CUDA).
   ops::AttentionBackend attention = ops::AttentionBackend::kAuto;
+  // With 2 or more ranks: the group the sequences are split over; attention runs as ring
+  // attention over it (parallel/context/ring_attention.h). Null: the whole sequence is here.
+  parallel::context::ContextGroupPtr context;
 };
 using BlockExecutionPtr = std::shared_ptr<const BlockExecution>;
 
@@ -129,6 +133,17 @@ class CausalLM : public torch::nn::Module {
   const std::shared_ptr<parallel::memory::ActivationOffloader>& activation_offload() const {
     return execution_->offload;
   }
+  // Context parallelism: the forwards that follow take whole sequences (token ids and targets
+  // [batch, seq], seq divisible by 2 x cp) and work on this rank's two chunks of each
+  // (context_group.h): embeddings and rotary angles at the tokens' global positions, ring
+  // attention, and a loss that is the mean over the whole sequences on every rank of the group
+  // (its gradients are parts the context-parallel strategy sums over the group). Null or a group
+  // of one turns it off. A model with dropout is refused (not supported under it yet).
+  void set_context_parallel(parallel::context::ContextGroupPtr group);
+  const parallel::context::ContextGroupPtr& context_parallel() const { return execution_->context; }
+  int64_t context_parallel_size() const {
+    return execution_->context ? execution_->context->size() : 1;
+  }
 
   // One transformer block applied to its input. It may be called again in backward (activation
   // checkpointing), so whatever it uses it holds by value.
@@ -160,8 +175,13 @@ class CausalLM : public torch::nn::Module {
                        std::vector<std::shared_ptr<torch::nn::Module>> blocks);
   // The same for blocks already registered (a custom model's), named "<prefix>.<index>".
   void adopt_blocks(std::string prefix, std::vector<std::shared_ptr<torch::nn::Module>> blocks);
-  // Sequence length of the whole sequence from hidden states x [batch, seq, d] of this rank.
+  // Sequence length of the whole sequence from hidden states x [batch, seq, d] of this rank
+  // (under context parallelism: of this rank's slice of it).
   int64_t full_seq_len(const at::Tensor& x) const;
+  // The positions in the whole sequence of tokens [first, first + len) of this rank's slice of
+  // `slice_len` tokens (arange without context parallelism), int64 on `device`.
+  at::Tensor token_positions(int64_t first, int64_t len, int64_t slice_len,
+                             at::Device device) const;
   // Blocks receive this at construction and read the checkpointing mode from it.
   BlockExecutionPtr execution() const { return execution_; }
   // Runs block `layer` as fn(x), with kFull checkpointing and the wrappers around it.

@@ -79,6 +79,11 @@ struct TrainConfig {
   bool sequence_parallel = false;  // norms/dropout/residuals on 1/tp of the sequence
   int64_t pad_vocab_multiple = 1;  // vocabulary padded to a multiple of this times tp
 
+  // Context parallelism: each sequence cut into 2 x cp chunks, rank i of a cp group holding
+  // chunks i and 2 cp - 1 - i, attention as ring attention over the group (the
+  // "context-parallel" strategy; docs/context-parallel.md).
+  int64_t cp = 1;
+
   // Pipeline parallelism: the model's layers split into pp stages (virtual_stages chunks per
   // rank with the interleaved schedule); each data-parallel rank's batch runs through the
   // pipeline in grad_accum micro-batches (--micro-batches).

@@ -34,6 +34,7 @@ struct CheckpointContents;
 enum class StrategySlot : int {
   kPipeline = 100,
   kTensor = 200,
+  kContext = 250,
   kActivationCheckpointing = 300,
   kActivationOffload = 400,
   kUser = 500,  // where a registered strategy sits unless it says otherwise

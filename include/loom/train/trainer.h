@@ -77,7 +77,8 @@ class Trainer {
   const data::Tokenizer& tokenizer() const { return *tokenizer_; }
   const dist::Mesh& mesh() const { return *mesh_; }
   // The runtime: its strategies (strategy_names(), find_strategy) and what they publish
-  // (context().find<T>(key): "pipeline.partition", "pipeline.executor", "data_parallel", "zero").
+  // (context().find<T>(key): "pipeline.partition", "pipeline.executor", "data_parallel", "zero",
+  // "context-parallel.group").
   const Runtime& runtime() const { return *runtime_; }
   // The ZeRO engine of this rank's first chunk, with --zero 1-3 (else null).
   const parallel::zero::ZeroOptimizer* zero() const;

@@ -4,6 +4,7 @@
 namespace loom::train::strategies {
 void register_pipeline();
 void register_tensor_parallel();
+void register_context_parallel();
 void register_memory_strategies();  // activation-checkpointing, activation-offload,
                                     // optimizer-offload
 void register_data_parallel();

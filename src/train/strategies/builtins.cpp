@@ -10,6 +10,7 @@ void register_builtin_strategies() {
   std::call_once(once, [] {
     strategies::register_pipeline();
     strategies::register_tensor_parallel();
+    strategies::register_context_parallel();
     strategies::register_memory_strategies();
     strategies::register_data_parallel();
     strategies::register_zero();
