@@ -176,7 +176,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     TrainConfig, model, preset, init_from_hf, vocab_size, seed, dropout, data, val_data, seq_len,
     steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
-    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
+    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple, cp,
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device, attention,
     peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,

@@ -26,6 +26,12 @@ using nlohmann::json;
 
 namespace {
 
+// The cp ranks of a replica hold the same parameters and optimizer state (only the sequences
+// are split): the first of them writes what they share, so no two ranks write one file.
+bool first_of_context_group(const dist::Mesh& mesh) {
+  return mesh.coord(dist::Dim::cp) == 0;
+}
+
 // The checkpoint entry holding data-parallel rank r's dropout generator (a custom model's: loom's
 // own models key their masks by position and save nothing); with a pipeline, each stage has its
 // own (stage 0's under the plain name, so a run resumed without a pipeline continues stage 0's
@@ -148,7 +154,7 @@ std::string Trainer::write_stage3_parameters(const fs::path& file, const std::st
   const bool whole = prefix.empty();
   LOOM_CHECK(!whole || mesh_->size(dist::Dim::tp) == 1,
              "stage 3 writes single-process tensors at tp 1 only");
-  const bool writes = data_rank() == 0;
+  const bool writes = data_rank() == 0 && first_of_context_group(*mesh_);
   std::unique_ptr<core::SafetensorsWriter> writer;
   std::string error;
   if (writes) {
@@ -364,7 +370,7 @@ fs::path Trainer::save_checkpoint() {
     share_rank0_outcome(failure, fmt::format("prepare '{}'", staging.string()));
     std::string error;
     try {
-      for (size_t c = 0; c < zero.size(); ++c) {
+      for (size_t c = 0; c < zero.size() && first_of_context_group(*mesh_); ++c) {
         // Where the engine sits, so a loader can cut its shards back into parameters.
         auto meta = zero[c]->state_metadata();
         meta["loom.group"] = fmt::format("pp{}-c{}", mesh_->coord(dist::Dim::pp), c);
@@ -385,7 +391,8 @@ fs::path Trainer::save_checkpoint() {
       if (rank_files)
         core::save_safetensors(staging / rank_state_name(mesh_->rank(), mesh_->world_size()),
                                rank_state, rank_state_meta);
-      if (sharded_files && data_rank() == 0 && config_.zero != 3)
+      if (sharded_files && data_rank() == 0 && first_of_context_group(*mesh_) &&
+          config_.zero != 3)
         core::save_safetensors(
             staging / model_shard_name(mesh_->coord(dist::Dim::pp), mesh_->coord(dist::Dim::tp)),
             my_shard, my_specs);

@@ -164,9 +164,10 @@ struct CpLayout {
   bool sp;
   int64_t zero;
   int64_t grad_accum;
+  const char* checkpointing = "none";  // --activation-checkpointing: recomputes the ring
   std::string describe() const {
-    return fmt::format("{} cp {} dp {} tp {}{} pp {} zero {} accum {}", model, cp, dp, tp,
-                       sp ? " sp" : "", pp, zero, grad_accum);
+    return fmt::format("{} cp {} dp {} tp {}{} pp {} zero {} accum {} recompute {}", model, cp, dp,
+                       tp, sp ? " sp" : "", pp, zero, grad_accum, checkpointing);
   }
 };
 
@@ -186,6 +187,7 @@ void expect_layout_trains_like_one_process(
   config.pp = layout.pp;
   config.sequence_parallel = layout.sp;
   config.zero = layout.zero;
+  config.activation_checkpointing = layout.checkpointing;
   train::Trainer t(config,
                    loom::testing::layout_mesh(
                        {.dp = layout.dp, .tp = layout.tp, .pp = layout.pp, .cp = layout.cp}));
@@ -212,9 +214,10 @@ TEST(TrainerCp, CpComposesWithDpTpPpAndZero) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
   std::map<std::string, loom::testing::RunResult> single;
-  for (const auto& layout :
-       {CpLayout{"llama", 2, 1, 2, 1, true, 0, 1}, CpLayout{"gpt2", 2, 2, 1, 1, false, 0, 1},
-        CpLayout{"gpt2", 2, 2, 1, 1, false, 3, 1}, CpLayout{"llama", 2, 1, 1, 2, false, 0, 2}})
+  for (const auto& layout : {CpLayout{"llama", 2, 1, 2, 1, true, 0, 1, "selective"},
+                             CpLayout{"gpt2", 2, 2, 1, 1, false, 0, 1},
+                             CpLayout{"gpt2", 2, 2, 1, 1, false, 3, 1, "full"},
+                             CpLayout{"llama", 2, 1, 1, 2, false, 0, 2}})
     expect_layout_trains_like_one_process(dir, layout, single);
 }
 
@@ -257,4 +260,55 @@ TEST(TrainerCp, LayoutsThatCannotBeAreClearErrors) {
   // cp that does not divide the world: refused before any collective.
   msg = error_of([&] { loom::testing::layout_mesh({.dp = 0, .cp = 3}); });
   EXPECT_TRUE(contains(msg, "does not divide the world of 2")) << msg;
+}
+
+TEST(TrainerCp, CheckpointsAtCpResumeAtAnotherLayout) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto base = cp_config(dir.path(), "llama");
+  base.steps = 4;
+  base.lr_decay_steps = base.steps;  // the same schedule for a 2-step and a 4-step run
+  loom::testing::RunResult reference;
+  {
+    train::Trainer t(base);
+    reference = loom::testing::run(t);
+  }
+  // Saved by cp 2 x dp 2 under ZeRO-2 (the cp ranks share their dp shard: one writes it) and by
+  // cp 2 x tp 2 (sharded model files), resumed at dp 4 (ZeRO-2) and at cp 4.
+  struct Case {
+    CpLayout saver, loader;
+  };
+  for (const auto& c :
+       {Case{{"llama", 2, 2, 1, 1, false, 2, 1}, {"llama", 1, 4, 1, 1, false, 2, 1}},
+        Case{{"llama", 2, 1, 2, 1, false, 0, 1}, {"llama", 4, 1, 1, 1, false, 0, 1}}}) {
+    SCOPED_TRACE(c.saver.describe() + " -> " + c.loader.describe());
+    auto apply = [&](const CpLayout& l, train::TrainConfig config) {
+      config.cp = l.cp;
+      config.tp = l.tp;
+      config.pp = l.pp;
+      config.zero = l.zero;
+      return config;
+    };
+    auto mesh = [](const CpLayout& l) {
+      return loom::testing::layout_mesh({.dp = l.dp, .tp = l.tp, .pp = l.pp, .cp = l.cp});
+    };
+    auto config = apply(c.saver, base);
+    config.steps = 2;
+    config.save_dir = (dir / fmt::format("saved_cp{}_tp{}", c.saver.cp, c.saver.tp)).string();
+    {
+      train::Trainer t(config, mesh(c.saver));
+      t.fit();
+    }
+    auto resumed = apply(c.loader, base);
+    resumed.resume = (fs::path(config.save_dir) / "step-00000002").string();
+    train::Trainer t(resumed, mesh(c.loader));
+    EXPECT_EQ(t.step(), 2);
+    auto got = loom::testing::run(t);
+    // The resumed run's losses are steps 3 and 4 of the reference.
+    got.losses.insert(got.losses.begin(), reference.losses.begin(), reference.losses.begin() + 2);
+    got.grad_norms.insert(got.grad_norms.begin(), reference.grad_norms.begin(),
+                          reference.grad_norms.begin() + 2);
+    loom::testing::expect_same_run(got, reference);
+  }
 }
