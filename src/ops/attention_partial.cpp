@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/flash_attention.h"
 #include "loom/ops/precision.h"
 
 namespace loom::ops {
@@ -59,6 +60,10 @@ PartialAttention attention_partial_forward(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& v, BlockMask mask, double scale) {
   const auto s = check_shapes(q, k, v, mask);
   const auto acc = accumulation_dtype(q.scalar_type());
+  if (!flash_attention_unsupported(q, k, v, 0.0)) {
+    auto [out, lse] = flash_attention_forward(q, k, v, mask == BlockMask::kCausal, scale);
+    return {out.to(acc), lse.to(acc)};
+  }
   const auto qg = grouped(q, s, acc);
   const auto scores = block_scores(qg, k.to(acc), s, mask, scale);
   // Every row holds at least one unmasked score (a causal block keeps its diagonal), so the
@@ -87,16 +92,24 @@ void merge_partial_attention(PartialAttention& acc, const PartialAttention& part
 }
 
 PartialAttentionGrads attention_partial_backward(const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v, const at::Tensor& dout,
-                                                 const at::Tensor& lse, const at::Tensor& delta,
+                                                 const at::Tensor& v, const at::Tensor& out,
+                                                 const at::Tensor& lse, const at::Tensor& dout,
                                                  BlockMask mask, double scale) {
   const auto s = check_shapes(q, k, v, mask);
-  LOOM_CHECK(dout.sizes() == q.sizes() && lse.sizes() == delta.sizes() && lse.dim() == 3 &&
+  LOOM_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.dim() == 3 &&
                  lse.size(0) == s.b && lse.size(1) == s.hq && lse.size(2) == s.tq,
-             "partial attention backward: dout {} must match q {}, lse {} and delta {} be [B, "
-             "Hq, Tq]",
-             dout.sizes(), q.sizes(), lse.sizes(), delta.sizes());
+             "partial attention backward: out {} and dout {} must match q {}, lse {} be [B, Hq, "
+             "Tq]",
+             out.sizes(), dout.sizes(), q.sizes(), lse.sizes());
   const auto acc = accumulation_dtype(q.scalar_type());
+  if (!flash_attention_unsupported(q, k, v, 0.0)) {
+    // The kernel forms rowsum(dout * out) from the whole output it is given.
+    auto [dq, dk, dv] =
+        flash_attention_backward(q, k, v, out.to(q.scalar_type()), lse.to(at::kFloat),
+                                 dout.to(q.scalar_type()), mask == BlockMask::kCausal, scale);
+    return {dq.to(acc), dk.to(acc), dv.to(acc)};
+  }
+  const auto delta = (dout.to(acc) * out.to(acc)).sum(-1);
   const auto qg = grouped(q, s, acc);
   const auto kf = k.to(acc);
   const auto vf = v.to(acc);

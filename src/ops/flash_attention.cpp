@@ -125,6 +125,38 @@ ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
   return r;
 }
 
+// dq, dk, dv of q, k, v given an output o and its logsumexp, which need not be what the kernel's
+// forward of these q, k, v wrote: ring attention passes the whole attention's o and lse rows to
+// get one block pair's share of the gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& grad, bool causal, double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto d_o = last_dim_contiguous(grad);
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  auto p = params_of(q, k, v, causal, scale);
+  p.o = o.data_ptr();
+  p.o_strides = strides_of(o);
+  p.lse = lse.data_ptr<float>();
+  p.d_o = d_o.data_ptr();
+  p.d_o_strides = strides_of(d_o);
+  p.dq = dq.data_ptr();
+  p.dq_strides = strides_of(dq);
+  p.dk = dk.data_ptr();
+  p.dk_strides = strides_of(dk);
+  p.dv = dv.data_ptr();
+  p.dv_strides = strides_of(dv);
+  const size_t bytes = kernels::flash_attention_backward_workspace_bytes(p);
+  // From torch's caching allocator, on the current stream: reused, not cudaMalloc'd each call.
+  auto workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+  check_status(kernels::flash_attention_backward(p, workspace.data_ptr(), bytes,
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "backward");
+  return {dq, dk, dv};
+}
+
 // Saves q, k, v, the output and the logsumexp; the backward recomputes the rest tile by tile.
 struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
@@ -139,31 +171,9 @@ struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
-    const c10::cuda::CUDAGuard guard(q.device());
-    const auto d_o = last_dim_contiguous(grads[0]);
-    auto dq = at::empty(q.sizes(), q.options());
-    auto dk = at::empty(k.sizes(), k.options());
-    auto dv = at::empty(v.sizes(), v.options());
-    auto p =
-        params_of(q, k, v, ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
-    p.o = o.data_ptr();
-    p.o_strides = strides_of(o);
-    p.lse = lse.data_ptr<float>();
-    p.d_o = d_o.data_ptr();
-    p.d_o_strides = strides_of(d_o);
-    p.dq = dq.data_ptr();
-    p.dq_strides = strides_of(dq);
-    p.dk = dk.data_ptr();
-    p.dk_strides = strides_of(dk);
-    p.dv = dv.data_ptr();
-    p.dv_strides = strides_of(dv);
-    const size_t bytes = kernels::flash_attention_backward_workspace_bytes(p);
-    // From torch's caching allocator, on the current stream: reused, not cudaMalloc'd each call.
-    auto workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
-    check_status(kernels::flash_attention_backward(p, workspace.data_ptr(), bytes,
-                                                   c10::cuda::getCurrentCUDAStream().stream()),
-                 "backward");
+    auto [dq, dk, dv] =
+        backward_impl(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0],
+                      ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
     return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
@@ -194,6 +204,21 @@ std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, c
   return {r.o, r.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale) {
+  check_supported(q, k, v);
+  LOOM_CHECK(o.sizes() == q.sizes() && d_o.sizes() == q.sizes() &&
+                 o.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat &&
+                 lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                 lse.size(2) == q.size(2),
+             "fused attention backward: o {} and d_o {} must be q's shape {} and dtype, lse {} "
+             "[B, Hq, T] fp32",
+             o.sizes(), d_o.sizes(), q.sizes(), lse.sizes());
+  return backward_impl(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v),
+                       last_dim_contiguous(o), lse.contiguous(), d_o, causal, scale);
+}
+
 #else  // no CUDA in this build: the reason is all there is
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool,
@@ -203,6 +228,12 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool, double) {
+  fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, bool, double) {
   fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
 }
 

@@ -9,6 +9,9 @@
 //   all:    those and larger ones (about 90 s);
 //   custom: one configuration; LAYOUT 0 contiguous, 1 [B, S, H, D], 2 padded strides.
 //
+// Then the partial-results configurations (run_partial): a causal attention computed block pair
+// by block pair as ring attention does, merged on the host.
+//
 // Per configuration: the forward, then the backward on the kernel's own o and lse, through the
 // public entry points (flash_attention_forward / _backward) with every emulated launch. Passes
 // when o, lse, dq, dk and dv are finite and within tolerance of the host reference (same
@@ -125,6 +128,17 @@ class Tensor {
       values[i] = from_bits<E>(data()[at]);
     });
     return values;
+  }
+
+  // Writes `values` (contiguous) rounded to E; returns them as rounded.
+  template <typename E>
+  std::vector<float> write(const std::vector<float>& values) {
+    std::vector<float> rounded(size());
+    for_each_element([&](int64_t at, size_t i) {
+      data()[at] = to_bits<E>(values[i]);
+      rounded[i] = from_bits<E>(data()[at]);
+    });
+    return rounded;
   }
 
   // The elements, contiguous; sets *padding_untouched to whether every other 16-bit word of the
@@ -419,6 +433,164 @@ bool run(const Config& c) {
   return ok;
 }
 
+// ---- Partial results, as ring attention uses them ----------------------------------------------
+
+// A causal attention of `chunks` chunks of `chunk` tokens computed block pair by block pair, as
+// ring attention does (parallel/context/ring_attention.h, ops/attention_partial.h): the kernel's
+// forward on each pair (the causal diagonal, or a whole earlier block), the partial outputs
+// merged by their log-sum-exp on the host; then the kernel's backward on each pair given the
+// MERGED output (rounded to E) and log-sum-exp, which that pair's forward never wrote, its dq, dk
+// and dv summed. Both against naive attention in double precision over the whole sequence, with
+// the single-call tolerances above.
+struct PartialConfig {
+  int batch, q_heads, kv_heads, chunk, chunks, head_dim;
+  bool bf16;
+};
+
+template <typename E>
+bool run_partial(const PartialConfig& pc) {
+  constexpr bool kBf16 = std::is_same_v<E, __nv_bfloat16>;
+  const double tolerance = kBf16 ? 1.5e-2 : 2e-3;
+  const double lse_tolerance = 1e-3;
+  const int B = pc.batch, Hq = pc.q_heads, Hkv = pc.kv_heads, C = pc.chunk, D = pc.head_dim;
+  const int T = C * pc.chunks;
+  const Config c{B, Hq, Hkv, T, T, D, true, kBf16, Layout::kContiguous, false, 1.f};
+  const std::string name = "partial " + std::to_string(pc.chunks) + " chunks of " +
+                           std::to_string(C) + ": " + describe(c);
+  std::printf("RUN  %s\n", name.c_str());
+  const auto start = std::chrono::steady_clock::now();
+  const int errors_before = emulation::error_count;
+  std::mt19937 rng(4321);
+  const Layout kC = Layout::kContiguous;
+  Tensor q(B, Hq, T, D, kC, false, 0), k(B, Hkv, T, D, kC, false, 1), v(B, Hkv, T, D, kC, false, 2),
+      o(B, Hq, T, D, kC, false, 3), d_o(B, Hq, T, D, kC, false, 4);
+  const auto q_values = q.fill_random<E>(rng, 1.f), k_values = k.fill_random<E>(rng, 1.f),
+             v_values = v.fill_random<E>(rng, 1.f), d_o_values = d_o.fill_random<E>(rng, 1.f);
+  const auto offset = [&](const Tensor& t, int chunk_index) {
+    return t.data() + int64_t(chunk_index) * C * t.strides().seq;
+  };
+  // Block pair (query chunk i, key chunk j), reading the whole tensors through their strides.
+  auto pair = [&](int i, int j) {
+    FlashAttentionParams p;
+    p.batch = B;
+    p.q_heads = Hq;
+    p.kv_heads = Hkv;
+    p.q_len = p.kv_len = C;
+    p.head_dim = D;
+    p.scale = 1.f / std::sqrt(float(D));
+    p.causal = i == j;
+    p.dtype = kBf16 ? AttentionDtype::kBFloat16 : AttentionDtype::kFloat16;
+    p.q = offset(q, i);
+    p.k = offset(k, j);
+    p.v = offset(v, j);
+    p.q_strides = q.strides();
+    p.k_strides = k.strides();
+    p.v_strides = v.strides();
+    return p;
+  };
+  const size_t rows = size_t(B) * Hq * T, block_rows = size_t(B) * Hq * C;
+  auto whole_row = [&](size_t block_row, int i) {  // [B, Hq, C] row -> [B, Hq, T] row
+    return block_row / C * T + size_t(i) * C + block_row % C;
+  };
+  bool ok = true;
+  std::vector<double> acc_o(rows * D, 0.0), acc_lse(rows, -INFINITY);
+  for (int i = 0; i < pc.chunks; ++i)
+    for (int j = 0; j <= i; ++j) {
+      Tensor block_o(B, Hq, C, D, kC, false, 5);
+      GuardedBuffer lse_buffer(block_rows * sizeof(float));
+      float* lse = static_cast<float*>(lse_buffer.data());
+      std::fill(lse, lse + block_rows, NAN);
+      auto p = pair(i, j);
+      p.o = block_o.data();
+      p.o_strides = block_o.strides();
+      p.lse = lse;
+      const Status s = loom::kernels::flash_attention_forward(p, nullptr);
+      if (!s.ok()) {
+        std::printf("FAIL %s | forward %d,%d: %s\n", name.c_str(), i, j, s.message.c_str());
+        return false;
+      }
+      bool untouched = false;
+      const auto values = block_o.read<E>(&untouched);
+      ok = ok && untouched;
+      for (size_t r = 0; r < block_rows; ++r) {
+        const size_t w = whole_row(r, i);
+        const double merged = acc_lse[w] == -INFINITY
+                                  ? double(lse[r])
+                                  : std::max(acc_lse[w], double(lse[r])) +
+                                        std::log1p(std::exp(-std::fabs(acc_lse[w] - lse[r])));
+        const double keep = std::exp(acc_lse[w] - merged), add = std::exp(double(lse[r]) - merged);
+        for (int x = 0; x < D; ++x)
+          acc_o[w * D + x] = acc_o[w * D + x] * keep + double(values[r * D + x]) * add;
+        acc_lse[w] = merged;
+      }
+    }
+  const auto merged_o = o.write<E>(std::vector<float>(acc_o.begin(), acc_o.end()));
+  const std::vector<float> merged_lse(acc_lse.begin(), acc_lse.end());
+  const NaiveAttention naive =
+      naive_attention(c, q_values, k_values, v_values, d_o_values, merged_o);
+
+  Gradients grad{std::vector<float>(q_values.size(), 0.f), std::vector<float>(k_values.size(), 0.f),
+                 std::vector<float>(v_values.size(), 0.f)};
+  for (int i = 0; i < pc.chunks; ++i)
+    for (int j = 0; j <= i; ++j) {
+      Tensor dq(B, Hq, C, D, kC, false, 5), dk(B, Hkv, C, D, kC, false, 6),
+          dv(B, Hkv, C, D, kC, false, 7);
+      std::vector<float> lse(block_rows);  // the merged log-sum-exp of query chunk i
+      for (size_t r = 0; r < block_rows; ++r) lse[r] = merged_lse[whole_row(r, i)];
+      auto p = pair(i, j);
+      p.o = offset(o, i);
+      p.o_strides = o.strides();
+      p.lse = lse.data();
+      p.d_o = offset(d_o, i);
+      p.d_o_strides = d_o.strides();
+      p.dq = dq.data();
+      p.dq_strides = dq.strides();
+      p.dk = dk.data();
+      p.dk_strides = dk.strides();
+      p.dv = dv.data();
+      p.dv_strides = dv.strides();
+      const size_t workspace_bytes = loom::kernels::flash_attention_backward_workspace_bytes(p);
+      GuardedBuffer workspace(workspace_bytes);
+      std::memset(workspace.data(), 0xFF, workspace_bytes);
+      const Status s =
+          loom::kernels::flash_attention_backward(p, workspace.data(), workspace_bytes, nullptr);
+      if (!s.ok()) {
+        std::printf("FAIL %s | backward %d,%d: %s\n", name.c_str(), i, j, s.message.c_str());
+        return false;
+      }
+      bool untouched[3];
+      const auto block_dq = dq.read<E>(&untouched[0]), block_dk = dk.read<E>(&untouched[1]),
+                 block_dv = dv.read<E>(&untouched[2]);
+      ok = ok && untouched[0] && untouched[1] && untouched[2];
+      for (size_t r = 0; r < block_rows; ++r)
+        for (int x = 0; x < D; ++x) grad.dq[whole_row(r, i) * D + x] += block_dq[r * D + x];
+      const size_t kv_rows = size_t(B) * Hkv * C;
+      for (size_t r = 0; r < kv_rows; ++r)
+        for (int x = 0; x < D; ++x) {
+          grad.dk[whole_row(r, j) * D + x] += block_dk[r * D + x];
+          grad.dv[whole_row(r, j) * D + x] += block_dv[r * D + x];
+        }
+    }
+  int non_finite = 0;
+  const double errors[] = {relative_error(merged_o, naive.o, &non_finite),
+                           relative_error(grad.dq, naive.grad.dq, &non_finite),
+                           relative_error(grad.dk, naive.grad.dk, &non_finite),
+                           relative_error(grad.dv, naive.grad.dv, &non_finite)};
+  const double lse_err = lse_error(merged_lse, naive.lse, &non_finite);
+  ok = ok && non_finite == 0 && lse_err <= lse_tolerance && emulation::error_count == errors_before;
+  for (const double e : errors) ok = ok && e <= tolerance;
+  std::printf("%s %s | vs fp64: o %.1e lse %.1e dq %.1e dk %.1e dv %.1e | %.1f s\n",
+              ok ? "PASS" : "FAIL", name.c_str(), errors[0], lse_err, errors[1], errors[2],
+              errors[3],
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return ok;
+}
+
+// What ctest runs of it: both head dims and dtypes, GQA, chunks that are no multiple of a tile.
+std::vector<PartialConfig> partial_configs() {
+  return {{1, 4, 2, 40, 3, 64, true}, {1, 2, 1, 70, 2, 128, false}, {2, 2, 2, 33, 4, 64, false}};
+}
+
 // ---- Configuration sets -------------------------------------------------------------------------
 
 // What ctest runs (about 15 s on one core): both head dims and dtypes, causal and not, GQA
@@ -494,12 +666,18 @@ int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   int failed = 0;
   for (const Config& c : configs) failed += !(c.bf16 ? run<__nv_bfloat16>(c) : run<__half>(c));
+  int partial = 0;
+  if (set != "custom")
+    for (const PartialConfig& c : partial_configs()) {
+      ++partial;
+      failed += !(c.bf16 ? run_partial<__nv_bfloat16>(c) : run_partial<__half>(c));
+    }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "%zu configurations, %d failed, %d emulation errors; %ld blocks, %ld warp-wide "
-      "instructions, %ld cp.async copies emulated in %.1f s\n",
-      configs.size(), failed, emulation::error_count, emulation::blocks_run,
+      "%zu configurations and %d of partial results, %d failed, %d emulation errors; %ld blocks, "
+      "%ld warp-wide instructions, %ld cp.async copies emulated in %.1f s\n",
+      configs.size(), partial, failed, emulation::error_count, emulation::blocks_run,
       emulation::warp_instructions, emulation::async_copies, seconds);
   return failed > 0 || emulation::error_count > 0 ? 1 : 0;
 }

@@ -3,9 +3,9 @@
 // that a caller merges with others: the block's output normalised within the block, and each
 // query's log-sum-exp over the block's scores. Ring attention (parallel/context/ring_attention.h)
 // calls these once per pair of blocks it holds, so the ring's logic is written once whatever
-// computes a block. The implementation is the plain math in the accumulation dtype (fp32, fp64
-// for fp64 inputs) on any device; a fused kernel entry that takes and returns partial results
-// is not written yet (docs/context-parallel.md).
+// computes a block: loom's fused kernel (ops/flash_attention.h) where it takes the inputs (CUDA,
+// bf16/fp16, head_dim 64 or 128), else the plain math in the accumulation dtype (fp32, fp64 for
+// fp64 inputs). Both return their partial results in the accumulation dtype.
 #include <ATen/core/Tensor.h>
 
 namespace loom::ops {
@@ -36,14 +36,14 @@ PartialAttention empty_partial_attention(const at::Tensor& q);
 void merge_partial_attention(PartialAttention& acc, const PartialAttention& part);
 
 // The gradients of one block pair's share of the whole attention, in the accumulation dtype:
-// `lse` [B, Hq, Tq] is the whole attention's log-sum-exp and `delta` [B, Hq, Tq] the row sums of
-// dout * out of the whole output (FlashAttention-2's backward, one block pair at a time).
+// `out` [B, Hq, Tq, D] and `lse` [B, Hq, Tq] are the whole attention's output and log-sum-exp
+// for these queries (FlashAttention-2's backward, one block pair at a time).
 struct PartialAttentionGrads {
   at::Tensor dq, dk, dv;
 };
 PartialAttentionGrads attention_partial_backward(const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v, const at::Tensor& dout,
-                                                 const at::Tensor& lse, const at::Tensor& delta,
+                                                 const at::Tensor& v, const at::Tensor& out,
+                                                 const at::Tensor& lse, const at::Tensor& dout,
                                                  BlockMask mask, double scale);
 
 }  // namespace loom::ops

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace loom::ops {
 
@@ -29,5 +30,13 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
                                                           double scale);
+
+// The backward alone: dq, dk, dv (q's dtype) given o [B, Hq, T, D] (q's dtype), its logsumexp
+// lse [B, Hq, T] (fp32) and d_o. o and lse need not be what the forward of these q, k, v
+// wrote: given the whole attention's rows, the result is this key/value block's share of the
+// whole gradients (ring attention, ops/attention_partial.h).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale);
 
 }  // namespace loom::ops

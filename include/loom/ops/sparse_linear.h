@@ -11,9 +11,10 @@
 //     W^T;
 //   block:B, once at least 70% of the tiles are dropped (below that the dense product is faster
 //     on the CPU: docs/benchmarks.md): on the CPU with B >= 32 ops::block_sparse_linear, forward
-//     and backward from the kept tiles alone, in the compute dtype; on CUDA with B 32 or 64 in bf16/fp16, loom's block-sparse
-//     tensor-core kernel (ops/bsr.h) for the forward and, on W^T's tiles, the input gradient,
-//     and a dense product masked to the kept tiles for the weight gradient.
+//     and backward from the kept tiles alone, in the compute dtype; on CUDA with B 32 or 64 in
+//     bf16/fp16, loom's block-sparse tensor-core kernel (ops/bsr.h) for the forward and, on W^T's
+//     tiles, the input gradient, and a dense product masked to the kept tiles for the weight
+//     gradient.
 // Every path gives the same values up to the order of the sums, and the same gradients where the
 // weight is nonzero; a pruned weight's own gradient is not used (the prune strategy zeroes it).
 #include <ATen/core/Tensor.h>

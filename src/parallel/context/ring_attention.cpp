@@ -113,7 +113,6 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto acc = out.scalar_type();
     const auto dout = grads[0].to(acc);
-    const auto delta = (dout * out).sum(-1);
     const int64_t n = group.size(), r = group.rank();
     const int64_t c = q.size(2) / 2;
     auto dq = at::zeros(q.sizes(), out.options());
@@ -126,7 +125,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       for_each_pair(group, (r + n - s) % n, c, [&](int64_t qo, int64_t ko, ops::BlockMask mask) {
         const auto g = ops::attention_partial_backward(
             q.narrow(2, qo, c), block[0].narrow(2, ko, c), block[1].narrow(2, ko, c),
-            dout.narrow(2, qo, c), lse.narrow(2, qo, c), delta.narrow(2, qo, c), mask, scale);
+            out.narrow(2, qo, c), lse.narrow(2, qo, c), dout.narrow(2, qo, c), mask, scale);
         dq.narrow(2, qo, c).add_(g.dq);
         block_grad[0].narrow(2, ko, c).add_(g.dk);
         block_grad[1].narrow(2, ko, c).add_(g.dv);
