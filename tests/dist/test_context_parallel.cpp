@@ -139,25 +139,6 @@ TEST(ContextGroup, CausalWorkIsBalancedOnlyWithPairedChunks) {
 
 namespace {
 
-train::TrainConfig cp_config(const fs::path& dir, const std::string& model) {
-  train::TrainConfig c;
-  c.model = model;
-  c.preset = model == "gpt2" ? "gpt2-tiny" : "llama-tiny";  // llama-tiny: 4 heads, 2 kv heads
-  c.vocab_size = 257;  // byte data; 257 makes tp pad the vocabulary
-  c.data = (dir / "train.bin").string();
-  c.val_data = (dir / "val.bin").string();
-  c.seq_len = 32;
-  c.batch_size = 8;
-  c.steps = 3;
-  c.lr = 3e-3;
-  c.warmup_steps = 1;
-  c.log_every = 1000;
-  c.eval_batches = 1;
-  c.precision = "fp64";  // compared with the fp64 bounds of train_compare.h
-  c.device = loom::testing::test_device();
-  return c;
-}
-
 struct CpLayout {
   const char* model;
   int64_t cp, dp, tp, pp;
@@ -175,7 +156,7 @@ void expect_layout_trains_like_one_process(
     const loom::testing::SharedTempDir& dir, const CpLayout& layout,
     std::map<std::string, loom::testing::RunResult>& single) {
   SCOPED_TRACE(layout.describe());
-  auto config = cp_config(dir.path(), layout.model);
+  auto config = loom::testing::tiny_layout_config(dir.path(), layout.model);
   config.grad_accum = layout.grad_accum;
   const auto key = fmt::format("{} {}", layout.model, layout.grad_accum);
   if (!single.count(key)) {
@@ -226,7 +207,7 @@ TEST(TrainerCp, TheRingsWorkIsBalancedAndReported) {
   if (n != 2) GTEST_SKIP() << "runs at 2 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto config = cp_config(dir.path(), "gpt2");
+  auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
   config.cp = 2;
   config.steps = 1;
   train::Trainer t(config, loom::testing::layout_mesh({.dp = 1, .cp = 2}));
@@ -246,7 +227,7 @@ TEST(TrainerCp, LayoutsThatCannotBeAreClearErrors) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto config = cp_config(dir.path(), "gpt2");
+  auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
   config.cp = 2;
   config.seq_len = 30;
   auto msg = error_of([&] { config.validate(); });
@@ -266,7 +247,7 @@ TEST(TrainerCp, CheckpointsAtCpResumeAtAnotherLayout) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto base = cp_config(dir.path(), "llama");
+  auto base = loom::testing::tiny_layout_config(dir.path(), "llama");
   base.steps = 4;
   base.lr_decay_steps = base.steps;  // the same schedule for a 2-step and a 4-step run
   loom::testing::RunResult reference;

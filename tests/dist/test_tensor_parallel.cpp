@@ -487,29 +487,6 @@ TEST(TpModel, IdsOutsideTheVocabularyAreClearErrors) {
 
 // --- Training over dp x tp against one process --------------------------------------------
 
-namespace {
-
-train::TrainConfig tp_config(const fs::path& dir, const std::string& model) {
-  train::TrainConfig c;
-  c.model = model;
-  c.preset = model == "gpt2" ? "gpt2-tiny" : "llama-tiny";
-  c.vocab_size = 257;  // the byte data uses ids < 256; 257 makes tp pad the vocabulary
-  c.data = (dir / "train.bin").string();
-  c.val_data = (dir / "val.bin").string();
-  c.seq_len = 32;
-  c.batch_size = 8;
-  c.steps = 3;
-  c.lr = 3e-3;
-  c.warmup_steps = 1;
-  c.log_every = 1000;
-  c.eval_batches = 1;
-  c.precision = "fp64";  // compared with the fp64 bounds of train_compare.h
-  c.device = loom::testing::test_device();
-  return c;
-}
-
-}  // namespace
-
 TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
   const int64_t n = world().size();
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks (tp 2, dp x tp = 2 x 2, tp 4)";
@@ -531,7 +508,7 @@ TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
     SCOPED_TRACE(fmt::format("{} tp {} dp {}{} accum {} dropout {}", layout.model, layout.tp,
                              n / layout.tp, layout.sp ? " sp" : "", layout.grad_accum,
                              layout.dropout));
-    auto config = tp_config(dir.path(), layout.model);
+    auto config = loom::testing::tiny_layout_config(dir.path(), layout.model);
     config.grad_accum = layout.grad_accum;
     config.dropout = layout.dropout;
     const auto key = fmt::format("{}{}{}", layout.model, layout.grad_accum, layout.dropout);
@@ -586,7 +563,7 @@ TEST(TrainerTp, CheckpointAtTpResumesAtAnotherTp) {
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 and 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto config = tp_config(dir.path(), "llama");
+  auto config = loom::testing::tiny_layout_config(dir.path(), "llama");
   config.steps = 4;
   config.lr_decay_steps = 4;  // the first half stops at step 2 on the same schedule
   loom::testing::RunResult straight;
@@ -619,7 +596,7 @@ TEST(TrainerTp, TpThatDoesNotDivideTheHeadsIsAClearError) {
   if (world().size() != 3) GTEST_SKIP() << "needs 3 ranks (gpt2-tiny has 4 heads)";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  auto config = tp_config(dir.path(), "gpt2");
+  auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
   config.tp = 3;
   config.batch_size = 3;
   const auto msg =
@@ -637,7 +614,7 @@ TEST(TrainerTp, Bf16TracksOneProcess) {
   // added twice, a missing reduction) moves the loss by far more.
   for (const char* model : {"gpt2", "llama"}) {
     SCOPED_TRACE(model);
-    auto config = tp_config(dir.path(), model);
+    auto config = loom::testing::tiny_layout_config(dir.path(), model);
     config.precision = "bf16";
     loom::testing::RunResult single;
     {

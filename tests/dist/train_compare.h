@@ -71,6 +71,29 @@ inline loom::train::TrainConfig small_run_config(const std::filesystem::path& di
   return c;
 }
 
+// GPT-2 tiny or Llama tiny (4 heads, 2 kv heads) on the byte corpus in `dir`, 3 steps in fp64,
+// vocabulary 257 (the byte data uses ids < 256; 257 makes tp pad it): the run the tensor- and
+// context-parallel layout tests compare.
+inline loom::train::TrainConfig tiny_layout_config(const std::filesystem::path& dir,
+                                                   const std::string& model) {
+  loom::train::TrainConfig c;
+  c.model = model;
+  c.preset = model == "gpt2" ? "gpt2-tiny" : "llama-tiny";
+  c.vocab_size = 257;
+  c.data = (dir / "train.bin").string();
+  c.val_data = (dir / "val.bin").string();
+  c.seq_len = 32;
+  c.batch_size = 8;
+  c.steps = 3;
+  c.lr = 3e-3;
+  c.warmup_steps = 1;
+  c.log_every = 1000;
+  c.eval_batches = 1;
+  c.precision = "fp64";  // compared with the fp64 bounds below
+  c.device = test_device();
+  return c;
+}
+
 inline RunResult run(loom::train::Trainer& t) {
   RunResult r;
   while (t.step() < t.config().steps) {

@@ -37,8 +37,16 @@ class RingTransfer {
     const int n = comm.size(), r = comm.rank();
     in_ = at::empty_like(out);
     out_ = out;
-    send_ = comm.send_async(out_, (r + 1) % n, tag);
-    recv_ = comm.recv_async(in_, (r + n - 1) % n, tag);
+    // Odd ranks receive first: a backend that runs point-to-point ops in issue order (NCCL on
+    // its stream) would otherwise have every rank wait in its send for a receive queued behind
+    // the neighbour's own send. MPI's non-blocking pairs do not care.
+    if (r % 2 == 0) {
+      send_ = comm.send_async(out_, (r + 1) % n, tag);
+      recv_ = comm.recv_async(in_, (r + n - 1) % n, tag);
+    } else {
+      recv_ = comm.recv_async(in_, (r + n - 1) % n, tag);
+      send_ = comm.send_async(out_, (r + 1) % n, tag);
+    }
     group.stats().messages += 1;
     group.stats().bytes += out.numel() * static_cast<int64_t>(out.element_size());
   }
