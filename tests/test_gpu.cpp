@@ -404,16 +404,6 @@ train::TrainConfig gpu_config(const fs::path& dir, const std::string& attention)
 
 }  // namespace
 
-// 50 steps of a 2-layer GPT-2 (head_dim 64) in bf16 on the GPU: with the fused kernel the loss
-// curve stays as close to an fp32 run (math path, TF32 off) as bf16 runs on the other attention
-// paths do: its mean relative distance from the fp32 curve within twice the larger of the bf16
-// math path's and SDPA's (PyTorch's FlashAttention-class kernels: another tiled online-softmax
-// algorithm, a fair yardstick for how far rounding alone carries a curve), plus 1e-3; and it
-// learns (the last loss well below the first). The mean, not the worst step: in the steep first
-// steps a curve shifted by a fraction of a step reads as a gap of percents at one step, and the
-// kernel's atomic dQ sums differ from run to run. On the H200 (2026-12-04) two runs of the fused
-// curve were 4.9e-2 and 2.0e-2 from fp32 at their worst steps (math 9.1e-3, SDPA 1.9e-3), while
-// every tenth step was within 0.22 % (all three paths alike); the mean bound is not yet run.
 // Ring attention's per-block entry on the GPU: the fused kernel's partial results (output and
 // log-sum-exp) and its block-pair gradients, given the whole attention's rows, against the math
 // path on the same bf16 values in fp32. Bound: the emulated kernel test's bf16 tolerance (1.5e-2
@@ -448,6 +438,16 @@ TEST(FusedAttentionGpu, PartialResultsOfBlockPairsMatchTheMathPath) {
   }
 }
 
+// 50 steps of a 2-layer GPT-2 (head_dim 64) in bf16 on the GPU: with the fused kernel the loss
+// curve stays as close to an fp32 run (math path, TF32 off) as bf16 runs on the other attention
+// paths do: its mean relative distance from the fp32 curve within twice the larger of the bf16
+// math path's and SDPA's (PyTorch's FlashAttention-class kernels: another tiled online-softmax
+// algorithm, a fair yardstick for how far rounding alone carries a curve), plus 1e-3; and it
+// learns (the last loss well below the first). The mean, not the worst step: in the steep first
+// steps a curve shifted by a fraction of a step reads as a gap of percents at one step, and the
+// kernel's atomic dQ sums differ from run to run. On the H200 (2026-12-04) two runs of the fused
+// curve were 4.9e-2 and 2.0e-2 from fp32 at their worst steps (math 9.1e-3, SDPA 1.9e-3), while
+// every tenth step was within 0.22 % (all three paths alike); the mean bound is not yet run.
 TEST(GpuTraining, FusedAttentionTrainsLikeTheMathPath) {
   SKIP_WITHOUT_GPU();
   loom::testing::TempDir dir;

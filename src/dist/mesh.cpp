@@ -59,9 +59,10 @@ MeshShape MeshShape::resolve(int64_t world_size, int64_t ranks_per_node) const {
   const int64_t others = tp * pp * cp;
   if (s.dp == 0) {
     LOOM_CHECK(world_size % others == 0,
-               "mesh: tp {} x pp {} x cp {} = {} ranks does not divide the world of {} "
-               "processes, so dp cannot be derived; launch a multiple of {} processes",
-               tp, pp, cp, others, world_size, others);
+               "mesh: tp {} x pp {}{} = {} ranks does not divide the world of {} processes, so "
+               "dp cannot be derived; launch a multiple of {} processes",
+               tp, pp, cp != 1 ? fmt::format(" x cp {}", cp) : std::string(), others, world_size,
+               others);
     s.dp = world_size / others;
   }
   LOOM_CHECK(s.product() == world_size,

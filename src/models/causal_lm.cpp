@@ -151,7 +151,7 @@ void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
   if (group && group->size() > 1)
     LOOM_CHECK(config_.family != Family::kCustom,
                "context parallelism needs to know where each token sits in its sequence; a "
-               "custom model does not say, so it trains with cp 1");
+               "custom model does not say: train it with cp 1");
   if (group && group->size() > 1)
     LOOM_CHECK(config_.dropout == 0,
                "dropout ({}) under context parallelism is not supported yet: its masks would "
@@ -234,6 +234,11 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& tokens) {
+  LOOM_CHECK(context_parallel_size() == 1,
+             "forward() returns the whole logits, but under context parallelism (cp {}) this rank "
+             "holds 2 of the {} chunks of each sequence: use loss(), or a model at cp 1 (e.g. "
+             "loaded from a checkpoint) for logits and generation",
+             context_parallel_size(), 2 * context_parallel_size());
   auto logits = pt::gather_from_tp_region(logits_shard(tokens), *tp_, -1);
   return logits.size(-1) == config_.vocab_size ? logits : logits.narrow(-1, 0, config_.vocab_size);
 }
@@ -279,9 +284,11 @@ void CausalLM::check_tokens(const at::Tensor& tokens) const {
   const int64_t cp = context_parallel_size();
   if (cp > 1) execution_->context->check_seq_len(tokens.size(1));
   LOOM_CHECK(!tp_->sequence_parallel() || (tokens.size(1) / cp) % tp_->size() == 0,
-             "sequence parallelism splits the sequence: length {} (this rank's {} of it under "
-             "cp {}) is not divisible by tp {}",
-             tokens.size(1), tokens.size(1) / cp, cp, tp_->size());
+             "sequence parallelism splits the sequence: length {}{} is not divisible by tp {}",
+             tokens.size(1),
+             cp != 1 ? fmt::format(" (this rank's {} of it at cp {})", tokens.size(1) / cp, cp)
+                     : std::string(),
+             tp_->size());
 }
 
 namespace {

@@ -1,6 +1,7 @@
 #include "loom/ops/attention_partial.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <limits>
 
@@ -64,6 +65,9 @@ PartialAttention attention_partial_forward(const at::Tensor& q, const at::Tensor
     auto [out, lse] = flash_attention_forward(q, k, v, mask == BlockMask::kCausal, scale);
     return {out.to(acc), lse.to(acc)};
   }
+  // In the accumulation dtype even under bf16 autocast: the backward (which runs outside it)
+  // recomputes these scores and must see the same ones.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto qg = grouped(q, s, acc);
   const auto scores = block_scores(qg, k.to(acc), s, mask, scale);
   // Every row holds at least one unmasked score (a causal block keeps its diagonal), so the
@@ -109,6 +113,7 @@ PartialAttentionGrads attention_partial_backward(const at::Tensor& q, const at::
                                  dout.to(q.scalar_type()), mask == BlockMask::kCausal, scale);
     return {dq.to(acc), dk.to(acc), dv.to(acc)};
   }
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto delta = (dout.to(acc) * out.to(acc)).sum(-1);
   const auto qg = grouped(q, s, acc);
   const auto kf = k.to(acc);

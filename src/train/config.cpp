@@ -70,10 +70,13 @@ void TrainConfig::validate() const {
              "--cp {} cuts each sequence into 2 x cp = {} chunks: --seq-len {} is not divisible "
              "by {}",
              cp, 2 * cp, seq_len, 2 * cp);
-  LOOM_CHECK(!sequence_parallel || (seq_len / cp) % tp == 0,
-             "--sequence-parallel splits the sequence across tp ranks: --seq-len {} (each rank's "
-             "{} of it at --cp {}) is not divisible by --tp {}",
-             seq_len, seq_len / cp, cp, tp);
+  LOOM_CHECK(
+      !sequence_parallel || (seq_len / cp) % tp == 0,
+      "--sequence-parallel splits the sequence across tp ranks: --seq-len {}{} is not "
+      "divisible by --tp {}",
+      seq_len,
+      cp != 1 ? fmt::format(" (each rank's {} of it at --cp {})", seq_len / cp, cp) : std::string(),
+      tp);
   LOOM_CHECK(layers >= 0, "--layers {} must be >= 0 (0: the preset's)", layers);
   LOOM_CHECK(pp >= 1, "--pp {} must be at least 1", pp);
   LOOM_CHECK(virtual_stages >= 1, "--virtual-stages {} must be at least 1", virtual_stages);

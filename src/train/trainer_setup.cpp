@@ -35,6 +35,9 @@ void Trainer::check_mesh_and_device() {
   LOOM_CHECK(config_.tp == mesh_->size(dist::Dim::tp),
              "--tp {} does not match the mesh, whose tensor-parallel size is {} ({})", config_.tp,
              mesh_->size(dist::Dim::tp), shape);
+  LOOM_CHECK(config_.cp == mesh_->size(dist::Dim::cp),
+             "--cp {} does not match the mesh, whose context-parallel size is {} ({})", config_.cp,
+             mesh_->size(dist::Dim::cp), shape);
   LOOM_CHECK(config_.pp == mesh_->size(dist::Dim::pp),
              "--pp {} does not match the mesh, whose pipeline-parallel size is {} ({})", config_.pp,
              mesh_->size(dist::Dim::pp), shape);

@@ -29,8 +29,11 @@ TEST(MeshShape, ResolvesDpAndRejectsBadShapesWithTheNumbers) {
   EXPECT_TRUE(contains(msg, "--pp -1 is invalid")) << msg;
   msg = error_of([] { (dist::MeshShape{.tp = 2}).resolve(3, 4); });
   EXPECT_TRUE(contains(msg, "does not divide the world of 3 processes")) << msg;
-  msg = error_of([] { (dist::MeshShape{.cp = 2}).resolve(4, 4); });
-  EXPECT_TRUE(contains(msg, "cp 2 is not supported")) << msg;
+  EXPECT_EQ((dist::MeshShape{.cp = 2}).resolve(4, 4).dp, 2);
+  msg = error_of([] { (dist::MeshShape{.cp = 3}).resolve(4, 4); });
+  EXPECT_TRUE(contains(msg, "tp 1 x pp 1 x cp 3 = 3 ranks does not divide the world of 4")) << msg;
+  msg = error_of([] { (dist::MeshShape{.cp = 0}).resolve(4, 4); });
+  EXPECT_TRUE(contains(msg, "--cp 0 is invalid")) << msg;
   // tp wider than a node only warns.
   EXPECT_EQ((dist::MeshShape{.tp = 4}).resolve(4, 2).dp, 1);
 }

@@ -104,7 +104,8 @@ class CausalLM : public torch::nn::Module {
   std::string tied_embedding_copy() const;
   // The name of the token embedding's weight (which the head reuses when embeddings are tied).
   virtual std::string embedding_weight_name() const = 0;
-  // The whole logits [batch, seq, vocab_size] (gathered across tp, padding dropped).
+  // The whole logits [batch, seq, vocab_size] (gathered across tp, padding dropped). Refused under
+  // context parallelism (a rank holds part of each sequence).
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy of tokens against targets [batch, seq], in fp32, computed
   // from the vocabulary shards without assembling the whole logits.

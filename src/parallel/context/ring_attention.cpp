@@ -125,27 +125,33 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const int64_t c = q.size(2) / 2;
     auto dq = at::zeros(q.sizes(), out.options());
     auto block = at::stack({k, v}).contiguous();
-    // The gradient of the block held, in the accumulation dtype; it travels with its block.
-    auto block_grad = at::zeros(block.sizes(), out.options());
+    // Gradients of the key/value blocks in the accumulation dtype: this rank's own block's
+    // share stays here; another block's travels with it, gathering each rank's share, and after
+    // the last step (which holds the next rank's block) goes home: n - 1 hops.
+    auto own_grad = at::zeros(block.sizes(), out.options());
+    at::Tensor carried;
     for (int64_t s = 0; s < n; ++s) {
       std::optional<RingTransfer> transfer;
       if (s + 1 < n) transfer.emplace(group, block, kBlockTag);
+      auto& grad = s == 0 ? own_grad : carried;
       for_each_pair(group, (r + n - s) % n, c, [&](int64_t qo, int64_t ko, ops::BlockMask mask) {
         const auto g = ops::attention_partial_backward(
             q.narrow(2, qo, c), block[0].narrow(2, ko, c), block[1].narrow(2, ko, c),
             out.narrow(2, qo, c), lse.narrow(2, qo, c), dout.narrow(2, qo, c), mask, scale);
         dq.narrow(2, qo, c).add_(g.dq);
-        block_grad[0].narrow(2, ko, c).add_(g.dk);
-        block_grad[1].narrow(2, ko, c).add_(g.dv);
+        grad[0].narrow(2, ko, c).add_(g.dk);
+        grad[1].narrow(2, ko, c).add_(g.dv);
       });
-      // After the last step the gradient held belongs to the next rank, and this rank's own
-      // arrives from the previous one.
-      RingTransfer grad_transfer(group, block_grad, kGradTag);
+      std::optional<RingTransfer> grad_transfer;
+      if (s > 0) grad_transfer.emplace(group, carried, kGradTag);
       if (transfer) block = transfer->wait();
-      block_grad = grad_transfer.wait();
+      // Next step's block starts its journey here (s = 0) or arrives with what it gathered.
+      carried = grad_transfer ? grad_transfer->wait() : at::zeros(block.sizes(), out.options());
     }
-    return {dq.to(q.scalar_type()), block_grad[0].to(k.scalar_type()),
-            block_grad[1].to(v.scalar_type()), at::Tensor(), at::Tensor()};
+    // The last arrival is this rank's own block, with every other rank's share.
+    own_grad.add_(carried);
+    return {dq.to(q.scalar_type()), own_grad[0].to(k.scalar_type()),
+            own_grad[1].to(v.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 

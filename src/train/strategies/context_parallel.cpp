@@ -59,6 +59,7 @@ class ContextParallelStrategy final : public Strategy {
     std::map<at::ScalarType, std::vector<at::Tensor>> pieces;
     for (size_t c = 0; c < run.chunks.size(); ++c)
       for (const auto& [name, p] : run.named_parameters(c)) {
+        if (!p.requires_grad()) continue;
         auto piece = run.optimizer->grad_piece(c, name).values;
         if (piece.numel() > 0) pieces[piece.scalar_type()].push_back(piece);
       }
@@ -75,6 +76,12 @@ class ContextParallelStrategy final : public Strategy {
         }
         std::vector<at::Tensor> bucket(list.begin() + static_cast<std::ptrdiff_t>(first),
                                        list.begin() + static_cast<std::ptrdiff_t>(end));
+        first = end;
+        if (bucket.size() == 1 && bucket.front().is_contiguous()) {
+          // One piece (a large parameter): reduced where it is, without a staging copy.
+          group_->comm()->all_reduce(bucket.front(), dist::ReduceOp::Sum);
+          continue;
+        }
         auto flat = at::cat(bucket);
         group_->comm()->all_reduce(flat, dist::ReduceOp::Sum);
         int64_t offset = 0;
@@ -82,7 +89,6 @@ class ContextParallelStrategy final : public Strategy {
           piece.copy_(flat.narrow(0, offset, piece.numel()));
           offset += piece.numel();
         }
-        first = end;
       }
     }
     result.comm_wait_s +=
