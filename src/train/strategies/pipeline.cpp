@@ -163,7 +163,11 @@ class PipelineStrategy final : public Strategy {
     const int64_t most =
         *std::max_element(simulated.max_in_flight.begin(), simulated.max_in_flight.end());
     const int64_t in_flight = (most + config.virtual_stages - 1) / config.virtual_stages;
-    models::CostShape cost_shape{micro, config.seq_len, run.size(dist::Dim::tp), in_flight};
+    // A rank's tokens: context parallelism leaves each rank seq_len / cp of every sequence (its
+    // ring attention does more attention work than a block on those tokens alone; the layers all
+    // have the same share of it, so the split does not change).
+    const int64_t tokens = config.seq_len / run.size(dist::Dim::cp);
+    models::CostShape cost_shape{micro, tokens, run.size(dist::Dim::tp), in_flight};
     pl::LayerCosts costs;
     auto one = model_config;
     one.n_layers = 1;
@@ -172,11 +176,11 @@ class PipelineStrategy final : public Strategy {
       // every rank computes the same split.
       costs = models::layer_costs(model_config, "uniform", cost_shape);
       const double layer =
-          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
+          time_part(one, run.tp_group, {0, 1, false, false}, micro, tokens, run.device);
       const double with_embed =
-          time_part(one, run.tp_group, {0, 1, true, false}, micro, config.seq_len, run.device);
+          time_part(one, run.tp_group, {0, 1, true, false}, micro, tokens, run.device);
       const double with_head =
-          time_part(one, run.tp_group, {0, 1, false, true}, micro, config.seq_len, run.device);
+          time_part(one, run.tp_group, {0, 1, false, true}, micro, tokens, run.device);
       auto t =
           at::tensor({layer, std::max(0.0, with_embed - layer), std::max(0.0, with_head - layer)},
                      at::kDouble);
@@ -196,7 +200,7 @@ class PipelineStrategy final : public Strategy {
       // Each rank times one block; a pipeline rank is as fast as the slowest rank of its stage
       // (its tp and dp peers), and speeds are relative to the fastest stage.
       const double mine =
-          time_part(one, run.tp_group, {0, 1, false, false}, micro, config.seq_len, run.device);
+          time_part(one, run.tp_group, {0, 1, false, false}, micro, tokens, run.device);
       auto times = at::zeros({run.mesh->world_size()}, at::kDouble);
       auto t = at::full({1}, mine, at::kDouble);
       run.mesh->world().all_gather(times, t);
