@@ -1,7 +1,6 @@
 // Context parallelism: ring attention against the whole attention, the balance of its work, and
 // training at cp 2 and 4 (alone and with dp, tp + sp, pp and ZeRO-3) against one process.
 #include <ATen/ATen.h>
-#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -318,19 +317,8 @@ TEST(TrainerCp, Bf16TracksOneProcess) {
     }
     config.cp = n;
     train::Trainer t(config, loom::testing::layout_mesh({.dp = 1, .cp = n}));
-    const auto split = loom::testing::run(t);
-    ASSERT_EQ(split.losses.size(), single.losses.size());
-    for (size_t s = 0; s < single.losses.size(); ++s)
-      EXPECT_NEAR(split.losses[s], single.losses[s], 1e-2 * single.losses[s]) << "step " << s + 1;
-    double diff2 = 0, norm2 = 0;
-    for (const auto& [name, p] : single.params) {
-      diff2 += (split.params.at(name) - p).pow(2).sum().item<double>();
-      norm2 += p.pow(2).sum().item<double>();
-    }
-    EXPECT_LE(std::sqrt(diff2 / norm2), 2e-2);
-    if (std::getenv("LOOM_TEST_VERBOSE"))
-      fmt::print("bf16 {} cp {}: losses {} vs {}, parameters {:.3g} relative\n", model, n,
-                 split.losses, single.losses, std::sqrt(diff2 / norm2));
+    loom::testing::expect_bf16_tracks(loom::testing::run(t), single,
+                                      fmt::format("{} cp {}", model, n));
   }
 }
 

@@ -610,8 +610,7 @@ TEST(TrainerTp, Bf16TracksOneProcess) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
   // bf16 under autocast: partial sums leave the TP regions in bf16, so the sharded run rounds
-  // differently from one process. It must still track it to bf16 precision; a real bug (a bias
-  // added twice, a missing reduction) moves the loss by far more.
+  // differently from one process; it must still track it to bf16 precision.
   for (const char* model : {"gpt2", "llama"}) {
     SCOPED_TRACE(model);
     auto config = loom::testing::tiny_layout_config(dir.path(), model);
@@ -624,21 +623,8 @@ TEST(TrainerTp, Bf16TracksOneProcess) {
     config.tp = n;
     config.sequence_parallel = true;
     train::Trainer t(config, loom::testing::layout_mesh({.tp = n}));
-    auto sharded = loom::testing::run(t);
-    ASSERT_EQ(sharded.losses.size(), single.losses.size());
-    for (size_t s = 0; s < single.losses.size(); ++s)
-      EXPECT_NEAR(sharded.losses[s], single.losses[s], 1e-2 * single.losses[s]) << "step " << s + 1;
-    double diff2 = 0, norm2 = 0;
-    for (const auto& [name, p] : single.params) {
-      diff2 += (sharded.params.at(name) - p).pow(2).sum().item<double>();
-      norm2 += p.pow(2).sum().item<double>();
-    }
-    // Adam's first steps are close to lr * sign(gradient): an element whose gradient is near
-    // zero can flip sign under bf16 rounding and move by 2 * lr, so parameters get more room
-    // than losses (measured: 0.5-0.6% at tp 2 and 4).
-    EXPECT_LE(std::sqrt(diff2 / norm2), 2e-2);
-    if (std::getenv("LOOM_TEST_VERBOSE"))
-      fmt::print("bf16 {} tp {}: losses {} vs {}, parameters {:.3g} relative\n", model, n,
-                 sharded.losses, single.losses, std::sqrt(diff2 / norm2));
+    // Measured: losses within 2.7e-4, parameters 0.5-0.6% at tp 2 and 4 (docs/testing.md).
+    loom::testing::expect_bf16_tracks(loom::testing::run(t), single,
+                                      fmt::format("{} tp {}", model, n));
   }
 }
