@@ -195,10 +195,11 @@ TEST(TrainerCp, CpComposesWithDpTpPpAndZero) {
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
   std::map<std::string, loom::testing::RunResult> single;
-  for (const auto& layout : {CpLayout{"llama", 2, 1, 2, 1, true, 0, 1, "selective"},
-                             CpLayout{"gpt2", 2, 2, 1, 1, false, 0, 1},
-                             CpLayout{"gpt2", 2, 2, 1, 1, false, 3, 1, "full"},
-                             CpLayout{"llama", 2, 1, 1, 2, false, 0, 2}})
+  for (const auto& layout :
+       {CpLayout{"llama", 2, 1, 2, 1, true, 0, 1, "selective"},
+        CpLayout{"gpt2", 2, 2, 1, 1, false, 0, 1}, CpLayout{"gpt2", 2, 1, 2, 1, true, 0, 1},
+        CpLayout{"gpt2", 2, 2, 1, 1, false, 3, 1, "full"},
+        CpLayout{"llama", 2, 1, 1, 2, false, 0, 2}})
     expect_layout_trains_like_one_process(dir, layout, single);
 }
 
