@@ -148,16 +148,16 @@ at::Tensor CausalLM::token_positions(int64_t first, int64_t len, int64_t slice_l
 }
 
 void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
-  if (group && group->size() > 1)
+  if (group && group->size() > 1) {
     LOOM_CHECK(config_.family != Family::kCustom,
                "context parallelism needs to know where each token sits in its sequence; a "
                "custom model does not say: train it with cp 1");
-  if (group && group->size() > 1)
     LOOM_CHECK(config_.dropout == 0,
                "dropout ({}) under context parallelism is not supported yet: its masks would "
                "follow this rank's slice, not the tokens' places in the sequence; train with "
                "--dropout 0 or cp 1",
                config_.dropout);
+  }
   execution_->context = group && group->size() > 1 ? std::move(group) : nullptr;
 }
 

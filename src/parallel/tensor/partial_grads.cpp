@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "loom/core/error.h"
+#include "loom/dist/coalesced.h"
 
 namespace loom::parallel::tensor {
 
@@ -48,19 +49,9 @@ int64_t PartialGradSync::num_params() const {
 }
 
 void PartialGradSync::sum_in_place(Group& group, const std::vector<at::Tensor>& parts) {
-  // Coalesced: one flat buffer per dtype would be needed for mixed dtypes; parameters of a
-  // model share one.
-  std::vector<at::Tensor> flat_parts;
-  for (const auto& p : parts) flat_parts.push_back(p.reshape({-1}));
-  auto flat = at::cat(flat_parts);
-  if (flat.numel() == 0) return;  // alike on every rank: the pieces were compared
-  group.comm->all_reduce(flat, dist::ReduceOp::Sum);
-  int64_t offset = 0;
-  for (const auto& p : parts) {
-    const int64_t n = p.numel();
-    p.copy_(flat.narrow(0, offset, n).view_as(p));
-    offset += n;
-  }
+  // One flat buffer: parameters of a model share one dtype. Empty pieces are alike on every
+  // rank (the pieces were compared), so an empty sum is skipped everywhere.
+  dist::all_reduce_coalesced(*group.comm, parts, dist::ReduceOp::Sum);
 }
 
 void PartialGradSync::sync() {

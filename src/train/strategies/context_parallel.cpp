@@ -8,11 +8,12 @@
 #include <fmt/format.h>
 
 #include <chrono>
-#include <map>
 
 #include "builtin.h"
 #include "loom/core/error.h"
+#include "loom/dist/coalesced.h"
 #include "loom/parallel/context/context_group.h"
+#include "loom/parallel/data/grad_bucket.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
 
@@ -56,40 +57,20 @@ class ContextParallelStrategy final : public Strategy {
   // engine keeps the gradient (whole, or ZeRO's dp shard, laid out alike on every cp rank).
   void finish_gradient_sync(RunContext& run, StepResult& result) override {
     const auto start = std::chrono::steady_clock::now();
-    std::map<at::ScalarType, std::vector<at::Tensor>> pieces;
+    std::vector<at::Tensor> pieces;
     for (size_t c = 0; c < run.chunks.size(); ++c)
       for (const auto& [name, p] : run.named_parameters(c)) {
         if (!p.requires_grad()) continue;
         auto piece = run.optimizer->grad_piece(c, name).values;
-        if (piece.numel() > 0) pieces[piece.scalar_type()].push_back(piece);
+        if (piece.numel() > 0) pieces.push_back(std::move(piece));
       }
+    // Buckets of about --bucket-mb, one dtype each: one collective per bucket, not per parameter
+    // (a parameter larger than that is reduced where it is).
     const auto cap = static_cast<int64_t>(run.config.bucket_mb * 1024 * 1024);
-    for (auto& [dtype, list] : pieces) {
-      // Buckets of about --bucket-mb: one collective per bucket, not per parameter.
-      size_t first = 0;
-      while (first < list.size()) {
-        size_t end = first;
-        int64_t bytes = 0;
-        while (end < list.size() && (end == first || bytes < cap)) {
-          bytes += list[end].numel() * static_cast<int64_t>(list[end].element_size());
-          ++end;
-        }
-        std::vector<at::Tensor> bucket(list.begin() + static_cast<std::ptrdiff_t>(first),
-                                       list.begin() + static_cast<std::ptrdiff_t>(end));
-        first = end;
-        if (bucket.size() == 1 && bucket.front().is_contiguous()) {
-          // One piece (a large parameter): reduced where it is, without a staging copy.
-          group_->comm()->all_reduce(bucket.front(), dist::ReduceOp::Sum);
-          continue;
-        }
-        auto flat = at::cat(bucket);
-        group_->comm()->all_reduce(flat, dist::ReduceOp::Sum);
-        int64_t offset = 0;
-        for (auto& piece : bucket) {
-          piece.copy_(flat.narrow(0, offset, piece.numel()));
-          offset += piece.numel();
-        }
-      }
+    for (const auto& bucket : parallel::data::assign_buckets(pieces, cap)) {
+      std::vector<at::Tensor> parts;
+      for (const size_t i : bucket) parts.push_back(pieces[i]);
+      dist::all_reduce_coalesced(*group_->comm(), parts);
     }
     result.comm_wait_s +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
