@@ -19,8 +19,8 @@ base=("$TOOLS/loom-pretrain" --data "$work/data/train.bin" --layers 3 --steps 10
   --batch-size 6 --seq-len 32 --threads 1 --log-level warn --log-every 1000000
   --comm-timeout $timeout_s --save-every 2)
 
-# run NAME SIGNAL VICTIM_RANK NP FLAGS...: starts the job, waits for its second checkpoint,
-# sends SIGNAL to world rank VICTIM_RANK, and checks how the job ends.
+# run NAME SIGNAL VICTIM_RANK NP FLAGS...: starts the job, waits for its second checkpoint (or a
+# later one), sends SIGNAL to world rank VICTIM_RANK, and checks how the job ends.
 run() {
   local name=$1 signal=$2 victim_rank=$3 np=$4
   shift 4
@@ -28,11 +28,19 @@ run() {
   "$MPIEXEC" -n "$np" "${base[@]}" --save-dir "$dir" "$@" \
     > "$dir.log" 2>&1 &
   local pid=$!
+  # At least step 4: a fast layout can pass step 4 between two polls.
+  local latest
   for ((w = 0; w < 1800; w++)); do
-    [ "$(cat "$dir/latest" 2> /dev/null)" = step-00000004 ] && break
+    latest=$(cat "$dir/latest" 2> /dev/null)
+    [[ $latest =~ ^step-([0-9]+)$ ]] && ((10#${BASH_REMATCH[1]} >= 4)) && break
     kill -0 $pid 2> /dev/null || break
     sleep 0.1
   done
+  if ! [[ $latest =~ ^step-([0-9]+)$ ]] || ((10#${BASH_REMATCH[1]} < 4)); then
+    echo "FAIL: $name: no checkpoint of step 4 or later (latest: '${latest}')"
+    grep -v '^\s*$' "$dir.log" | tail -15
+    fail=1; kill -9 $pid 2> /dev/null; wait $pid; return
+  fi
   sleep 0.3
   # The rank's process: Open MPI gives each its rank in the environment.
   local victim=""
