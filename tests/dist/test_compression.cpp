@@ -131,8 +131,11 @@ TEST(QuantizedHooks, ReduceScatterOnTheShardLayoutLosesNothing) {
       }
       auto recv = at::empty({shard});
       const double before = comm.bytes_sent();
-      hook.start_reduce_scatter(7, send, recv, comm)->wait();
-      hook.finish_reduce_scatter(7, recv, comm);
+      pd::GradBucket bucket;
+      bucket.index = 7;
+      bucket.buffer = send;
+      hook.start_reduce_scatter(bucket, recv, comm)->wait();
+      hook.finish_reduce_scatter(bucket, recv, comm);
       sent += comm.bytes_sent() - before;
       auto errors = hook.scatter_error(7).abs().max().reshape({1});
       comm.all_reduce(errors, loom::dist::ReduceOp::Max);

@@ -86,20 +86,27 @@ std::map<std::string, at::Tensor> StateResharder::result() const {
   return out;
 }
 
-dist::WorkPtr CommHook::start_reduce_scatter(int64_t /*index*/, const at::Tensor& /*send*/,
-                                             const at::Tensor& /*recv*/,
-                                             dist::Communicator& /*comm*/) {
-  loom::fail("--comm-hook {} does not reduce-scatter (ZeRO's gradient reduction)", name());
+dist::WorkPtr CommHook::start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                             dist::Communicator& comm) {
+  LOOM_CHECK(bucket.numel() == comm.size() * recv.numel(),
+             "--comm-hook {}: a reduce-scatter of {} values into shards of {} over {} ranks",
+             name(), bucket.numel(), recv.numel(), comm.size());
+  return start(bucket, comm);
+}
+
+void CommHook::finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                     dist::Communicator& comm) {
+  finish(bucket, comm);
+  recv.copy_(bucket.buffer.narrow(0, comm.rank() * recv.numel(), recv.numel()));
 }
 
 dist::WorkPtr AllReduceAvgHook::start(GradBucket& bucket, dist::Communicator& comm) {
   return comm.all_reduce_async(bucket.buffer, dist::ReduceOp::Avg);
 }
 
-dist::WorkPtr AllReduceAvgHook::start_reduce_scatter(int64_t /*index*/, const at::Tensor& send,
-                                                     const at::Tensor& recv,
+dist::WorkPtr AllReduceAvgHook::start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                                      dist::Communicator& comm) {
-  return comm.reduce_scatter_async(recv, send, dist::ReduceOp::Avg);
+  return comm.reduce_scatter_async(recv, bucket.buffer, dist::ReduceOp::Avg);
 }
 
 dist::WorkPtr Bf16CompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
@@ -142,17 +149,20 @@ void DenseWarmupHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   }
 }
 
-dist::WorkPtr DenseWarmupHook::start_reduce_scatter(int64_t index, const at::Tensor& send,
-                                                    const at::Tensor& recv,
+dist::WorkPtr DenseWarmupHook::start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                                     dist::Communicator& comm) {
-  dense_in_flight_[index] = dense();
-  return dense() ? dense_.start_reduce_scatter(index, send, recv, comm)
-                 : inner_->start_reduce_scatter(index, send, recv, comm);
+  dense_in_flight_[bucket.index] = dense();
+  return dense() ? dense_.start_reduce_scatter(bucket, recv, comm)
+                 : inner_->start_reduce_scatter(bucket, recv, comm);
 }
 
-void DenseWarmupHook::finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+void DenseWarmupHook::finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                             dist::Communicator& comm) {
-  if (!dense_in_flight_.at(index)) inner_->finish_reduce_scatter(index, recv, comm);
+  if (dense_in_flight_.at(bucket.index)) {
+    dense_.finish_reduce_scatter(bucket, recv, comm);
+  } else {
+    inner_->finish_reduce_scatter(bucket, recv, comm);
+  }
 }
 
 std::map<std::string, at::Tensor> DenseWarmupHook::state() const {

@@ -82,9 +82,11 @@ void QuantizedAllReduceHook::finish(GradBucket& bucket, dist::Communicator& comm
   s.send = s.recv = at::Tensor();
 }
 
-dist::WorkPtr QuantizedAllReduceHook::start_reduce_scatter(int64_t index, const at::Tensor& send,
+dist::WorkPtr QuantizedAllReduceHook::start_reduce_scatter(GradBucket& bucket,
                                                            const at::Tensor& recv,
                                                            dist::Communicator& comm) {
+  const int64_t index = bucket.index;
+  const auto& send = bucket.buffer;
   const int64_t ranks = comm.size();
   LOOM_CHECK(send.dim() == 1 && send.numel() == ranks * recv.numel(),
              "--comm-hook {}: a reduce-scatter of {} values into shards of {} over {} ranks", name_,
@@ -108,9 +110,9 @@ dist::WorkPtr QuantizedAllReduceHook::start_reduce_scatter(int64_t index, const 
   return comm.all_to_all_async(s.recv, s.send);
 }
 
-void QuantizedAllReduceHook::finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+void QuantizedAllReduceHook::finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                                    dist::Communicator& /*comm*/) {
-  auto& s = scatter_state_.at(index);
+  auto& s = scatter_state_.at(bucket.index);
   const auto mean = decompress(s.recv, s.segment).sum(0) / static_cast<double>(s.ranks);
   recv.copy_(mean.narrow(0, 0, s.shard));
   s.send = s.recv = at::Tensor();

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "loom/core/error.h"
 #include "loom/ops/sparsify.h"
@@ -40,6 +41,39 @@ int64_t SparseCompressHook::capacity(int64_t numel) const {
   return std::min(numel, std::max<int64_t>(1, k));
 }
 
+namespace {
+
+// One bucket's (or shard's) selection from x + error: refreshes `threshold` to the k-th largest
+// magnitude when asked, selects by it, and returns the message: the indices, then the values'
+// bits. A non-finite value must reach every rank (and so the trainer's check on all of them
+// alike): on a step holding one (`finite` false) only non-finite values are sent, which pass any
+// threshold, even +inf, and the threshold is not refreshed: the k-th largest magnitude would be
+// NaN, and a NaN threshold passes nothing until the next refresh.
+at::Tensor select_message(const at::Tensor& x, at::Tensor& error, bool finite, bool refresh,
+                          double& threshold, int64_t capacity, int64_t& selected) {
+  if (x.numel() > 0 && finite && refresh)
+    threshold = ops::kth_largest_magnitude(x, error, capacity);
+  const auto picked = ops::select_with_feedback(
+      x, error, finite ? threshold : std::numeric_limits<double>::infinity(), capacity);
+  selected = picked.selected;
+  return at::cat({picked.indices, picked.values.view(at::kInt)});
+}
+
+// The mean of `ranks` messages of `capacity` pairs (messages: int32 [ranks, 2 capacity]) over
+// `numel` values: added into zeros rank after rank, so every receiver sums in the same order.
+at::Tensor mean_of_messages(const at::Tensor& messages, int64_t capacity, int64_t numel,
+                            const at::TensorOptions& options) {
+  auto sum = at::zeros({numel}, options);
+  for (int64_t r = 0; r < messages.size(0); ++r) {
+    const auto message = messages[r];
+    ops::scatter_add_sparse_(sum, message.narrow(0, 0, capacity),
+                             message.narrow(0, capacity, capacity).view(at::kFloat));
+  }
+  return sum.div_(static_cast<double>(messages.size(0)));
+}
+
+}  // namespace
+
 dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& comm) {
   const int64_t n = bucket.numel();
   auto& s = state_[bucket.index];
@@ -50,32 +84,57 @@ dist::WorkPtr SparseCompressHook::start(GradBucket& bucket, dist::Communicator& 
   // A checkpoint restores the error on the host.
   if (s.error.device() != bucket.buffer.device()) s.error = s.error.to(bucket.buffer.device());
   const auto x = bucket.buffer.to(at::kFloat);
-  // A non-finite value must reach every rank (and so the trainer's check on all of them alike):
-  // a step holding one sends only non-finite values, which pass any threshold, even +inf. Such
-  // a step (the trainer skips it) keeps the previous threshold rather than refresh it: the k-th
-  // largest magnitude would be NaN, and a NaN threshold passes nothing until the next refresh.
   const bool finite = at::isfinite(at::add(x, s.error)).all().item<bool>();
-  if (n > 0 && finite && s.steps % refresh_every_ == 0)
-    s.threshold = ops::kth_largest_magnitude(x, s.error, s.capacity);
+  s.send = select_message(x, s.error, finite, s.steps % refresh_every_ == 0, s.threshold,
+                          s.capacity, s.selected);
   ++s.steps;
-  const double threshold = finite ? s.threshold : std::numeric_limits<double>::infinity();
-  const auto picked = ops::select_with_feedback(x, s.error, threshold, s.capacity);
-  s.selected = picked.selected;
-  // One message: the indices, then the values' bits.
-  s.send = at::cat({picked.indices, picked.values.view(at::kInt)});
   s.recv = at::empty({comm.size(), s.send.numel()}, s.send.options());
   return comm.all_gather_async(s.recv, s.send);
 }
 
-void SparseCompressHook::finish(GradBucket& bucket, dist::Communicator& comm) {
-  auto& s = state_.at(bucket.index);
-  auto sum = at::zeros({bucket.numel()}, s.error.options());
-  for (int64_t r = 0; r < comm.size(); ++r) {
-    const auto message = s.recv[r];
-    ops::scatter_add_sparse_(sum, message.narrow(0, 0, s.capacity),
-                             message.narrow(0, s.capacity, s.capacity).view(at::kFloat));
+dist::WorkPtr SparseCompressHook::start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                                       dist::Communicator& comm) {
+  const int64_t ranks = comm.size(), shard = recv.numel();
+  LOOM_CHECK(bucket.buffer.dim() == 1 && bucket.numel() == ranks * shard,
+             "--comm-hook {}: a reduce-scatter of {} values into shards of {} over {} ranks", name_,
+             bucket.numel(), shard, ranks);
+  auto& s = scatter_state_[bucket.index];
+  if (s.ranks != ranks || s.shard != shard || !s.error.defined()) {
+    s.ranks = ranks;
+    s.shard = shard;
+    s.steps = 0;
+    s.error = at::zeros({ranks * shard}, bucket.buffer.options().dtype(at::kFloat));
+    s.threshold = at::zeros({ranks}, at::kDouble);
   }
-  bucket.buffer.copy_(sum.div_(static_cast<double>(comm.size())));
+  s.capacity = capacity(shard);
+  if (s.error.device() != bucket.buffer.device()) s.error = s.error.to(bucket.buffer.device());
+  const auto x = bucket.buffer.to(at::kFloat);
+  const bool finite = at::isfinite(at::add(x, s.error)).all().item<bool>();
+  const bool refresh = s.steps % refresh_every_ == 0;
+  std::vector<at::Tensor> messages;
+  double* thresholds = s.threshold.data_ptr<double>();
+  for (int64_t r = 0; r < ranks; ++r) {
+    auto error = s.error.narrow(0, r * shard, shard);
+    int64_t selected = 0;
+    messages.push_back(select_message(x.narrow(0, r * shard, shard), error, finite, refresh,
+                                      thresholds[r], s.capacity, selected));
+  }
+  ++s.steps;
+  s.send = at::stack(messages);
+  s.recv = at::empty_like(s.send);
+  return comm.all_to_all_async(s.recv, s.send);
+}
+
+void SparseCompressHook::finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                               dist::Communicator& /*comm*/) {
+  auto& s = scatter_state_.at(bucket.index);
+  recv.copy_(mean_of_messages(s.recv, s.capacity, s.shard, s.error.options()));
+  s.send = s.recv = at::Tensor();
+}
+
+void SparseCompressHook::finish(GradBucket& bucket, dist::Communicator& /*comm*/) {
+  auto& s = state_.at(bucket.index);
+  bucket.buffer.copy_(mean_of_messages(s.recv, s.capacity, bucket.numel(), s.error.options()));
   s.send = s.recv = at::Tensor();
 }
 
@@ -86,12 +145,22 @@ std::map<std::string, at::Tensor> SparseCompressHook::state() const {
     out[bucket_state_key(index, "steps")] = at::scalar_tensor(s.steps, at::kLong);
     out[bucket_state_key(index, "threshold")] = at::scalar_tensor(s.threshold, at::kDouble);
   }
+  for (const auto& [index, s] : scatter_state_) {
+    out[bucket_state_key(index, "scatter_error")] = s.error;
+    out[bucket_state_key(index, "scatter_steps")] = at::scalar_tensor(s.steps, at::kLong);
+    out[bucket_state_key(index, "scatter_threshold")] = s.threshold;
+  }
   return out;
 }
 
 void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
+  scatter_state_.clear();
   for (const auto& [key, error] : state) {
+    if (const auto scattered = bucket_of_key(key, "scatter_error")) {
+      load_scatter_state(*scattered, error, state);
+      continue;
+    }
     const auto bucket = bucket_of_key(key, "error");
     if (!bucket) continue;
     const int64_t index = *bucket;
@@ -111,6 +180,27 @@ void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& sta
   }
 }
 
+void SparseCompressHook::load_scatter_state(int64_t index, const at::Tensor& error,
+                                            const std::map<std::string, at::Tensor>& state) {
+  const auto steps = state.find(bucket_state_key(index, "scatter_steps"));
+  const auto threshold = state.find(bucket_state_key(index, "scatter_threshold"));
+  const int64_t ranks =
+      threshold == state.end() || threshold->second.dim() != 1 ? 0 : threshold->second.numel();
+  LOOM_CHECK(error.dim() == 1 && steps != state.end() && steps->second.numel() == 1 && ranks > 0 &&
+                 error.numel() % ranks == 0,
+             "--comm-hook {} state: bucket {}'s reduce-scatter needs a 1-D error, one-value "
+             "steps and a threshold per shard whose count divides the error's length; got an "
+             "error of {} dims and {} values, steps {}, {} thresholds",
+             name_, index, error.dim(), error.numel(), steps == state.end() ? "missing" : "present",
+             ranks);
+  auto& s = scatter_state_[index];
+  s.ranks = ranks;
+  s.shard = error.numel() / ranks;
+  s.error = error.to(at::kFloat).contiguous().clone();
+  s.steps = steps->second.item<int64_t>();
+  s.threshold = threshold->second.to(at::kDouble).cpu().contiguous().clone();
+}
+
 const SparseCompressHook::State& SparseCompressHook::state_of(int64_t index) const {
   const auto it = state_.find(index);
   LOOM_CHECK(it != state_.end(), "--comm-hook {}: bucket {} has not been reduced yet", name_,
@@ -121,6 +211,11 @@ const SparseCompressHook::State& SparseCompressHook::state_of(int64_t index) con
 at::Tensor SparseCompressHook::error(int64_t index) const {
   const auto it = state_.find(index);
   return it == state_.end() ? at::Tensor() : it->second.error;
+}
+
+at::Tensor SparseCompressHook::scatter_error(int64_t index) const {
+  const auto it = scatter_state_.find(index);
+  return it == scatter_state_.end() ? at::Tensor() : it->second.error;
 }
 
 double SparseCompressHook::threshold_of(int64_t index) const {

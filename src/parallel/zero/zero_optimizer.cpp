@@ -82,9 +82,11 @@ ZeroOptimizer::ZeroOptimizer(NamedParams params, dist::CommunicatorPtr comm, Zer
   LOOM_CHECK(options_.bucket_mb > 0, "--bucket-mb {} is invalid; it must be positive",
              options_.bucket_mb);
   ops::check_adamw_options(options_.adamw);
-  LOOM_CHECK(!options_.hook || options_.hook->reduces_scatter(),
-             "ZeRO: --comm-hook {} does not reduce-scatter; avg, int8 and onebit do",
-             options_.hook ? options_.hook->name() : std::string());
+  LOOM_CHECK(!options_.hook || !options_.hook->reduces_once_per_step() || options_.stage == 1 ||
+                 options_.reduce_once,
+             "ZeRO-{}: --comm-hook {} must see each step's gradients once (a momentum "
+             "compression); set reduce_once",
+             options_.stage, options_.hook ? options_.hook->name() : std::string());
   rank_ = comm_->rank();
   ranks_ = comm_->size();
   // Stage 3 gathers parameters while gradients are being reduced: on a communicator of its own,
@@ -432,8 +434,16 @@ void ZeroOptimizer::launch_reduce(size_t bucket) {
   const double sent_before = comm_->bytes_sent();
   // One rank sends nothing: a compressing hook would only add its rounding.
   f.compressed = options_.hook && ranks_ > 1;
-  f.work = f.compressed ? options_.hook->start_reduce_scatter(static_cast<int64_t>(bucket), f.send,
-                                                              f.recv, *comm_)
+  if (f.compressed) {
+    f.hooked.index = static_cast<int64_t>(bucket);
+    f.hooked.buffer = f.send;
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      f.hooked.params.push_back(params_[b.params[s]].second);  // shapes only (stage 3 frees them)
+      f.hooked.names.push_back(params_[b.params[s]].first);
+      f.hooked.offsets.push_back(b.layout.offset(s));
+    }
+  }
+  f.work = f.compressed ? options_.hook->start_reduce_scatter(f.hooked, f.recv, *comm_)
                         : comm_->reduce_scatter_async(f.recv, f.send, dist::ReduceOp::Avg);
   stats_.grad_bytes_sent += comm_->bytes_sent() - sent_before;
   stats_.reduce_scatter_bytes += static_cast<double>(f.send.numel() * f.send.element_size());
@@ -453,7 +463,7 @@ void ZeroOptimizer::retire(bool wait) {
     it->work->wait();
     if (it->compressed) {
       const double sent_before = comm_->bytes_sent();
-      options_.hook->finish_reduce_scatter(static_cast<int64_t>(it->bucket), it->recv, *comm_);
+      options_.hook->finish_reduce_scatter(it->hooked, it->recv, *comm_);
       stats_.grad_bytes_sent += comm_->bytes_sent() - sent_before;
     }
     auto& b = buckets_[it->bucket];

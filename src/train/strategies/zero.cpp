@@ -113,12 +113,8 @@ class ZeroStrategy final : public Strategy {
   }
 
   void validate(const RunContext& run, const std::vector<const Strategy*>& /*all*/) const override {
-    const auto hook = parallel::data::make_comm_hook(run.config.comm_hook);
-    LOOM_CHECK(hook->reduces_scatter(),
-               "--comm-hook {}: strategy 'zero' reduce-scatters gradients, which this hook does "
-               "not do; the hooks that do are avg, int8 and onebit (each with warmup=N too, not "
-               "momentum=B, whose momentum every rank needs whole): use one of them, or --zero 0",
-               run.config.comm_hook);
+    parallel::data::make_comm_hook(
+        run.config.comm_hook);  // a bad spec, named before any collective
   }
 
   void apply(RunContext& run) override {
@@ -132,7 +128,11 @@ class ZeroStrategy final : public Strategy {
     base.reshard_after_forward = run.config.zero3_reshard_after_forward;
     // A pipeline runs a chunk's micro-batches interleaved with other chunks' work: its gradients
     // accumulate whole and are reduce-scattered once, after the chunk's last micro-batch.
-    base.reduce_once = stage == 3 && run.size(dist::Dim::pp) > 1;
+    // A momentum compression's reduction is a momentum update: once per step.
+    base.reduce_once =
+        (stage == 3 && run.size(dist::Dim::pp) > 1) ||
+        (stage >= 2 &&
+         parallel::data::make_comm_hook(run.config.comm_hook)->reduces_once_per_step());
     std::vector<std::unique_ptr<ZeroOptimizer>> engines;
     // One engine per model chunk (each finishes its backwards at its own time).
     for (size_t c = 0; c < run.chunks.size(); ++c) {

@@ -66,16 +66,22 @@ class CommHook {
   virtual void lay_out_resharded(int64_t /*index*/, int64_t /*numel*/, int64_t /*rank*/,
                                  int64_t /*ranks*/) {}
 
-  // ZeRO's gradient reduction (parallel/zero): `send` holds comm.size() equal shards in rank
-  // order; once the work is done and finish_reduce_scatter has run, `recv` (one shard, send's
-  // dtype) holds the mean over ranks of every rank's shard comm.rank(). `index` names the bucket
-  // (its state). Only hooks whose reduces_scatter() is true are asked (avg, int8, onebit);
-  // strategy 'zero' refuses the others before any collective.
+  // ZeRO's gradient reduction (parallel/zero): `bucket.buffer` holds comm.size() equal shards in
+  // rank order (the parameters' gradients at bucket.offsets, zeros after the last); once the work
+  // is done and finish_reduce_scatter has run, `recv` (one shard, the buffer's dtype) holds the
+  // mean over ranks of every rank's shard comm.rank(). The default runs the hook's own reduction
+  // (start, finish) on the whole bucket and keeps this rank's shard: any hook serves ZeRO, at the
+  // bytes of its all-reduce. Hooks whose reduces_scatter() is true reduce the shard layout itself
+  // (avg, int8, onebit, topk, threshold): a reduce-scatter's bytes, compressed.
   virtual bool reduces_scatter() const { return false; }
-  virtual dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send,
-                                             const at::Tensor& recv, dist::Communicator& comm);
-  virtual void finish_reduce_scatter(int64_t /*index*/, const at::Tensor& /*recv*/,
-                                     dist::Communicator& /*comm*/) {}
+  virtual dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                             dist::Communicator& comm);
+  virtual void finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                     dist::Communicator& comm);
+  // Whether the hook must see each optimizer step's gradient once, whole (a momentum compression:
+  // its reduction is a momentum update). ZeRO-2/3 then accumulate the micro-batches' gradients
+  // and reduce once per step instead of after every backward.
+  virtual bool reduces_once_per_step() const { return false; }
 };
 
 // Builds one new rank's hook state from every old rank's state() (added in dp order, one at a
@@ -110,8 +116,10 @@ class AllReduceAvgHook : public CommHook {
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   // A plain reduce-scatter average in the gradients' own dtype.
   bool reduces_scatter() const override { return true; }
-  dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
+  dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
+  void finish_reduce_scatter(GradBucket& /*bucket*/, const at::Tensor& /*recv*/,
+                             dist::Communicator& /*comm*/) override {}
 };
 
 // Scales by 1/ranks, rounds to bfloat16, all-reduces the sum in bfloat16 (half the bytes of
@@ -150,10 +158,11 @@ class DenseWarmupHook : public CommHook {
     inner_->lay_out_resharded(index, numel, rank, ranks);
   }
   bool reduces_scatter() const override { return inner_->reduces_scatter(); }
-  dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
+  dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
-  void finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+  void finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                              dist::Communicator& comm) override;
+  bool reduces_once_per_step() const override { return inner_->reduces_once_per_step(); }
 
   int64_t warmup() const { return warmup_; }
   CommHook& inner() { return *inner_; }
@@ -182,14 +191,16 @@ class DenseWarmupHook : public CommHook {
 // to load cannot drift from the others. Gradient clipping scales what the optimizer gets, not m:
 // while it clips, the optimizer's momentum drifts from m (the gap shrinks by B each step). The
 // optimizer should freeze its variance (--freeze-variance-after, 1-bit Adam): a moving variance
-// is fed the returned gradients, whose compression errors are 1 / (1 - B) times larger. Not under
-// ZeRO: a reduce-scatter returns one shard of m', and every rank needs all of it.
+// is fed the returned gradients, whose compression errors are 1 / (1 - B) times larger. Under
+// ZeRO every rank needs all of m' (its next local momentum), so the reduction is the named hook's
+// whole-bucket one (the default start_reduce_scatter), once per step (reduces_once_per_step).
 class MomentumCompressionHook : public CommHook {
  public:
   // beta in [0, 1); loom::Error naming the value otherwise.
   MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta);
   std::string name() const override { return inner_->name(); }
   void begin_step(int64_t steps_completed) override { inner_->begin_step(steps_completed); }
+  bool reduces_once_per_step() const override { return true; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
   bool carries_state() const override { return true; }

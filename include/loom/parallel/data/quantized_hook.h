@@ -44,9 +44,9 @@ class QuantizedAllReduceHook : public CommHook {
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
   bool reduces_scatter() const override { return true; }
-  dist::WorkPtr start_reduce_scatter(int64_t index, const at::Tensor& send, const at::Tensor& recv,
+  dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                      dist::Communicator& comm) override;
-  void finish_reduce_scatter(int64_t index, const at::Tensor& recv,
+  void finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                              dist::Communicator& comm) override;
 
   int64_t block() const { return block_; }

@@ -14,6 +14,12 @@
 // 2 (R - 1) / R x 4 n: n / (R k) times fewer, about 1 / (R ratio) (docs/compression.md).
 // Between refreshes of the threshold fewer than k values may pass it (the rest of the message is
 // padding) or more (those past k wait in the error, lower indices first).
+// Under ZeRO (reduce_scatter) each of the R shards of a bucket is selected as a bucket of its own
+// (its own threshold and k_s = ceil(ratio shard) values, from this rank's error for it), an
+// all-to-all sends shard r's pairs to rank r, and rank r adds the R lists into zeros, rank after
+// rank, and divides by R. Bytes: (R - 1) 8 k_s against a reduce-scatter's (R - 1) 4 shard, about
+// 1 / (2 ratio) times fewer; the error ("b<index>/scatter_error") is bucket-sized, as the sender
+// selects from every shard.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,6 +51,13 @@ class SparseCompressHook : public CommHook {
   StateReshard reshard_rule(const std::string& key) const override {
     return bucket_of_key(key, "threshold") ? StateReshard::kMean : CommHook::reshard_rule(key);
   }
+  bool reduces_scatter() const override { return true; }
+  // State "b<index>/scatter_error" (float32 [R shard]), "b<index>/scatter_steps" and
+  // "b<index>/scatter_threshold" (float64 [R], a threshold per shard).
+  dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                                     dist::Communicator& comm) override;
+  void finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
+                             dist::Communicator& comm) override;
 
   double ratio() const { return ratio_; }
   int64_t refresh_every() const { return refresh_every_; }
@@ -53,6 +66,8 @@ class SparseCompressHook : public CommHook {
   // Of bucket `index`'s last reduction: the error carried (float32 [n]; empty before the first),
   // the threshold used, and how many values passed it (may exceed the capacity).
   at::Tensor error(int64_t index) const;
+  // The reduce-scatter's error of bucket `index` (float32 [R shard]; empty before the first).
+  at::Tensor scatter_error(int64_t index) const;
   double threshold_of(int64_t index) const;
   int64_t last_selected(int64_t index) const;
 
@@ -63,12 +78,21 @@ class SparseCompressHook : public CommHook {
     at::Tensor error;       // float32 [n]
     at::Tensor send, recv;  // int32 [2 capacity] (indices, then values' bits), [R, 2 capacity]
   };
+  struct ScatterState {
+    int64_t ranks = 0, shard = 0, capacity = 0, steps = 0;  // capacity: per shard
+    at::Tensor error;                                       // float32 [ranks shard]
+    at::Tensor threshold;                                   // float64 [ranks], on the host
+    at::Tensor send, recv;                                  // int32 [ranks, 2 capacity]
+  };
   const State& state_of(int64_t index) const;
+  void load_scatter_state(int64_t index, const at::Tensor& error,
+                          const std::map<std::string, at::Tensor>& state);
 
   std::string name_;
   double ratio_;
   int64_t refresh_every_;
-  std::map<int64_t, State> state_;  // by bucket index
+  std::map<int64_t, State> state_;                 // by bucket index
+  std::map<int64_t, ScatterState> scatter_state_;  // by bucket index
 };
 
 }  // namespace loom::parallel::data

@@ -76,9 +76,11 @@ struct ZeroOptions {
   // parallelism, 1 / (ranks holding the same values), so a norm summed over tp counts every
   // element once.
   std::function<double(const std::string&)> norm_weight;
-  // How gradients are reduce-scattered (--comm-hook; its reduces_scatter() must be true): null,
-  // a plain reduce-scatter average. int8 and onebit compress each rank's shards, with error
-  // feedback kept per bucket in the hook (parallel/data/quantized_hook.h).
+  // How gradients are reduce-scattered (--comm-hook): null, a plain reduce-scatter average.
+  // int8, onebit, topk and threshold compress each rank's shards, with error feedback kept per
+  // bucket in the hook (parallel/data/quantized_hook.h, sparse_hook.h); any other hook reduces
+  // the whole bucket its own way and the engine keeps its shard (CommHook::start_reduce_scatter).
+  // A hook that reduces_once_per_step() needs reduce_once at stages 2-3 (the strategy sets it).
   std::shared_ptr<data::CommHook> hook;
 };
 
@@ -240,6 +242,7 @@ class ZeroOptimizer {
     dist::WorkPtr work;
     at::Tensor send, recv;
     bool compressed = false;  // through options_.hook (finish_reduce_scatter still to run)
+    data::GradBucket hooked;  // what the hook reduces: `send` and the parameters in it
   };
 
   void on_grad_ready(size_t bucket, size_t slot);
