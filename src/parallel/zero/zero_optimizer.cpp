@@ -455,8 +455,12 @@ void ZeroOptimizer::launch_reduce(size_t bucket) {
 
 void ZeroOptimizer::retire(bool wait) {
   const auto start = Clock::now();
+  // A hook's whole-bucket reduction may communicate in its finish (PowerSGD's second all-reduce,
+  // int8's all-gather): those finish only when waiting, in launch order, the same on every rank;
+  // a reduction found complete early would be finished on one rank and not yet on another.
+  const bool finish_communicates = options_.hook && !options_.hook->reduces_scatter();
   for (auto it = in_flight_.begin(); it != in_flight_.end();) {
-    if (!wait && !it->work->is_completed()) {
+    if (!wait && ((it->compressed && finish_communicates) || !it->work->is_completed())) {
       ++it;
       continue;
     }

@@ -72,7 +72,10 @@ class CommHook {
   // mean over ranks of every rank's shard comm.rank(). The default runs the hook's own reduction
   // (start, finish) on the whole bucket and keeps this rank's shard: any hook serves ZeRO, at the
   // bytes of its all-reduce. Hooks whose reduces_scatter() is true reduce the shard layout itself
-  // (avg, int8, onebit, topk, threshold): a reduce-scatter's bytes, compressed.
+  // (avg, int8, onebit, topk, threshold): a reduce-scatter's bytes, compressed. Their
+  // finish_reduce_scatter must not communicate: ZeRO runs it when it finds the work complete,
+  // which is not at the same point on every rank (the default's finish runs after backward, in
+  // launch order).
   virtual bool reduces_scatter() const { return false; }
   virtual dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                              dist::Communicator& comm);
