@@ -246,6 +246,17 @@ void MomentumCompressionHook::load_resharded_state(const std::map<std::string, a
   inner_->load_resharded_state(state);
 }
 
+void MomentumCompressionHook::lay_out_resharded(int64_t index, int64_t numel, int64_t rank,
+                                                int64_t ranks) {
+  if (const auto it = momentum_.find(index); it != momentum_.end() && it->second.numel() != numel) {
+    auto fitted = at::zeros({numel}, it->second.options());
+    const int64_t kept = std::min(numel, it->second.numel());
+    fitted.narrow(0, 0, kept).copy_(it->second.narrow(0, 0, kept));
+    it->second = fitted;
+  }
+  inner_->lay_out_resharded(index, numel, rank, ranks);
+}
+
 at::Tensor MomentumCompressionHook::momentum(int64_t index) const {
   const auto it = momentum_.find(index);
   return it == momentum_.end() ? at::Tensor() : it->second;

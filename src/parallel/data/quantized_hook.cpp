@@ -15,7 +15,7 @@ QuantizedAllReduceHook::QuantizedAllReduceHook(std::string name, int64_t block)
 
 int64_t QuantizedAllReduceHook::segment_numel(int64_t numel, int64_t ranks) const {
   const int64_t per_rank = (numel + ranks - 1) / ranks;
-  return (per_rank + block_ - 1) / block_ * block_;
+  return to_block(per_rank);
 }
 
 void QuantizedAllReduceHook::lay_out(State& s, int64_t n, int64_t rank, int64_t ranks,
@@ -36,11 +36,30 @@ void QuantizedAllReduceHook::lay_out(State& s, int64_t n, int64_t rank, int64_t 
   s.resharded_error = s.resharded_server_error = at::Tensor();
 }
 
+void QuantizedAllReduceHook::lay_out_scatter(ScatterState& s, int64_t ranks, int64_t shard,
+                                             const at::TensorOptions& options) const {
+  s.ranks = ranks;
+  s.shard = shard;
+  s.segment = to_block(shard);
+  s.error = at::zeros({ranks * s.segment}, options.dtype(at::kFloat));
+  if (!s.resharded_error.defined()) return;
+  // The mean error in bucket order, cut into the new shards; past the parameters it is padding,
+  // zero on every rank, so a longer or shorter padded bucket loses nothing.
+  auto joined = at::zeros({ranks * shard}, s.error.options());
+  const int64_t kept = std::min(joined.numel(), s.resharded_error.numel());
+  joined.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
+  s.error.view({ranks, s.segment}).narrow(1, 0, shard).copy_(joined.view({ranks, shard}));
+  s.resharded_error = at::Tensor();
+}
+
 void QuantizedAllReduceHook::lay_out_resharded(int64_t index, int64_t numel, int64_t rank,
                                                int64_t ranks) {
-  const auto it = state_.find(index);
-  if (it == state_.end() || !it->second.resharded_error.defined()) return;
-  lay_out(it->second, numel, rank, ranks, at::TensorOptions(at::kCPU));
+  if (const auto it = state_.find(index);
+      it != state_.end() && it->second.resharded_error.defined())
+    lay_out(it->second, numel, rank, ranks, at::TensorOptions(at::kCPU));
+  if (const auto it = scatter_state_.find(index);
+      it != scatter_state_.end() && it->second.resharded_error.defined())
+    lay_out_scatter(it->second, ranks, numel / ranks, at::TensorOptions(at::kCPU));
 }
 
 dist::WorkPtr QuantizedAllReduceHook::start(GradBucket& bucket, dist::Communicator& comm) {
@@ -93,13 +112,9 @@ dist::WorkPtr QuantizedAllReduceHook::start_reduce_scatter(GradBucket& bucket,
              send.numel(), recv.numel(), ranks);
   const int64_t shard = recv.numel();
   auto& s = scatter_state_[index];
-  const int64_t segment = (shard + block_ - 1) / block_ * block_;
-  if (s.ranks != ranks || s.shard != shard || !s.error.defined()) {
-    s.ranks = ranks;
-    s.shard = shard;
-    s.segment = segment;
-    s.error = at::zeros({ranks * segment}, send.options().dtype(at::kFloat));
-  }
+  const int64_t segment = to_block(shard);
+  if (s.ranks != ranks || s.shard != shard || !s.error.defined())
+    lay_out_scatter(s, ranks, shard, send.options());
   if (s.error.device() != send.device()) s.error = s.error.to(send.device());
   auto padded = at::zeros({ranks, segment}, s.error.options());
   padded.narrow(1, 0, shard).copy_(send.view({ranks, shard}));
@@ -126,6 +141,7 @@ std::map<std::string, at::Tensor> QuantizedAllReduceHook::state() const {
     out[bucket_state_key(index, "server_error")] = s.server_error;
   }
   for (const auto& [index, s] : scatter_state_) {
+    if (!s.error.defined()) continue;  // resharded, not laid out yet
     out[bucket_state_key(index, "scatter_error")] = s.error;
     out[bucket_state_key(index, "scatter_shard")] = at::scalar_tensor(s.shard, at::kLong);
   }
@@ -145,7 +161,7 @@ void QuantizedAllReduceHook::load_state(const std::map<std::string, at::Tensor>&
                  name_, *scattered);
       auto& s = scatter_state_[*scattered];
       s.shard = shard->second.item<int64_t>();
-      s.segment = (s.shard + block_ - 1) / block_ * block_;
+      s.segment = to_block(s.shard);
       LOOM_CHECK(s.segment > 0 && error.numel() % s.segment == 0,
                  "{} hook state: bucket {}'s reduce-scatter error ({} values) is not whole "
                  "shards of {} padded to {}",
@@ -177,13 +193,30 @@ void QuantizedAllReduceHook::load_state(const std::map<std::string, at::Tensor>&
 }
 
 StateReshard QuantizedAllReduceHook::reshard_rule(const std::string& key) const {
-  return bucket_of_key(key, "server_error") ? StateReshard::kConcat : CommHook::reshard_rule(key);
+  if (bucket_of_key(key, "server_error")) return StateReshard::kConcat;
+  if (bucket_of_key(key, "scatter_error")) return StateReshard::kMean;
+  return CommHook::reshard_rule(key);
 }
 
 void QuantizedAllReduceHook::load_resharded_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
   scatter_state_.clear();
   for (const auto& [key, error] : state) {
+    if (const auto scattered = bucket_of_key(key, "scatter_error")) {
+      const auto shard_entry = state.find(bucket_state_key(*scattered, "scatter_shard"));
+      const int64_t shard = shard_entry == state.end() || shard_entry->second.numel() != 1
+                                ? 0
+                                : shard_entry->second.item<int64_t>();
+      const int64_t segment = to_block(shard);
+      LOOM_CHECK(shard > 0 && error.dim() == 1 && error.numel() % segment == 0,
+                 "{} hook state: bucket {}'s resharded reduce-scatter error ({} values) is not "
+                 "whole shards of {} padded to the block",
+                 name_, *scattered, error.numel(), shard);
+      auto& s = scatter_state_[*scattered];  // ranks 0: laid out by lay_out_resharded
+      s.resharded_error =
+          error.to(at::kFloat).view({-1, segment}).narrow(1, 0, shard).reshape({-1}).clone();
+      continue;
+    }
     const auto bucket = bucket_of_key(key, "error");
     if (!bucket) continue;
     const auto server = state.find(bucket_state_key(*bucket, "server_error"));

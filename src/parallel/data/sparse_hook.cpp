@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -99,13 +100,8 @@ dist::WorkPtr SparseCompressHook::start_reduce_scatter(GradBucket& bucket, const
              "--comm-hook {}: a reduce-scatter of {} values into shards of {} over {} ranks", name_,
              bucket.numel(), shard, ranks);
   auto& s = scatter_state_[bucket.index];
-  if (s.ranks != ranks || s.shard != shard || !s.error.defined()) {
-    s.ranks = ranks;
-    s.shard = shard;
-    s.steps = 0;
-    s.error = at::zeros({ranks * shard}, bucket.buffer.options().dtype(at::kFloat));
-    s.threshold = at::zeros({ranks}, at::kDouble);
-  }
+  if (s.ranks != ranks || s.shard != shard || !s.error.defined())
+    lay_out_scatter(s, ranks, shard, bucket.buffer.options());
   s.capacity = capacity(shard);
   if (s.error.device() != bucket.buffer.device()) s.error = s.error.to(bucket.buffer.device());
   const auto x = bucket.buffer.to(at::kFloat);
@@ -123,6 +119,24 @@ dist::WorkPtr SparseCompressHook::start_reduce_scatter(GradBucket& bucket, const
   s.send = at::stack(messages);
   s.recv = at::empty_like(s.send);
   return comm.all_to_all_async(s.recv, s.send);
+}
+
+void SparseCompressHook::lay_out_scatter(ScatterState& s, int64_t ranks, int64_t shard,
+                                         const at::TensorOptions& options) {
+  s.ranks = ranks;
+  s.shard = shard;
+  s.error = at::zeros({ranks * shard}, options.dtype(at::kFloat));
+  s.threshold = at::full({ranks}, s.resharded_threshold, at::kDouble);
+  if (!s.resharded_error.defined()) {
+    s.steps = 0;
+    return;
+  }
+  // Past the parameters the bucket is padding, zero on every rank: a longer or shorter padded
+  // bucket loses nothing. The step count goes on (the refreshes keep their schedule).
+  const int64_t kept = std::min(s.error.numel(), s.resharded_error.numel());
+  s.error.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
+  s.resharded_error = at::Tensor();
+  s.resharded_threshold = 0;
 }
 
 void SparseCompressHook::finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
@@ -146,6 +160,7 @@ std::map<std::string, at::Tensor> SparseCompressHook::state() const {
     out[bucket_state_key(index, "threshold")] = at::scalar_tensor(s.threshold, at::kDouble);
   }
   for (const auto& [index, s] : scatter_state_) {
+    if (!s.error.defined()) continue;  // resharded, not laid out yet
     out[bucket_state_key(index, "scatter_error")] = s.error;
     out[bucket_state_key(index, "scatter_steps")] = at::scalar_tensor(s.steps, at::kLong);
     out[bucket_state_key(index, "scatter_threshold")] = s.threshold;
@@ -178,6 +193,41 @@ void SparseCompressHook::load_state(const std::map<std::string, at::Tensor>& sta
     s.steps = steps->second.item<int64_t>();
     s.threshold = threshold->second.item<double>();
   }
+}
+
+StateReshard SparseCompressHook::reshard_rule(const std::string& key) const {
+  for (const char* what : {"threshold", "scatter_error", "scatter_threshold"})
+    if (bucket_of_key(key, what)) return StateReshard::kMean;
+  return CommHook::reshard_rule(key);
+}
+
+void SparseCompressHook::load_resharded_state(const std::map<std::string, at::Tensor>& state) {
+  std::map<std::string, at::Tensor> plain;
+  for (const auto& [key, t] : state)
+    if (key.find("/scatter_") == std::string::npos) plain.emplace(key, t);
+  load_state(plain);
+  for (const auto& [key, error] : state) {
+    const auto index = bucket_of_key(key, "scatter_error");
+    if (!index) continue;
+    const auto steps = state.find(bucket_state_key(*index, "scatter_steps"));
+    const auto threshold = state.find(bucket_state_key(*index, "scatter_threshold"));
+    LOOM_CHECK(error.dim() == 1 && steps != state.end() && steps->second.numel() == 1 &&
+                   threshold != state.end() && threshold->second.numel() > 0,
+               "--comm-hook {} state: bucket {}'s resharded reduce-scatter error needs its "
+               "steps and thresholds beside it",
+               name_, *index);
+    auto& s = scatter_state_[*index];  // ranks 0: laid out by lay_out_resharded
+    s.resharded_error = error.to(at::kFloat).contiguous().clone();
+    s.resharded_threshold = threshold->second.to(at::kDouble).mean().item<double>();
+    s.steps = steps->second.item<int64_t>();
+  }
+}
+
+void SparseCompressHook::lay_out_resharded(int64_t index, int64_t numel, int64_t /*rank*/,
+                                           int64_t ranks) {
+  const auto it = scatter_state_.find(index);
+  if (it != scatter_state_.end() && it->second.resharded_error.defined())
+    lay_out_scatter(it->second, ranks, numel / ranks, at::TensorOptions(at::kCPU));
 }
 
 void SparseCompressHook::load_scatter_state(int64_t index, const at::Tensor& error,

@@ -206,11 +206,17 @@ class ZeroStrategy final : public Strategy {
   // A compressing hook's error feedback, per rank (beside the optimizer's shards).
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    // Not resharded across dp sizes: the errors are laid out on the dp shards.
-    hook_state_->save(layout(run), {}, tensors, metadata);
+    hook_state_->save(layout(run), reshard(run), tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    hook_state_->load(run, checkpoint, layout(run), {});
+    hook_state_->load(run, checkpoint, layout(run), reshard(run));
+    // Resharded state is cut into this rank's shards now, so that a checkpoint written before
+    // the next reduction holds it (a no-op otherwise).
+    const auto& engines = engine_->engines();
+    for (size_t c = 0; c < engines.size(); ++c)
+      for (size_t b = 0; b < engines[c]->num_buckets(); ++b)
+        hooks_[c]->lay_out_resharded(static_cast<int64_t>(b), engines[c]->bucket_padded_numel(b),
+                                     run.coord(dist::Dim::dp), run.size(dist::Dim::dp));
   }
 
   std::string describe(const RunContext& run) const override {
@@ -234,6 +240,21 @@ class ZeroStrategy final : public Strategy {
     for (const auto& z : engine_->engines())
       out += fmt::format("; {} buckets of {} parameters", z->num_buckets(), z->num_params());
     return out;
+  }
+
+  // The same but for the number of dp ranks, with this rank's place in the other dimensions and
+  // the buckets' parameter counts (the same at any dp size): error feedback is resharded across
+  // numbers of dp ranks.
+  CommHookState::Reshard reshard(const RunContext& run) const {
+    std::string key = fmt::format("{} at ZeRO-{}", run.config.comm_hook, stage_);
+    for (auto d : {dist::Dim::tp, dist::Dim::cp, dist::Dim::pp})
+      key += fmt::format(" {} {} rank {}", dist::to_string(d), run.size(d), run.coord(d));
+    for (const auto& z : engine_->engines()) {
+      key += "; buckets";
+      for (size_t b = 0; b < z->num_buckets(); ++b)
+        key += fmt::format(" {}", z->bucket_params_numel(b));
+    }
+    return {key, run.coord(dist::Dim::dp), run.size(dist::Dim::dp)};
   }
 
   int64_t stage_;

@@ -213,9 +213,9 @@ class MomentumCompressionHook : public CommHook {
   // The momentum is held alike by every rank (kFirst); the named hook's entries by its rules.
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
-  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override {
-    inner_->lay_out_resharded(index, numel, rank, ranks);
-  }
+  // Also fits the momentum to `numel` (ZeRO's padded bucket changes with the number of ranks;
+  // past the parameters it is padding, zero).
+  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
 
   double beta() const { return beta_; }
   CommHook& inner() { return *inner_; }

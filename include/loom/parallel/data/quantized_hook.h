@@ -39,7 +39,8 @@ class QuantizedAllReduceHook : public CommHook {
   void load_state(const std::map<std::string, at::Tensor>& state) override;
   // The error kMean (its padding past the bucket is zero on every rank), the server segments
   // kConcat (joined they are the group's second-hop error over the whole bucket); the next
-  // reduction lays both out for its number of ranks (reduce-scatter state: ZeRO, not resharded).
+  // reduction lays both out for its number of ranks. Under ZeRO the reduce-scatter's error kMean,
+  // laid out anew for the new shards (lay_out_resharded with ZeRO's padded bucket size).
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
@@ -84,11 +85,19 @@ class QuantizedAllReduceHook : public CommHook {
     int64_t ranks = 0, shard = 0, segment = 0;  // segment: the shard padded to the block
     at::Tensor error;                           // float32 [ranks * segment]
     at::Tensor send, recv;
+    // Restored from another number of ranks, until laid out: the old ranks' mean error in bucket
+    // order (the shards joined, without their padding to the block).
+    at::Tensor resharded_error;
   };
   // (Re)allocates `s` for a bucket of `numel` values reduced as `rank` of `ranks`: zero errors,
   // or what a reshard left in it.
   void lay_out(State& s, int64_t numel, int64_t rank, int64_t ranks,
                const at::TensorOptions& options) const;
+  // n rounded up to a multiple of the block.
+  int64_t to_block(int64_t n) const { return (n + block_ - 1) / block_ * block_; }
+  // The same for ZeRO's reduce-scatter into `ranks` shards of `shard` values.
+  void lay_out_scatter(ScatterState& s, int64_t ranks, int64_t shard,
+                       const at::TensorOptions& options) const;
   std::string name_;
   int64_t block_;
   std::map<int64_t, State> state_;                 // by bucket index

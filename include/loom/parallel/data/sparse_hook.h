@@ -47,10 +47,14 @@ class SparseCompressHook : public CommHook {
   // every bucket reduced so far.
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
-  // Each rank finds its threshold from its own values: resharded, the old ranks' mean (kMean).
-  StateReshard reshard_rule(const std::string& key) const override {
-    return bucket_of_key(key, "threshold") ? StateReshard::kMean : CommHook::reshard_rule(key);
-  }
+  // Each rank finds its threshold from its own values: resharded, the old ranks' mean (kMean),
+  // as the errors (the reduce-scatter's too); the step counts are held alike (kFirst).
+  StateReshard reshard_rule(const std::string& key) const override;
+  // The data-parallel state as load_state; the reduce-scatter's kept until lay_out_resharded
+  // cuts it into the new shards (ZeRO's padded bucket size), every shard's threshold the mean of
+  // the old ones.
+  void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
+  void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
   bool reduces_scatter() const override { return true; }
   // State "b<index>/scatter_error" (float32 [R shard]), "b<index>/scatter_steps" and
   // "b<index>/scatter_threshold" (float64 [R], a threshold per shard).
@@ -83,7 +87,15 @@ class SparseCompressHook : public CommHook {
     at::Tensor error;                                       // float32 [ranks shard]
     at::Tensor threshold;                                   // float64 [ranks], on the host
     at::Tensor send, recv;                                  // int32 [ranks, 2 capacity]
+    // Restored from another number of ranks, until laid out: the old ranks' mean error in
+    // bucket order and the mean of their thresholds.
+    at::Tensor resharded_error;
+    double resharded_threshold = 0;
   };
+  // (Re)allocates `s` for `ranks` shards of `shard` values: zero errors and a fresh step count,
+  // or what a reshard left in it.
+  static void lay_out_scatter(ScatterState& s, int64_t ranks, int64_t shard,
+                              const at::TensorOptions& options);
   const State& state_of(int64_t index) const;
   void load_scatter_state(int64_t index, const at::Tensor& error,
                           const std::map<std::string, at::Tensor>& state);

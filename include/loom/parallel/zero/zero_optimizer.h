@@ -127,6 +127,10 @@ class ZeroOptimizer {
   int stage() const { return options_.stage; }
   const dist::Communicator& comm() const { return *comm_; }
   size_t num_buckets() const { return buckets_.size(); }
+  // Bucket i's values: its parameters' (the same for any number of ranks), and padded to a
+  // multiple of the ranks (what a communication hook reduces).
+  int64_t bucket_params_numel(size_t i) const { return buckets_.at(i).layout.total(); }
+  int64_t bucket_padded_numel(size_t i) const { return buckets_.at(i).layout.padded_total(); }
   int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
   // The unit index for a unit name given at construction; throws loom::Error otherwise.
   size_t unit_index(const std::string& name) const;
