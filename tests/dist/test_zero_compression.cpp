@@ -55,7 +55,7 @@ at::Tensor gradient_in(const pd::GradBucket& bucket, int rank, int step) {
 
 }  // namespace
 
-// topk and threshold under ZeRO: R shards of a 3465-value bucket, 6 steps. Rank r's output is
+// topk and threshold under ZeRO: R shards of a 3765-value bucket, 6 steps. Rank r's output is
 // the mean of the R ranks' selections from shard r; summed over the steps it equals the sum of
 // the true shard means minus the ranks' mean carried error for that shard, up to fp32 roundings
 // (the add of gradient and error, the R adds and the division: (R + 2) u of the largest value per
