@@ -9,6 +9,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,6 +66,54 @@ pd::GradBucket make_bucket(int64_t index) {
   return b;
 }
 
+// Saves `hook`'s state to `path`, as a rank-state file holds it.
+void save_state(const pd::CommHook& hook, const std::filesystem::path& path) {
+  loom::core::NamedTensors tensors;
+  for (const auto& [key, t] : hook.state()) tensors.emplace_back(key, t);
+  loom::core::save_safetensors(path, tensors);
+}
+
+// A new `spec` hook loaded with the state resharded from the files of `before` old ranks; the
+// resharded entries go to *resharded.
+std::shared_ptr<pd::CommHook> resharded_hook(const std::string& spec, int before,
+                                             const std::function<std::filesystem::path(int)>& file,
+                                             std::map<std::string, at::Tensor>* resharded) {
+  auto hook = pd::make_comm_hook(spec);
+  pd::StateResharder resharder(*hook);
+  for (int r = 0; r < before; ++r) resharder.add(loom::core::load_safetensors(file(r)).tensors);
+  EXPECT_EQ(resharder.ranks(), before);
+  *resharded = resharder.result();
+  hook->load_resharded_state(*resharded);
+  return hook;
+}
+
+// What the new group delivered plus what it owes equals what the old group owed (`owed_before`,
+// held by world rank 0, which is rank 0 of both groups), up to fp32 roundings: a few per value
+// and rank of magnitudes up to twice what the new ranks carried (x + its error). The bound,
+// 8 (R + 32) u x 2 x the sum of the resharded entries' largest magnitudes (thresholds and
+// momenta included), is a loose guard of those roundings; a lost or doubled error is of the
+// size of what was owed, which the test requires to be over 100 times the bound. Collective over
+// `group`.
+void expect_nothing_lost(const at::Tensor& delivered, const at::Tensor& owed_after,
+                         const at::Tensor& owed_before, loom::dist::Communicator& group,
+                         const std::map<std::string, at::Tensor>& resharded,
+                         const std::string& what) {
+  auto reference = owed_before.defined() && world().rank() == 0
+                       ? owed_before.clone()
+                       : at::zeros({delivered.numel()}, at::kDouble);
+  group.broadcast(reference, 0);
+  double carried = 0;
+  for (const auto& [key, t] : resharded)
+    if (t.is_floating_point()) carried += t.abs().max().item<double>();
+  const double bound = 8 * (world().size() + 32) * kU * 2 * carried;
+  const double lost = (delivered + owed_after - reference).abs().max().item<double>();
+  EXPECT_LE(lost, bound);
+  EXPECT_GT(reference.abs().max().item<double>(), 100 * bound) << "nothing was owed";
+  if (std::getenv("LOOM_TEST_VERBOSE") != nullptr && world().rank() == 0)
+    std::printf("%s: lost %.3g (bound %.3g), owed up to %.3g\n", what.c_str(), lost, bound,
+                reference.abs().max().item<double>());
+}
+
 }  // namespace
 
 // A group of R ranks reduces a 3000-value bucket 4 times through each error-feedback hook and
@@ -95,54 +146,39 @@ TEST(HookReshard, WhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
           hook->finish(bucket, *old_group);
         }
         owed_before = owed(*hook, index, n, *old_group);
-        loom::core::NamedTensors tensors;
-        for (const auto& [key, t] : hook->state()) tensors.emplace_back(key, t);
-        loom::core::save_safetensors(file(me), tensors);
+        save_state(*hook, file(me));
       }
       world().barrier();
       if (new_group) {
-        auto hook = pd::make_comm_hook(spec);
-        pd::StateResharder resharder(*hook);
-        for (int r = 0; r < before; ++r)
-          resharder.add(loom::core::load_safetensors(file(r)).tensors);
-        EXPECT_EQ(resharder.ranks(), before);
-        hook->load_resharded_state(resharder.result());
+        std::map<std::string, at::Tensor> resharded;
+        auto hook = resharded_hook(spec, before, file, &resharded);
         auto bucket = make_bucket(index);
         hook->begin_step(4);
         hook->start(bucket, *new_group)->wait();
         hook->finish(bucket, *new_group);
         const auto delivered = bucket.buffer.to(at::kDouble);
         const auto owed_after = owed(*hook, index, n, *new_group);
-        // What the old group owed, on every rank of the new one (rank 0 of both is this world's).
-        auto reference = me == 0 && old_group ? owed_before.clone() : at::zeros({n}, at::kDouble);
-        new_group->broadcast(reference, 0);
-        // fp32 roundings of values up to twice what the new ranks carried (x + its error).
-        double carried = 0;
-        for (const auto& [key, t] : resharder.result()) carried += t.abs().max().item<double>();
-        const double bound = 8 * (world_size + 32) * kU * 2 * carried;
-        const double lost = (delivered + owed_after - reference).abs().max().item<double>();
-        EXPECT_LE(lost, bound);
-        EXPECT_GT(reference.abs().max().item<double>(), 100 * bound) << "nothing was owed";
-        if (std::getenv("LOOM_TEST_VERBOSE") != nullptr && me == 0)
-          std::printf("%s, %d ranks then %d: lost %.3g (bound %.3g), owed up to %.3g\n",
-                      spec.c_str(), before, after, lost, bound,
-                      reference.abs().max().item<double>());
+        expect_nothing_lost(delivered, owed_after, owed_before, *new_group, resharded,
+                            fmt::format("{}, {} ranks then {}", spec, before, after));
       }
       world().barrier();
     }
   }
 }
 
-// The same under ZeRO: a group of R ranks reduce-scatters the 3000-value bucket (padded to R
+// The same under ZeRO: a group of R ranks reduce-scatters a 3001-value bucket (padded to R
 // shards) 4 times through each hook that compresses the shard layout and saves its state; a group
 // of R' ranks reshards it, cuts it into its own shards (lay_out_resharded with its padded size)
 // and reduce-scatters a zero bucket once. What the new shards deliver, joined, plus the new
 // ranks' mean error equals the old ranks' mean error, up to fp32 roundings.
 TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
   const int world_size = world().size(), me = world().rank();
-  if (world_size < 2) GTEST_SKIP() << "needs 2 ranks";
+  // R and R - 1 both at least 2 (one rank reduces without the hook).
+  if (world_size < 3) GTEST_SKIP() << "needs 3 ranks";
   loom::testing::SharedTempDir dir;
-  const int64_t n = 3000, index = 4;
+  // 3001 values: padded to a multiple of R, a different length at every R (the lay-out must
+  // carry the error over a longer or a shorter padded bucket).
+  const int64_t n = 3001, index = 4;
   // A rank's carried error over the bucket, in bucket order (int8 and onebit pad each shard to
   // their block in it), averaged over `comm`: what the group owes.
   const auto owed_scatter = [&](const pd::CommHook& hook, int64_t ranks,
@@ -155,13 +191,13 @@ TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
     return error.to(at::kDouble) / comm.size();
   };
   const auto padded = [&](int64_t ranks) {
-    auto b = make_bucket(index);
+    pd::GradBucket b;
+    b.index = index;
     b.buffer = at::zeros({(n + ranks - 1) / ranks * ranks});
     return b;
   };
   for (const auto& [before, after] :
        {std::pair{world_size, world_size - 1}, std::pair{world_size - 1, world_size}}) {
-    if (std::min(before, after) < 2) continue;  // one rank reduces without the hook
     auto old_group = world().split(me < before ? 0 : -1, me, "old-zero");
     auto new_group = world().split(me < after ? 0 : -1, me, "new-zero");
     for (const std::string spec :
@@ -180,17 +216,12 @@ TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
           hook->finish_reduce_scatter(bucket, recv, *old_group);
         }
         owed_before = owed_scatter(*hook, before, *old_group);
-        loom::core::NamedTensors tensors;
-        for (const auto& [key, t] : hook->state()) tensors.emplace_back(key, t);
-        loom::core::save_safetensors(file(me), tensors);
+        save_state(*hook, file(me));
       }
       world().barrier();
       if (new_group) {
-        auto hook = pd::make_comm_hook(spec);
-        pd::StateResharder resharder(*hook);
-        for (int r = 0; r < before; ++r)
-          resharder.add(loom::core::load_safetensors(file(r)).tensors);
-        hook->load_resharded_state(resharder.result());
+        std::map<std::string, at::Tensor> resharded;
+        auto hook = resharded_hook(spec, before, file, &resharded);
         auto bucket = padded(after);
         const int64_t shard = bucket.numel() / after;
         hook->lay_out_resharded(index, bucket.numel(), new_group->rank(), after);
@@ -205,19 +236,8 @@ TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
         new_group->all_gather(joined, recv);
         const auto delivered = joined.narrow(0, 0, n).to(at::kDouble);
         const auto owed_after = owed_scatter(*hook, after, *new_group);
-        auto reference = me == 0 && old_group ? owed_before.clone() : at::zeros({n}, at::kDouble);
-        new_group->broadcast(reference, 0);
-        double carried = 0;
-        for (const auto& [key, t] : resharder.result())
-          if (t.is_floating_point()) carried += t.abs().max().item<double>();
-        const double bound = 8 * (world_size + 32) * kU * 2 * carried;
-        const double lost = (delivered + owed_after - reference).abs().max().item<double>();
-        EXPECT_LE(lost, bound);
-        EXPECT_GT(reference.abs().max().item<double>(), 100 * bound) << "nothing was owed";
-        if (std::getenv("LOOM_TEST_VERBOSE") != nullptr && me == 0)
-          std::printf("%s under ZeRO, %d ranks then %d: lost %.3g (bound %.3g), owed up to %.3g\n",
-                      spec.c_str(), before, after, lost, bound,
-                      reference.abs().max().item<double>());
+        expect_nothing_lost(delivered, owed_after, owed_before, *new_group, resharded,
+                            fmt::format("{} under ZeRO, {} ranks then {}", spec, before, after));
       }
       world().barrier();
     }
@@ -265,8 +285,23 @@ TEST(HookReshard, AResumeAtAnotherDpSizeReshardsTheErrorFeedback) {
       train::Trainer t(resumed, loom::testing::layout_mesh({}));
       // Saved before any reduction: the resharded errors are laid out already, so they are in it.
       t.save_checkpoint();
-      EXPECT_TRUE(std::filesystem::exists(sub / "again" / "step-00000002" /
-                                          train::rank_state_name(me, world_size)));
+      const auto file = sub / "again" / "step-00000002" / train::rank_state_name(me, world_size);
+      ASSERT_TRUE(std::filesystem::exists(file));
+      const auto saved = loom::core::load_safetensors(file).tensors;
+      const std::string prefix = zero == 0 ? "data-parallel/c0/b0/" : "zero/c0/b0/";
+      const std::vector<std::string> keys =
+          zero == 0 ? std::vector<std::string>{"error", "server_error"}
+          : zero == 2
+              ? std::vector<std::string>{"scatter_error", "scatter_threshold", "scatter_steps"}
+              : std::vector<std::string>{"momentum", "error", "server_error"};
+      for (const auto& key : keys) {
+        const auto it = saved.find(prefix + key);
+        ASSERT_TRUE(it != saved.end()) << "no " << prefix + key;
+        // (A rank's server segment may lie wholly in the bucket's padding: present, maybe 0.)
+        if (key == "error" || key == "scatter_error" || key == "momentum") {
+          EXPECT_GT(it->second.abs().max().item<double>(), 0) << prefix + key << " is all zero";
+        }
+      }
       for (int s = 0; s < 2; ++s) EXPECT_TRUE(std::isfinite(t.train_step().loss));
     }
     spdlog::set_level(level);

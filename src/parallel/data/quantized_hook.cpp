@@ -43,8 +43,9 @@ void QuantizedAllReduceHook::lay_out_scatter(ScatterState& s, int64_t ranks, int
   s.segment = to_block(shard);
   s.error = at::zeros({ranks * s.segment}, options.dtype(at::kFloat));
   if (!s.resharded_error.defined()) return;
-  // The mean error in bucket order, cut into the new shards; past the parameters it is padding,
-  // zero on every rank, so a longer or shorter padded bucket loses nothing.
+  // The mean error in bucket order, cut into the new shards. Past the parameters the bucket is
+  // padding, never delivered (ZeRO zeroes it in what it receives), so a longer or shorter padded
+  // bucket loses nothing that is owed.
   auto joined = at::zeros({ranks * shard}, s.error.options());
   const int64_t kept = std::min(joined.numel(), s.resharded_error.numel());
   joined.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));

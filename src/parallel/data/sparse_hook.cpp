@@ -131,8 +131,9 @@ void SparseCompressHook::lay_out_scatter(ScatterState& s, int64_t ranks, int64_t
     s.steps = 0;
     return;
   }
-  // Past the parameters the bucket is padding, zero on every rank: a longer or shorter padded
-  // bucket loses nothing. The step count goes on (the refreshes keep their schedule).
+  // Past the parameters the bucket is padding (its gradient is zero, nothing there is owed): a
+  // longer or shorter padded bucket loses nothing. The step count goes on (the refreshes keep
+  // their schedule).
   const int64_t kept = std::min(s.error.numel(), s.resharded_error.numel());
   s.error.narrow(0, 0, kept).copy_(s.resharded_error.narrow(0, 0, kept));
   s.resharded_error = at::Tensor();

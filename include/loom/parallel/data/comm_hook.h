@@ -214,7 +214,7 @@ class MomentumCompressionHook : public CommHook {
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   // Also fits the momentum to `numel` (ZeRO's padded bucket changes with the number of ranks;
-  // past the parameters it is padding, zero).
+  // past the parameters it is padding, never delivered: values kept, new padding zero).
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
 
   double beta() const { return beta_; }
