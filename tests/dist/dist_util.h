@@ -12,6 +12,7 @@
 #include "../test_util.h"
 #include "loom/core/files.h"
 #include "loom/dist/runtime.h"
+#include "loom/parallel/data/comm_hook.h"
 
 namespace loom::testing {
 
@@ -34,6 +35,17 @@ inline dist::Communicator& world() {
 inline at::Tensor rank_gradient(int seed, int rank, int step, int64_t n) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed + 31 * rank + step);
   return at::randn({n}, g) * (1.0 + step % 3) + 0.01 * rank;
+}
+
+// ZeRO's reduction of `bucket` through `hook` into `recv` (start, wait, finish); returns the bytes
+// this rank sent.
+inline double reduce_scatter_through(parallel::data::CommHook& hook,
+                                     parallel::data::GradBucket& bucket, const at::Tensor& recv,
+                                     dist::Communicator& comm) {
+  const double before = comm.bytes_sent();
+  hook.start_reduce_scatter(bucket, recv, comm)->wait();
+  hook.finish_reduce_scatter(bucket, recv, comm);
+  return comm.bytes_sent() - before;
 }
 
 // The mean over the world's ranks of their rank_gradient(seed, rank, step, n), in fp64 (every rank

@@ -130,13 +130,10 @@ TEST(QuantizedHooks, ReduceScatterOnTheShardLayoutLosesNothing) {
         mean += g.narrow(0, me * shard, shard).to(at::kDouble) / ranks;
       }
       auto recv = at::empty({shard});
-      const double before = comm.bytes_sent();
       pd::GradBucket bucket;
       bucket.index = 7;
       bucket.buffer = send;
-      hook.start_reduce_scatter(bucket, recv, comm)->wait();
-      hook.finish_reduce_scatter(bucket, recv, comm);
-      sent += comm.bytes_sent() - before;
+      sent += loom::testing::reduce_scatter_through(hook, bucket, recv, comm);
       auto errors = hook.scatter_error(7).abs().max().reshape({1});
       comm.all_reduce(errors, loom::dist::ReduceOp::Max);
       largest = std::max(largest, 2 * errors.item<double>());

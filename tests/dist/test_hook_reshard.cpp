@@ -212,8 +212,7 @@ TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
         for (int t = 0; t < 4; ++t) {
           bucket.buffer.narrow(0, 0, n).copy_(loom::testing::rank_gradient(kSeed, me, t, n));
           hook->begin_step(t);
-          hook->start_reduce_scatter(bucket, recv, *old_group)->wait();
-          hook->finish_reduce_scatter(bucket, recv, *old_group);
+          loom::testing::reduce_scatter_through(*hook, bucket, recv, *old_group);
         }
         owed_before = owed_scatter(*hook, before, *old_group);
         save_state(*hook, file(me));
@@ -230,8 +229,7 @@ TEST(HookReshard, UnderZeroWhatTheGroupOwesSurvivesAnotherNumberOfRanks) {
         EXPECT_GE(laid_out.numel(), bucket.numel());
         auto recv = at::empty({shard});
         hook->begin_step(4);
-        hook->start_reduce_scatter(bucket, recv, *new_group)->wait();
-        hook->finish_reduce_scatter(bucket, recv, *new_group);
+        loom::testing::reduce_scatter_through(*hook, bucket, recv, *new_group);
         auto joined = at::empty({bucket.numel()});
         new_group->all_gather(joined, recv);
         const auto delivered = joined.narrow(0, 0, n).to(at::kDouble);

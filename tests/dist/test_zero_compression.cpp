@@ -85,10 +85,7 @@ TEST(ZeroHooks, SparseSelectionOnTheShardLayoutLosesNothing) {
         sum_mean += g.narrow(0, me * shard, shard).to(at::kDouble) / ranks;
       }
       auto recv = at::empty({shard});
-      const double before = comm.bytes_sent();
-      hook.start_reduce_scatter(bucket, recv, comm)->wait();
-      hook.finish_reduce_scatter(bucket, recv, comm);
-      sent += comm.bytes_sent() - before;
+      sent += loom::testing::reduce_scatter_through(hook, bucket, recv, comm);
       auto errors = hook.scatter_error(5).abs().max().reshape({1});
       comm.all_reduce(errors, loom::dist::ReduceOp::Max);
       largest = std::max(largest, 2 * errors.item<double>());
@@ -116,10 +113,8 @@ TEST(ZeroHooks, SparseSelectionOnTheShardLayoutLosesNothing) {
     other.buffer.copy_(gradient_in(bucket, me, steps));
     bucket.buffer.copy_(other.buffer);
     auto mine = at::empty({shard}), theirs = at::empty({shard});
-    hook.start_reduce_scatter(bucket, mine, comm)->wait();
-    hook.finish_reduce_scatter(bucket, mine, comm);
-    again->start_reduce_scatter(other, theirs, comm)->wait();
-    again->finish_reduce_scatter(other, theirs, comm);
+    loom::testing::reduce_scatter_through(hook, bucket, mine, comm);
+    loom::testing::reduce_scatter_through(*again, other, theirs, comm);
     EXPECT_TRUE(at::equal(mine, theirs));
     EXPECT_TRUE(at::equal(hook.scatter_error(5),
                           dynamic_cast<pd::SparseCompressHook&>(*again).scatter_error(5)));
@@ -144,8 +139,7 @@ TEST(ZeroHooks, AnyOtherHookGivesItsShardOfTheWholeBucketReduction) {
       bucket.buffer.copy_(gradient_in(bucket, me, t));
       whole.buffer.copy_(bucket.buffer);
       auto recv = at::empty({shard});
-      scattering->start_reduce_scatter(bucket, recv, comm)->wait();
-      scattering->finish_reduce_scatter(bucket, recv, comm);
+      loom::testing::reduce_scatter_through(*scattering, bucket, recv, comm);
       reducing->start(whole, comm)->wait();
       reducing->finish(whole, comm);
       EXPECT_TRUE(at::equal(recv, whole.buffer.narrow(0, me * shard, shard))) << "step " << t;
