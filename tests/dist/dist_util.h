@@ -5,9 +5,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <string>
 
 #include "../test_util.h"
 #include "loom/core/files.h"
@@ -46,6 +51,23 @@ inline double reduce_scatter_through(parallel::data::CommHook& hook,
   hook.start_reduce_scatter(bucket, recv, comm)->wait();
   hook.finish_reduce_scatter(bucket, recv, comm);
   return comm.bytes_sent() - before;
+}
+
+// Error feedback loses nothing: over `steps` reductions the outputs summed (`sum_out`) equal the
+// true means summed (`sum_mean`) minus what the ranks still owe (`owed`), up to fp32 roundings —
+// (R + 32) u of the largest value compressed per step (a gradient or twice a carried error), a
+// few roundings per add, as many adds as ranks — while what is owed, the size of what a lost or
+// doubled error would leave, is over 100 times that bound. All fp64, this rank's part.
+inline void expect_feedback_loses_nothing(const at::Tensor& sum_out, const at::Tensor& sum_mean,
+                                          const at::Tensor& owed, int64_t steps, double largest,
+                                          const std::string& what) {
+  const double lost = (sum_out - sum_mean + owed).abs().max().item<double>();
+  const double bound = static_cast<double>(steps) * (world().size() + 32) * 0x1p-24 * largest;
+  EXPECT_LE(lost, bound) << what;
+  EXPECT_GT(owed.abs().max().item<double>(), 100 * bound) << what << ": no error carried";
+  if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+    std::printf("%s at %d ranks: lost %.3g, bound %.3g, owed up to %.3g\n", what.c_str(),
+                world().size(), lost, bound, owed.abs().max().item<double>());
 }
 
 // The mean over the world's ranks of their rank_gradient(seed, rank, step, n), in fp64 (every rank
