@@ -353,6 +353,31 @@ TEST(CommHookSpec, MomentumWrapsAnyHookAroundItsWarmup) {
                        "momentum=-0.5 is outside [0, 1)"));
   EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("int8:momentum=high"); }),
                        "momentum=high is not a number"));
+  // precondition=0|1 (default 1), with momentum only; the optimizer's beta2 and eps are taken.
+  EXPECT_TRUE(momentum->preconditioning().enabled);
+  loom::ops::AdamWOptions adamw;
+  adamw.beta2 = 0.99;
+  adamw.eps = 1e-6;
+  const auto off = std::dynamic_pointer_cast<pd::MomentumCompressionHook>(
+      pd::make_comm_hook("onebit:momentum=0.9,precondition=0", adamw));
+  ASSERT_NE(off, nullptr);
+  EXPECT_FALSE(off->preconditioning().enabled);
+  EXPECT_EQ(off->preconditioning().beta2, 0.99);
+  EXPECT_EQ(off->preconditioning().eps, 1e-6);
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:momentum=0.9,precondition=2"); }),
+                       "precondition=2 must be 0 or 1"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:precondition=1"); }),
+                       "precondition= applies to a momentum compression only"));
+  EXPECT_FALSE(momentum->preconditioning().unclipped);
+  const auto unclipped = std::dynamic_pointer_cast<pd::MomentumCompressionHook>(
+      pd::make_comm_hook("onebit:warmup=5,momentum=0.9,unclipped=1"));
+  ASSERT_NE(unclipped, nullptr);
+  EXPECT_TRUE(unclipped->preconditioning().unclipped);
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:momentum=0.9,unclipped=3"); }),
+                       "unclipped=3 must be 0 or 1"));
+  EXPECT_TRUE(contains(
+      error_of([] { pd::make_comm_hook("onebit:momentum=0.9,precondition=0,unclipped=1"); }),
+      "unclipped= applies to a preconditioned momentum compression only"));
   loom::train::TrainConfig config;
   config.data = "unused.bin";  // validate() checks the value, not the file
   config.comm_hook = "onebit:momentum=0.8";

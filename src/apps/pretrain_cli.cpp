@@ -107,7 +107,8 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "threshold[:ratio=0.01,every=10] (the same, the threshold recomputed every "
                  "`every` steps); any of them with warmup=N (plain averages for the first N "
                  "steps) and momentum=B (sends momenta, not gradients: 1-bit Adam with "
-                 "--freeze-variance-after; B = --beta1); int8 and onebit also under --zero; "
+                 "--freeze-variance-after W and warmup=W; B = --beta1; preconditioned by the "
+                 "warm-up's variance unless precondition=0); every hook also under --zero; "
                  "docs/compression.md")
       ->capture_default_str();
   app.add_option("--tp", c.tp,

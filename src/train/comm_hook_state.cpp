@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "loom/core/error.h"
@@ -20,6 +21,11 @@ CommHookState::CommHookState(std::string prefix,
 
 bool CommHookState::carries_state() const {
   return !hooks_.empty() && hooks_.front()->carries_state();
+}
+
+bool CommHookState::exempts_step_from_clipping() const {
+  return std::any_of(hooks_.begin(), hooks_.end(),
+                     [](const auto& hook) { return hook->exempt_from_clipping_this_step(); });
 }
 
 void CommHookState::save(const std::string& layout, const Reshard& reshard,

@@ -387,6 +387,8 @@ at::Tensor Runtime::clip_gradients(double max_norm) {
     if (g->size() > 1) g->all_reduce(sq, dist::ReduceOp::Sum);
   auto norm = sq.sqrt().reshape({});
   if (max_norm <= 0) return norm;
+  for (const auto& s : strategies_)
+    if (s->exempts_step_from_clipping(ctx_)) return norm;
   if (norm.device().is_cpu()) {
     const double n = norm.item<double>();
     if (n > max_norm)

@@ -15,6 +15,7 @@
 #include "loom/dist/process_info.h"
 #include "loom/models/hf.h"
 #include "loom/ops/cuda.h"
+#include "loom/parallel/data/comm_hook.h"
 #include "loom/train/trainer.h"
 
 namespace loom::train {
@@ -73,6 +74,21 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "draws from LibTorch's default generator: seeded per dp rank, saved in checkpoints "
                "and replayed by activation checkpointing)",
                config_.dropout);
+  }
+  // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).
+  if (const auto hook = parallel::data::make_comm_hook(config_.comm_hook);
+      auto* momentum = dynamic_cast<parallel::data::MomentumCompressionHook*>(hook.get())) {
+    const auto* warm = dynamic_cast<parallel::data::DenseWarmupHook*>(&momentum->inner());
+    const int64_t warmup = warm != nullptr ? warm->warmup() : 0;
+    if (config_.freeze_variance_after != warmup || warmup == 0)
+      spdlog::warn(
+          "--comm-hook {} with --freeze-variance-after {}: 1-bit Adam wants a dense warm-up "
+          "(warmup=W) and the optimizer's variance frozen after the same W steps, so that the "
+          "variance is never fed compressed gradients{}",
+          config_.comm_hook, config_.freeze_variance_after,
+          momentum->preconditioning().enabled ? " and the optimizer divides by the variance the "
+                                                "hook preconditioned with"
+                                              : "");
   }
   // Model shape: Hugging Face directory, checkpoint being resumed, or preset.
   models::ModelConfig model_config;

@@ -168,23 +168,29 @@ TEST(ZeroHooks, AMomentumCompressionNeedsOneReductionPerStep) {
   EXPECT_NO_THROW(make());
 }
 
-// A momentum compression's momentum spans ZeRO's padded bucket, whose length changes with the
-// number of ranks: resharded, it is fitted to the new length (the values kept, the padding added
-// as zeros or dropped), so the next reduction's size check passes.
+// A momentum compression's momentum (and its preconditioner's variance) spans ZeRO's padded
+// bucket, whose length changes with the number of ranks: resharded, each is fitted to the new
+// length (the values kept, the padding added as zeros or dropped), so the next reduction's size
+// check passes.
 TEST(ZeroHooks, AReshardFitsTheMomentumToTheNewPaddedBucket) {
   const auto hook = pd::make_comm_hook("onebit:momentum=0.9");
   const auto& compression = dynamic_cast<const pd::MomentumCompressionHook&>(*hook);
   const auto m = at::arange(1, 3003, at::kFloat);  // 3001 values padded to 2 shards, padding 1
-  hook->load_resharded_state({{pd::bucket_state_key(1, "momentum"), m}});
+  const auto v = m * m;                            // and so is the preconditioner's variance
+  hook->load_resharded_state({{pd::bucket_state_key(1, "momentum"), m},
+                              {pd::bucket_state_key(1, "variance"), v},
+                              {pd::bucket_state_key(1, "variance_steps"), at::full({1}, 7L)}});
   hook->lay_out_resharded(1, 3003, 0, 3);  // padded to 3 shards
-  auto fitted = compression.momentum(1);
-  ASSERT_EQ(fitted.numel(), 3003);
-  EXPECT_TRUE(at::equal(fitted.narrow(0, 0, 3002), m));
-  EXPECT_EQ(fitted[3002].item<float>(), 0.0f);
+  EXPECT_EQ(compression.variance_steps(1), 7);
+  for (const auto& [fitted, want] :
+       {std::pair{compression.momentum(1), m}, std::pair{compression.variance(1), v}}) {
+    ASSERT_EQ(fitted.numel(), 3003);
+    EXPECT_TRUE(at::equal(fitted.narrow(0, 0, 3002), want));
+    EXPECT_EQ(fitted[3002].item<float>(), 0.0f);
+  }
   hook->lay_out_resharded(1, 3000, 0, 4);  // a shorter bucket keeps its first values
-  fitted = compression.momentum(1);
-  ASSERT_EQ(fitted.numel(), 3000);
-  EXPECT_TRUE(at::equal(fitted, m.narrow(0, 0, 3000)));
+  EXPECT_TRUE(at::equal(compression.momentum(1), m.narrow(0, 0, 3000)));
+  EXPECT_TRUE(at::equal(compression.variance(1), v.narrow(0, 0, 3000)));
 }
 
 namespace {

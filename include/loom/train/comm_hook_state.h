@@ -36,6 +36,9 @@ class CommHookState {
   };
 
   bool carries_state() const;
+  // Whether a hook asks that this step's gradients not be clipped
+  // (CommHook::exempt_from_clipping_this_step).
+  bool exempts_step_from_clipping() const;
   // Adds this rank's hook tensors (on the host), `layout` and `reshard` to a rank-state file's
   // contents.
   void save(const std::string& layout, const Reshard& reshard, core::NamedTensors& tensors,

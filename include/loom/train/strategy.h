@@ -101,6 +101,10 @@ class Strategy {
   // ranks of such a group once).
   virtual void grad_norm_groups(RunContext& /*run*/, std::vector<dist::Communicator*>& /*groups*/) {
   }
+  // Whether this step's gradients are not to be clipped by their global norm (its norm is still
+  // computed and reported): a preconditioned momentum compression's compressed steps. The same
+  // answer on every rank.
+  virtual bool exempts_step_from_clipping(const RunContext& /*run*/) const { return false; }
   virtual void before_optimizer_step(RunContext& /*run*/, double /*lr*/) {}
   // Returns true when it cleared the gradients itself (the engine's zero_grad is then skipped).
   virtual bool zero_grad(RunContext& /*run*/) { return false; }

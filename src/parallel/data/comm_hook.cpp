@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <string_view>
 
 #include "loom/core/error.h"
@@ -175,91 +176,188 @@ void DenseWarmupHook::load_state(const std::map<std::string, at::Tensor>& state)
 
 // ---- momentum compression ----------------------------------------------------------------
 
-MomentumCompressionHook::MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta)
-    : inner_(std::move(inner)), beta_(beta) {
+MomentumCompressionHook::MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta,
+                                                 MomentumPreconditioning preconditioning)
+    : inner_(std::move(inner)), beta_(beta), preconditioning_(preconditioning) {
   LOOM_CHECK(inner_ != nullptr, "MomentumCompressionHook: no hook to send the momentum through");
   LOOM_CHECK(beta >= 0 && beta < 1,
              "--comm-hook {}: momentum={} is outside [0, 1); it is AdamW's beta1 (0.9 by default), "
              "the momentum's decay",
              inner_->name(), beta);
+  LOOM_CHECK(preconditioning.beta2 >= 0 && preconditioning.beta2 < 1 && preconditioning.eps > 0,
+             "--comm-hook {}: preconditioning with beta2 = {} and eps = {}: beta2 must be in "
+             "[0, 1) and eps > 0 (the optimizer's)",
+             inner_->name(), preconditioning.beta2, preconditioning.eps);
+}
+
+const at::Tensor& MomentumCompressionHook::divisor(Bucket& b) {
+  if (b.divisor_steps != b.variance_steps) {
+    // AdamW's denominator with the variance frozen after W steps: sqrt(v / (1 - beta2^W)) + eps.
+    const double correction =
+        1 - std::pow(preconditioning_.beta2, static_cast<double>(b.variance_steps));
+    b.divisor = (b.variance / correction).sqrt_().add_(preconditioning_.eps);
+    b.divisor_steps = b.variance_steps;
+  }
+  return b.divisor;
 }
 
 dist::WorkPtr MomentumCompressionHook::start(GradBucket& bucket, dist::Communicator& comm) {
-  auto& m = momentum_[bucket.index];
-  if (!m.defined()) m = at::zeros({bucket.numel()}, bucket.buffer.options().dtype(at::kFloat));
+  auto& b = buckets_[bucket.index];
+  const auto options = bucket.buffer.options().dtype(at::kFloat);
+  if (!b.momentum.defined()) b.momentum = at::zeros({bucket.numel()}, options);
+  if (preconditioning_.enabled && !b.variance.defined())
+    b.variance = at::zeros({bucket.numel()}, options);
   // Every rank restored the same sizes from one checkpoint layout, so all stop alike.
-  LOOM_CHECK(m.numel() == bucket.numel(),
-             "--comm-hook {}: bucket {} carries a momentum of {} values for {} gradients (state "
-             "from another model or bucket size?)",
-             name(), bucket.index, m.numel(), bucket.numel());
-  if (m.device() != bucket.buffer.device()) m = m.to(bucket.buffer.device());  // a checkpoint's
-  // m must be the same on every rank, but a rank whose checkpoint file did not load starts from
-  // zero while the others restore theirs (CommHookState warns and goes on): the first reduction
-  // of each bucket after construction or a restore takes rank 0's. Blocking, once per bucket.
-  if (agreed_.insert(bucket.index).second) comm.broadcast(m, 0);
-  // This rank's momentum, beta m + (1 - beta) g, in the gradient's place.
-  bucket.buffer.mul_(1 - beta_).add_(m, beta_);
+  for (const auto* t : {&b.momentum, &b.variance})
+    LOOM_CHECK(!t->defined() || t->numel() == bucket.numel(),
+               "--comm-hook {}: bucket {} carries a {} of {} values for {} gradients (state from "
+               "another model or bucket size?)",
+               name(), bucket.index, t == &b.momentum ? "momentum" : "variance", t->numel(),
+               bucket.numel());
+  // A checkpoint's state comes to the CPU.
+  if (b.momentum.device() != bucket.buffer.device()) b.momentum = b.momentum.to(options.device());
+  if (b.variance.defined() && b.variance.device() != bucket.buffer.device()) {
+    b.variance = b.variance.to(options.device());
+    b.divisor_steps = -1;
+  }
+  // m and v must be the same on every rank, but a rank whose checkpoint file did not load starts
+  // from zero while the others restore theirs (CommHookState warns and goes on): the first
+  // reduction of each bucket after construction or a restore takes rank 0's. Blocking, once per
+  // bucket.
+  if (!b.agreed) {
+    comm.broadcast(b.momentum, 0);
+    if (b.variance.defined()) {
+      auto steps = at::full({1}, b.variance_steps, options.dtype(at::kLong));
+      comm.broadcast(steps, 0);
+      b.variance_steps = steps.item<int64_t>();
+      comm.broadcast(b.variance, 0);
+      b.divisor_steps = -1;
+    }
+    b.agreed = true;
+  }
+  // This rank's momentum, beta m + (1 - beta) g, in the gradient's place; once compression starts
+  // after exact steps, divided by AdamW's denominator (the class comment).
+  bucket.buffer.mul_(1 - beta_).add_(b.momentum, beta_);
+  b.exact_in_flight = inner_->reduces_exactly_this_step();
+  b.scaled_in_flight = !b.exact_in_flight && b.variance.defined() && b.variance_steps > 0;
+  if (b.scaled_in_flight) bucket.buffer.div_(divisor(b));
   return inner_->start(bucket, comm);
 }
 
 void MomentumCompressionHook::finish(GradBucket& bucket, dist::Communicator& comm) {
   inner_->finish(bucket, comm);
-  auto& m = momentum_.at(bucket.index);
+  auto& b = buckets_.at(bucket.index);
   // The same result on every rank, so every rank takes the same branch.
   if (!at::isfinite(bucket.buffer).all().item<bool>()) return;
   // A copy: the buffer is overwritten below (to(kFloat) of an fp32 buffer would be the buffer).
-  const auto averaged = bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  auto averaged = bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  if (b.scaled_in_flight) averaged.mul_(divisor(b));
   // The gradient whose momentum update beta m + (1 - beta) g is the averaged momentum.
-  bucket.buffer.copy_((averaged - beta_ * m) / (1 - beta_));
-  m.copy_(averaged);
+  bucket.buffer.copy_((averaged - beta_ * b.momentum) / (1 - beta_));
+  b.momentum.copy_(averaged);
+  if (b.exact_in_flight && b.variance.defined()) {
+    // AdamW's variance update on the mean gradient, as the optimizer applies it.
+    const auto g = bucket.buffer.to(at::kFloat);
+    b.variance.mul_(preconditioning_.beta2).addcmul_(g, g, 1 - preconditioning_.beta2);
+    ++b.variance_steps;
+  }
 }
 
 std::map<std::string, at::Tensor> MomentumCompressionHook::state() const {
   auto out = inner_->state();
-  for (const auto& [index, m] : momentum_) out[bucket_state_key(index, "momentum")] = m;
+  for (const auto& [index, b] : buckets_) {
+    if (!b.momentum.defined()) continue;
+    out[bucket_state_key(index, "momentum")] = b.momentum;
+    if (b.variance.defined()) {
+      out[bucket_state_key(index, "variance")] = b.variance;
+      out[bucket_state_key(index, "variance_steps")] = at::full({1}, b.variance_steps, at::kLong);
+    }
+  }
   return out;
 }
 
-void MomentumCompressionHook::load_momentum(const std::map<std::string, at::Tensor>& state) {
-  momentum_.clear();
-  agreed_.clear();
-  for (const auto& [key, m] : state) {
-    const auto bucket = bucket_of_key(key, "momentum");
-    if (!bucket) continue;
-    LOOM_CHECK(m.dim() == 1, "--comm-hook {} state: bucket {}'s momentum has {} dims, not 1",
-               name(), *bucket, m.dim());
-    momentum_[*bucket] = m.to(at::kFloat).contiguous().clone();
+void MomentumCompressionHook::load_buckets(const std::map<std::string, at::Tensor>& state) {
+  buckets_.clear();
+  for (const auto& [key, t] : state) {
+    for (const char* what : {"momentum", "variance", "variance_steps"}) {
+      const auto index = bucket_of_key(key, what);
+      if (!index) continue;
+      auto& b = buckets_[*index];
+      if (std::string_view(what) == "variance_steps") {
+        LOOM_CHECK(t.numel() == 1 && t.item<int64_t>() >= 0,
+                   "--comm-hook {} state: bucket {}'s variance_steps must be one count >= 0",
+                   name(), *index);
+        b.variance_steps = t.item<int64_t>();
+      } else {
+        LOOM_CHECK(t.dim() == 1, "--comm-hook {} state: bucket {}'s {} has {} dims, not 1", name(),
+                   *index, what, t.dim());
+        (std::string_view(what) == "momentum" ? b.momentum : b.variance) =
+            t.to(at::kFloat).contiguous().clone();
+      }
+    }
+  }
+  // Preconditioning off, a variance restored is dropped (the run compresses m itself); on, one
+  // missing starts from zero steps (a checkpoint written without it).
+  for (auto& [index, b] : buckets_) {
+    if (!preconditioning_.enabled || !b.variance.defined()) {
+      b.variance = at::Tensor();
+      b.variance_steps = 0;
+    }
   }
 }
 
 void MomentumCompressionHook::load_state(const std::map<std::string, at::Tensor>& state) {
-  load_momentum(state);
+  load_buckets(state);
   inner_->load_state(state);
 }
 
 StateReshard MomentumCompressionHook::reshard_rule(const std::string& key) const {
-  return bucket_of_key(key, "momentum") ? StateReshard::kFirst : inner_->reshard_rule(key);
+  for (const char* what : {"momentum", "variance", "variance_steps"})
+    if (bucket_of_key(key, what)) return StateReshard::kFirst;
+  return inner_->reshard_rule(key);
 }
 
 void MomentumCompressionHook::load_resharded_state(const std::map<std::string, at::Tensor>& state) {
-  load_momentum(state);
+  load_buckets(state);
   inner_->load_resharded_state(state);
 }
 
 void MomentumCompressionHook::lay_out_resharded(int64_t index, int64_t numel, int64_t rank,
                                                 int64_t ranks) {
-  if (const auto it = momentum_.find(index); it != momentum_.end() && it->second.numel() != numel) {
-    auto fitted = at::zeros({numel}, it->second.options());
-    const int64_t kept = std::min(numel, it->second.numel());
-    fitted.narrow(0, 0, kept).copy_(it->second.narrow(0, 0, kept));
-    it->second = fitted;
+  if (const auto it = buckets_.find(index); it != buckets_.end()) {
+    for (auto* t : {&it->second.momentum, &it->second.variance}) {
+      if (!t->defined() || t->numel() == numel) continue;
+      auto fitted = at::zeros({numel}, t->options());
+      const int64_t kept = std::min(numel, t->numel());
+      fitted.narrow(0, 0, kept).copy_(t->narrow(0, 0, kept));
+      *t = fitted;
+    }
+    it->second.divisor_steps = -1;
   }
   inner_->lay_out_resharded(index, numel, rank, ranks);
 }
 
+bool MomentumCompressionHook::exempt_from_clipping_this_step() const {
+  if (!preconditioning_.enabled || !preconditioning_.unclipped ||
+      inner_->reduces_exactly_this_step())
+    return false;
+  return std::any_of(buckets_.begin(), buckets_.end(),
+                     [](const auto& item) { return item.second.variance_steps > 0; });
+}
+
 at::Tensor MomentumCompressionHook::momentum(int64_t index) const {
-  const auto it = momentum_.find(index);
-  return it == momentum_.end() ? at::Tensor() : it->second;
+  const auto it = buckets_.find(index);
+  return it == buckets_.end() ? at::Tensor() : it->second.momentum;
+}
+
+at::Tensor MomentumCompressionHook::variance(int64_t index) const {
+  const auto it = buckets_.find(index);
+  return it == buckets_.end() ? at::Tensor() : it->second.variance;
+}
+
+int64_t MomentumCompressionHook::variance_steps(int64_t index) const {
+  const auto it = buckets_.find(index);
+  return it == buckets_.end() ? 0 : it->second.variance_steps;
 }
 
 namespace {
@@ -298,7 +396,8 @@ std::vector<std::string> comm_hook_names() {
   return registry().names();
 }
 
-std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
+std::shared_ptr<CommHook> make_comm_hook(const std::string& text,
+                                         const ops::AdamWOptions& optimizer) {
   auto spec = core::OptionSpec::parse(text, "--comm-hook");
   const auto factory = registry().find(spec.name);
   LOOM_CHECK(factory, "--comm-hook '{}': '{}' is not a known communication hook; valid: {}", text,
@@ -308,13 +407,33 @@ std::shared_ptr<CommHook> make_comm_hook(const std::string& text) {
   const int64_t warmup = spec.get_int("warmup", 0);
   const bool compresses_momentum = spec.options.contains("momentum");
   const double momentum = spec.get_double("momentum", 0);
+  const bool names_precondition = spec.options.contains("precondition");
+  const int64_t precondition = spec.get_int("precondition", 1);
+  LOOM_CHECK(precondition == 0 || precondition == 1,
+             "--comm-hook '{}': precondition={} must be 0 or 1", text, precondition);
+  LOOM_CHECK(!names_precondition || compresses_momentum,
+             "--comm-hook '{}': precondition= applies to a momentum compression only; add "
+             "momentum=B (B = --beta1)",
+             text);
+  const bool names_unclipped = spec.options.contains("unclipped");
+  const int64_t unclipped = spec.get_int("unclipped", 0);
+  LOOM_CHECK(unclipped == 0 || unclipped == 1, "--comm-hook '{}': unclipped={} must be 0 or 1",
+             text, unclipped);
+  LOOM_CHECK(!names_unclipped || (compresses_momentum && precondition == 1),
+             "--comm-hook '{}': unclipped= applies to a preconditioned momentum compression only "
+             "(momentum=B without precondition=0)",
+             text);
   spec.options.erase("warmup");
   spec.options.erase("momentum");
+  spec.options.erase("precondition");
+  spec.options.erase("unclipped");
   auto hook = factory(spec);
   LOOM_CHECK(hook != nullptr, "the factory of communication hook '{}' returned nothing", spec.name);
   if (warms_up) hook = std::make_shared<DenseWarmupHook>(std::move(hook), warmup);
   if (compresses_momentum)
-    hook = std::make_shared<MomentumCompressionHook>(std::move(hook), momentum);
+    hook = std::make_shared<MomentumCompressionHook>(
+        std::move(hook), momentum,
+        MomentumPreconditioning{precondition == 1, unclipped == 1, optimizer.beta2, optimizer.eps});
   return hook;
 }
 

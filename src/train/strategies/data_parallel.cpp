@@ -33,7 +33,7 @@ class DataParallelStrategy final : public Strategy {
     // chunk's buckets are reduced from then on while the other chunks still compute. Each with a
     // hook of its own: a hook may carry state per bucket (int8's error feedback).
     for (size_t c = 0; c < run.chunks.size(); ++c) {
-      options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
+      options.hook = parallel::data::make_comm_hook(run.config.comm_hook, run.adamw);
       hooks_.push_back(options.hook);
       dp_.push_back(std::make_unique<parallel::data::DataParallel>(
           run.named_parameters(c), run.mesh->comm_ptr(dist::Dim::dp), options));
@@ -45,6 +45,9 @@ class DataParallelStrategy final : public Strategy {
     run.publish("data_parallel", dp_.front().get());
   }
 
+  bool exempts_step_from_clipping(const RunContext& /*run*/) const override {
+    return hook_state_->exempts_step_from_clipping();
+  }
   void begin_step(RunContext& run) override {
     // Gradients accumulate over the micro-batches; each chunk's last one turns the sync on.
     for (auto& dp : dp_) dp->set_sync(false);

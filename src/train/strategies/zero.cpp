@@ -132,14 +132,14 @@ class ZeroStrategy final : public Strategy {
     base.reduce_once =
         (stage == 3 && run.size(dist::Dim::pp) > 1) ||
         (stage >= 2 &&
-         parallel::data::make_comm_hook(run.config.comm_hook)->reduces_once_per_step());
+         parallel::data::make_comm_hook(run.config.comm_hook, run.adamw)->reduces_once_per_step());
     std::vector<std::unique_ptr<ZeroOptimizer>> engines;
     // One engine per model chunk (each finishes its backwards at its own time).
     for (size_t c = 0; c < run.chunks.size(); ++c) {
       const auto& chunk = run.chunks[c];
       auto options = base;
       // One hook per engine: a hook keeps its error feedback by bucket index.
-      options.hook = parallel::data::make_comm_hook(run.config.comm_hook);
+      options.hook = parallel::data::make_comm_hook(run.config.comm_hook, run.adamw);
       hooks_.push_back(options.hook);
       const auto tied_copy = chunk->tied_embedding_copy();
       const bool tied_first =
@@ -178,6 +178,9 @@ class ZeroStrategy final : public Strategy {
     run.optimizer = std::move(engine);
   }
 
+  bool exempts_step_from_clipping(const RunContext& /*run*/) const override {
+    return hook_state_->exempts_step_from_clipping();
+  }
   void begin_step(RunContext& run) override {
     for (auto& z : engine_->engines()) z->reset_comm_stats();
     for (auto& hook : hooks_) hook->begin_step(run.step);

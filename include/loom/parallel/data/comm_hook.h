@@ -17,6 +17,7 @@
 
 #include "loom/core/option_spec.h"
 #include "loom/dist/communicator.h"
+#include "loom/ops/adamw.h"
 #include "loom/parallel/data/grad_bucket.h"
 
 namespace loom::parallel::data {
@@ -85,6 +86,13 @@ class CommHook {
   // its reduction is a momentum update). ZeRO-2/3 then accumulate the micro-batches' gradients
   // and reduce once per step instead of after every backward.
   virtual bool reduces_once_per_step() const { return false; }
+  // Whether the reductions started in this step (after begin_step) deliver the exact average
+  // (avg; any hook's dense warm-up). MomentumCompressionHook learns its preconditioner from them.
+  virtual bool reduces_exactly_this_step() const { return false; }
+  // Whether the gradients this step's reductions return are not to be clipped by their global
+  // norm (MomentumCompressionHook's preconditioned steps: that norm measures mostly compression
+  // noise). Asked after the step's reductions finished.
+  virtual bool exempt_from_clipping_this_step() const { return false; }
 };
 
 // Builds one new rank's hook state from every old rank's state() (added in dp order, one at a
@@ -117,6 +125,7 @@ class AllReduceAvgHook : public CommHook {
  public:
   std::string name() const override { return "avg"; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
+  bool reduces_exactly_this_step() const override { return true; }
   // A plain reduce-scatter average in the gradients' own dtype.
   bool reduces_scatter() const override { return true; }
   dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
@@ -166,6 +175,9 @@ class DenseWarmupHook : public CommHook {
   void finish_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                              dist::Communicator& comm) override;
   bool reduces_once_per_step() const override { return inner_->reduces_once_per_step(); }
+  bool reduces_exactly_this_step() const override {
+    return dense() || inner_->reduces_exactly_this_step();
+  }
 
   int64_t warmup() const { return warmup_; }
   CommHook& inner() { return *inner_; }
@@ -190,44 +202,89 @@ class DenseWarmupHook : public CommHook {
 // average the local momenta exactly, so m is the exact momentum when compression starts. A step
 // whose result is not finite (every rank gets the same result) leaves m as it was, as the
 // optimizer is left (the trainer stops before the update). The first reduction of each bucket
-// after construction or a restore broadcasts rank 0's m, so a rank whose checkpoint file failed
-// to load cannot drift from the others. Gradient clipping scales what the optimizer gets, not m:
-// while it clips, the optimizer's momentum drifts from m (the gap shrinks by B each step). The
-// optimizer should freeze its variance (--freeze-variance-after, 1-bit Adam): a moving variance
-// is fed the returned gradients, whose compression errors are 1 / (1 - B) times larger. Under
-// ZeRO every rank needs all of m' (its next local momentum), so the reduction is the named hook's
-// whole-bucket one (the default start_reduce_scatter), once per step (reduces_once_per_step).
+// after construction or a restore broadcasts rank 0's m (and preconditioner), so a rank whose
+// checkpoint file failed to load cannot drift from the others. Gradient clipping scales what the
+// optimizer gets, not m: while it clips, the optimizer's momentum drifts from m (the gap shrinks
+// by B each step). The optimizer should freeze its variance (--freeze-variance-after, 1-bit
+// Adam): a moving variance is fed the returned gradients, whose compression errors are
+// 1 / (1 - B) times larger. Under ZeRO every rank needs all of m' (its next local momentum), so
+// the reduction is the named hook's whole-bucket one (the default start_reduce_scatter), once per
+// step (reduces_once_per_step).
+//
+// Preconditioning (precondition=1, the default): on the steps whose reduction is exact (the
+// warm-up) the hook keeps AdamW's variance of the averaged gradients it returns, v (the
+// optimizer's beta2; the same on every rank), and once compression starts it sends the local
+// momentum divided by d = sqrt(v / (1 - beta2^W)) + eps (W exact steps) and multiplies the mean
+// by d again: with --freeze-variance-after W the optimizer's update m' / d is then the
+// compressed quantity itself. A compressor with a scale per block of values (onebit, int8) thus
+// gives each value an error on the scale of the block's updates, not of its momenta: compressing
+// m itself hands a value whose variance is ~0 (a position row past --seq-len, an attention key
+// bias, a vocabulary row the corpus never holds) a momentum of its block's mean size, which the
+// optimizer divides by ~eps (docs/compression.md: the 1-bit Adam run that diverged). Without an
+// exact step (no warm-up) or with precondition=0, the momentum itself is compressed. With
+// unclipped=1 the steps it preconditions are exempt from the trainer's gradient clipping: the
+// returned gradients carry the compression's error over 1 - B, so their norm (5 to 10 times the
+// exact one, measured) shrinks every clipped step. Off by default: after a short warm-up, unclipped
+// steps blew up (docs/compression.md).
+struct MomentumPreconditioning {
+  bool enabled = true;
+  bool unclipped = false;  // exempt_from_clipping_this_step on the preconditioned steps
+  double beta2 = 0.95;     // the optimizer's (make_comm_hook takes them from its AdamWOptions)
+  double eps = 1e-8;
+};
+
 class MomentumCompressionHook : public CommHook {
  public:
-  // beta in [0, 1); loom::Error naming the value otherwise.
-  MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta);
+  // beta in [0, 1), preconditioning.beta2 in [0, 1), eps > 0; loom::Error naming the value
+  // otherwise.
+  MomentumCompressionHook(std::shared_ptr<CommHook> inner, double beta,
+                          MomentumPreconditioning preconditioning = {});
   std::string name() const override { return inner_->name(); }
   void begin_step(int64_t steps_completed) override { inner_->begin_step(steps_completed); }
   bool reduces_once_per_step() const override { return true; }
   dist::WorkPtr start(GradBucket& bucket, dist::Communicator& comm) override;
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
   bool carries_state() const override { return true; }
-  // The named hook's state and "b<index>/momentum" (float32, the bucket's length) per bucket.
+  // The named hook's state, and per bucket "b<index>/momentum" (float32, the bucket's length),
+  // with preconditioning also "b<index>/variance" (the same length) and "b<index>/variance_steps"
+  // (int64, one value: W).
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
-  // The momentum is held alike by every rank (kFirst); the named hook's entries by its rules.
+  // Those three are held alike by every rank (kFirst); the named hook's entries by its rules.
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
-  // Also fits the momentum to `numel` (ZeRO's padded bucket changes with the number of ranks;
-  // past the parameters it is padding, never delivered: values kept, new padding zero).
+  // Also fits the momentum and variance to `numel` (ZeRO's padded bucket changes with the number
+  // of ranks; past the parameters it is padding, never delivered: values kept, new padding zero).
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
+  // With unclipped=1, true on the steps it preconditions (the class comment: the norm of the
+  // gradients it returns is mostly compression noise over 1 - B).
+  bool exempt_from_clipping_this_step() const override;
 
   double beta() const { return beta_; }
+  const MomentumPreconditioning& preconditioning() const { return preconditioning_; }
   CommHook& inner() { return *inner_; }
   // Bucket `index`'s averaged momentum (empty before its first reduction).
   at::Tensor momentum(int64_t index) const;
+  // Bucket `index`'s variance of the exactly averaged gradients and how many steps it holds
+  // (empty and 0 before the first, or without preconditioning).
+  at::Tensor variance(int64_t index) const;
+  int64_t variance_steps(int64_t index) const;
 
  private:
-  void load_momentum(const std::map<std::string, at::Tensor>& state);
+  struct Bucket {
+    at::Tensor momentum, variance;
+    int64_t variance_steps = 0;
+    at::Tensor divisor;  // d, computed from variance once its steps stop changing
+    int64_t divisor_steps = -1;
+    bool exact_in_flight = false, scaled_in_flight = false;
+    bool agreed = false;  // m (and v) came from rank 0 since construction or the last restore
+  };
+  void load_buckets(const std::map<std::string, at::Tensor>& state);
+  const at::Tensor& divisor(Bucket& b);
   std::shared_ptr<CommHook> inner_;
   double beta_;
-  std::map<int64_t, at::Tensor> momentum_;  // by bucket index
-  std::set<int64_t> agreed_;  // buckets whose momentum came from rank 0 since the last restore
+  MomentumPreconditioning preconditioning_;
+  std::map<int64_t, Bucket> buckets_;  // by bucket index
 };
 
 // The registry of hooks by name: "avg", "bf16", "int8", "onebit", "powersgd", "topk" and
@@ -236,15 +293,18 @@ class MomentumCompressionHook : public CommHook {
 // the parsed spec and checks its options (spec.check_keys, the typed getters), so bad options fail
 // when the hook is made, before any collective. The keys "warmup" and "momentum" belong to every
 // hook: make_comm_hook takes them out of the spec before the factory sees them and wraps the hook
-// in a DenseWarmupHook, then in a MomentumCompressionHook. Registering a name twice is a
-// loom::Error.
+// in a DenseWarmupHook, then in a MomentumCompressionHook (whose keys "precondition" and
+// "unclipped", 0 or 1, are also taken out). Registering a name twice is a loom::Error.
 using CommHookFactory = std::function<std::shared_ptr<CommHook>(const core::OptionSpec& spec)>;
 void register_comm_hook(const std::string& name, CommHookFactory factory);
 std::vector<std::string> comm_hook_names();
 // Parses `text` ("int8", "topk:ratio=0.01,warmup=50") and makes the hook. Throws loom::Error
 // naming the registered hooks when the name is not one of them, or what is wrong with an option
-// (warmup: an integer >= 0; momentum: a number in [0, 1)).
-std::shared_ptr<CommHook> make_comm_hook(const std::string& text);
+// (warmup: an integer >= 0; momentum: a number in [0, 1); precondition, unclipped: 0 or 1, with
+// momentum; unclipped=1 with preconditioning).
+// A momentum compression preconditions with `optimizer`'s beta2 and eps.
+std::shared_ptr<CommHook> make_comm_hook(const std::string& text,
+                                         const ops::AdamWOptions& optimizer = {});
 
 namespace detail {
 template <typename Type>
