@@ -97,6 +97,16 @@ grep -q '"val_loss"' "$work/metrics.jsonl" || { echo "FAIL: no val_loss in metri
   || { echo "FAIL: resume"; cat "$work/run2.log"; fail=1; }
 [ "$(wc -l < "$work/metrics.jsonl")" -eq 5 ] || { echo "FAIL: metrics after resume"; fail=1; }
 [ "$(cat "$work/ckpt/latest")" = "step-00000005" ] || { echo "FAIL: latest checkpoint"; fail=1; }
+# The first record of each process names the run (its flags), and scripts/plot draws the file.
+head -n 1 "$work/metrics.jsonl" | grep -q '"run":{"dp":1,"flags":{' ||
+  { echo "FAIL: no run entry in the first metrics record"; head -n 1 "$work/metrics.jsonl"; fail=1; }
+[ "$(grep -c '"run":' "$work/metrics.jsonl")" -eq 2 ] ||
+  { echo "FAIL: one run entry per process expected (start and resume)"; fail=1; }
+if ! "$LOOM_SOURCE_DIR/scripts/plot" "$work/metrics.jsonl" --out "$work/curve.png" > "$work/plot.log" 2>&1 ||
+   ! grep -q "'--model llama, --preset llama-tiny, 1 rank', steps 1-5" "$work/plot.log" ||
+   [ "$(head -c 8 "$work/curve.png" | od -An -tx1 | tr -d ' \n')" != 89504e470d0a1a0a ]; then
+  echo "FAIL: scripts/plot on the metrics"; cat "$work/plot.log"; fail=1
+fi
 last=$("$TOOLS/loom-eval" --checkpoint "$work/ckpt" --data "$work/data/val.bin" --seq-len 32 --batches 3 | tail -n 1)
 grep -qE '^\{"loss":[0-9.]+,"tokens":96\}$' <<< "$last" || { echo "FAIL: eval printed '$last'"; fail=1; }
 sample=$("$TOOLS/loom-generate" --checkpoint "$work/ckpt" --prompt "hello" --max-tokens 20 --seed 3)

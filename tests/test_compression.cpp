@@ -377,7 +377,11 @@ TEST(CommHookSpec, MomentumWrapsAnyHookAroundItsWarmup) {
                        "unclipped=3 must be 0 or 1"));
   EXPECT_TRUE(contains(
       error_of([] { pd::make_comm_hook("onebit:momentum=0.9,precondition=0,unclipped=1"); }),
-      "unclipped= applies to a preconditioned momentum compression only"));
+      "unclipped=1 exempts the preconditioned steps from clipping; with precondition=0 there "
+      "are none"));
+  EXPECT_TRUE(contains(error_of([] { pd::make_comm_hook("onebit:unclipped=0"); }),
+                       "unclipped= applies to a momentum compression only"));
+  EXPECT_NO_THROW(pd::make_comm_hook("onebit:momentum=0.9,precondition=0,unclipped=0"));
   loom::train::TrainConfig config;
   config.data = "unused.bin";  // validate() checks the value, not the file
   config.comm_hook = "onebit:momentum=0.8";

@@ -380,22 +380,28 @@ void Runtime::finish_gradient_sync(StepResult& result) {
 
 at::Tensor Runtime::clip_gradients(double max_norm) {
   torch::NoGradGuard no_grad;
+  // The squares and, beside them, how many ranks clip this step: summed over the same groups, so
+  // the exemption (exempts_step_from_clipping) is every rank's or none's — a rank that restored
+  // a hook's state differently must not leave its replicas unclipped while others clip.
+  bool exempt = false;
+  for (const auto& s : strategies_) exempt = exempt || s->exempts_step_from_clipping(ctx_);
   auto sq = ctx_.optimizer->local_grad_squares().reshape({1});
+  auto sums = at::cat({sq, at::full({1}, exempt ? 0.0 : 1.0, sq.options())});
   std::vector<dist::Communicator*> groups;
   for (const auto& s : strategies_) s->grad_norm_groups(ctx_, groups);
   for (auto* g : groups)
-    if (g->size() > 1) g->all_reduce(sq, dist::ReduceOp::Sum);
-  auto norm = sq.sqrt().reshape({});
+    if (g->size() > 1) g->all_reduce(sums, dist::ReduceOp::Sum);
+  auto norm = sums[0].sqrt();
   if (max_norm <= 0) return norm;
-  for (const auto& s : strategies_)
-    if (s->exempts_step_from_clipping(ctx_)) return norm;
+  const auto clipping = sums[1] > 0;
   if (norm.device().is_cpu()) {
     const double n = norm.item<double>();
-    if (n > max_norm)
+    if (clipping.item<bool>() && n > max_norm)
       ctx_.optimizer->scale_gradients(at::scalar_tensor(max_norm / (n + 1e-6), at::kDouble));
   } else {
-    // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.
-    ctx_.optimizer->scale_gradients((max_norm / (norm + 1e-6)).clamp_max(1.0));
+    // min(1, max / (norm + eps)) computed where the norm is (1 when exempt): no branch on it.
+    ctx_.optimizer->scale_gradients(
+        at::where(clipping, (max_norm / (norm + 1e-6)).clamp_max(1.0), at::ones_like(norm)));
   }
   return norm;
 }

@@ -310,6 +310,10 @@ StepResult Trainer::fit() {
                    {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
     if (last.mfu) record["mfu"] = *last.mfu;
+    // Once per process, in its first record: what was run (scripts/plot labels curves by it).
+    if (step() == first_step + 1)
+      record["run"] = {
+          {"flags", config_.to_json()}, {"world_size", mesh_->world_size()}, {"dp", data_ranks()}};
     runtime_->add_metrics(last, record);
     const bool final_step = step() == config_.steps;
     if (val_sampler_ &&

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
+#include <vector>
 
 #include "dist_util.h"
 #include "loom/ops/adamw.h"
@@ -33,6 +35,40 @@ std::shared_ptr<pd::MomentumCompressionHook> momentum_hook(const std::string& sp
   auto hook = std::dynamic_pointer_cast<pd::MomentumCompressionHook>(pd::make_comm_hook(spec));
   EXPECT_NE(hook, nullptr) << spec;
   return hook;
+}
+
+constexpr int kWarmup = 3, kSteps = 8;
+
+struct FrozenAdamWRun {
+  std::vector<at::Tensor> steps;           // per compressed step: each value's step
+  std::vector<bool> exempt_from_clipping;  // per step
+};
+
+// kSteps steps of one n-value bucket through `hook` (made with warmup=kWarmup), this rank's
+// gradient at step t from `gradient`, and AdamW (variance frozen after the warm-up, no decay) fed
+// what the hook returns. For each compressed step, the step AdamW takes per unit of
+// lr / (1 - beta1^t) (weight before minus after, unsigned).
+FrozenAdamWRun steps_after_warmup(pd::MomentumCompressionHook& hook, int64_t n,
+                                  const std::function<at::Tensor(int)>& gradient) {
+  loom::ops::AdamWOptions adamw;
+  adamw.freeze_variance_after = kWarmup;
+  adamw.weight_decay = 0;
+  const auto exp_avg = at::zeros({n}), exp_avg_sq = at::zeros({n});
+  pd::GradBucket bucket;
+  bucket.index = 0;
+  bucket.buffer = at::zeros({n});
+  FrozenAdamWRun run;
+  for (int t = 0; t < kSteps; ++t) {
+    hook.begin_step(t);
+    bucket.buffer.copy_(gradient(t));
+    hook.start(bucket, world())->wait();
+    hook.finish(bucket, world());
+    run.exempt_from_clipping.push_back(hook.exempt_from_clipping_this_step());
+    const auto weight = at::zeros({n});
+    loom::ops::adamw_update_(weight, bucket.buffer, exp_avg, exp_avg_sq, 1.0, t + 1, adamw);
+    if (t >= kWarmup) run.steps.push_back(weight.abs() * (1 - std::pow(adamw.beta1, t + 1)));
+  }
+  return run;
 }
 
 }  // namespace
@@ -79,9 +115,10 @@ TEST(MomentumCompression, TheOptimizersMomentumUpdateRebuildsTheAveragedMomentum
       }
     }
     if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
-      std::printf("%s at %d ranks: momentum rebuilt within %.3g, gradient vs mean %.3g (of the "
-                  "largest momentum)\n",
-                  spec.c_str(), ranks, worst, worst_mean);
+      std::printf(
+          "%s at %d ranks: momentum rebuilt within %.3g, gradient vs mean %.3g (of the "
+          "largest momentum)\n",
+          spec.c_str(), ranks, worst, worst_mean);
   }
 }
 
@@ -140,8 +177,8 @@ TEST(MomentumCompression, ANaNLeavesTheMomentumAndTheStateRoundTrips) {
 // ops::adamw_update_, within 4 u per step of the largest variance (both fp32; the two may round
 // the update differently). Once compression starts the variance stops changing (frozen after W
 // steps, as --freeze-variance-after W freezes the optimizer's), and the state carries it: a hook
-// restored from it reduces the next step to the same bits. With unclipped=1 (the second case of
-// the next test) the preconditioned steps are exempt from the trainer's clipping.
+// restored from it reduces the next step to the same bits. (With unclipped=1 the preconditioned
+// steps are exempt from the trainer's clipping: AValueWithoutVarianceTakesNoOutsizedStep.)
 TEST(MomentumCompression, ThePreconditionerIsTheOptimizersVarianceOfTheWarmUp) {
   auto& comm = world();
   const int64_t n = 2048;
@@ -208,7 +245,12 @@ TEST(MomentumCompression, PreconditioningDividesAndMultipliesByTheSameDenominato
   const int ranks = comm.size();
   const int64_t n = 1024;
   const double beta = 0.9;
-  const auto hook = momentum_hook("bf16:warmup=2,momentum=0.9");
+  // No clamp: these random gradients have values whose mean over the ranks is near 0 in both
+  // warm-up steps, and a rank's momentum is then many d (AValueThatLearnsAfterTheWarmUpIsClamped).
+  pd::MomentumPreconditioning unclamped;
+  unclamped.limit = 1e30;
+  const auto hook = std::make_shared<pd::MomentumCompressionHook>(
+      pd::make_comm_hook("bf16:warmup=2"), 0.9, unclamped);
   pd::GradBucket bucket;
   bucket.index = 0;
   bucket.buffer = at::zeros({n});
@@ -248,33 +290,21 @@ TEST(MomentumCompression, AValueWithoutVarianceTakesNoOutsizedStep) {
         "onebit:warmup=3,momentum=0.9,precondition=0"}) {
     SCOPED_TRACE(spec);
     const bool preconditioned = spec.find("precondition=0") == std::string::npos;
-    const auto hook = momentum_hook(spec);
-    loom::ops::AdamWOptions adamw;
-    adamw.freeze_variance_after = 3;
-    adamw.weight_decay = 0;
-    const auto exp_avg = at::zeros({n}), exp_avg_sq = at::zeros({n});
-    pd::GradBucket bucket;
-    bucket.index = 0;
-    bucket.buffer = at::zeros({n});
+    const bool unclipped = spec.find("unclipped=1") != std::string::npos;
+    const auto run = steps_after_warmup(*momentum_hook(spec), n, [&](int t) {
+      auto g = gradient_of(comm.rank(), t, n);
+      g.narrow(0, 0, silent).zero_();
+      return g;
+    });
+    for (int t = 0; t < kSteps; ++t)
+      EXPECT_EQ(run.exempt_from_clipping[t], unclipped && t >= kWarmup) << "step " << t;
     double worst_ratio = 0;
-    for (int t = 0; t < 8; ++t) {
-      hook->begin_step(t);
-      bucket.buffer.copy_(gradient_of(comm.rank(), t, n));
-      bucket.buffer.narrow(0, 0, silent).zero_();
-      hook->start(bucket, comm)->wait();
-      hook->finish(bucket, comm);
-      // The step AdamW takes, per unit of lr / (1 - beta1^t): weight before minus after.
-      const auto weight = at::zeros({n});
-      loom::ops::adamw_update_(weight, bucket.buffer, exp_avg, exp_avg_sq, 1.0, t + 1, adamw);
-      const bool unclipped = spec.find("unclipped=1") != std::string::npos;
-      EXPECT_EQ(hook->exempt_from_clipping_this_step(), unclipped && t >= 3) << "step " << t;
-      if (t < 3) continue;
-      const auto step = weight.abs() * (1 - std::pow(adamw.beta1, t + 1));
-      const double silent_step = step.narrow(0, 0, silent).max().item<double>();
-      const double learning_step = step.narrow(0, silent, n - silent).max().item<double>();
+    for (size_t i = 0; i < run.steps.size(); ++i) {
+      const double silent_step = run.steps[i].narrow(0, 0, silent).max().item<double>();
+      const double learning_step = run.steps[i].narrow(0, silent, n - silent).max().item<double>();
       worst_ratio = std::max(worst_ratio, silent_step / learning_step);
       if (preconditioned) {
-        EXPECT_LE(silent_step, (1 + 1e-4) * learning_step) << "step " << t;
+        EXPECT_LE(silent_step, (1 + 1e-4) * learning_step) << "compressed step " << i;
       }
     }
     if (!preconditioned) {
@@ -284,4 +314,31 @@ TEST(MomentumCompression, AValueWithoutVarianceTakesNoOutsizedStep) {
       std::printf("%s: a zero-variance value's largest step is %.3g times a learning value's\n",
                   spec.c_str(), worst_ratio);
   }
+}
+
+// A value silent through the warm-up (variance 0, so d = eps) that learns afterwards, with
+// gradients of 100: divided by d its momentum is ~1e9, which would set its onebit block's scale and
+// step every value of the block by that. Clamped to MomentumPreconditioning::limit (10 of AdamW's
+// unit steps) times sqrt(R), no value of the bucket steps by more than that (measured: about 1).
+TEST(MomentumCompression, AValueThatLearnsAfterTheWarmUpIsClamped) {
+  auto& comm = world();
+  const int64_t n = 2048, silent = 64;
+  const auto hook = momentum_hook("onebit:warmup=3,momentum=0.9");
+  EXPECT_EQ(hook->preconditioning().limit, 10);
+  const double limit = 10 * std::sqrt(static_cast<double>(comm.size()));  // sqrt(R) x limit
+  const auto run = steps_after_warmup(*hook, n, [&](int t) {
+    auto g = gradient_of(comm.rank(), t, n);
+    g.narrow(0, 0, silent).mul_(t < kWarmup ? 0.0 : 100.0);
+    return g;
+  });
+  double largest = 0;
+  for (size_t i = 0; i < run.steps.size(); ++i) {
+    largest = std::max(largest, run.steps[i].max().item<double>());
+    EXPECT_LE(run.steps[i].max().item<double>(), limit * (1 + 1e-4)) << "compressed step " << i;
+  }
+  if (std::getenv("LOOM_TEST_VERBOSE") != nullptr)
+    std::printf(
+        "a value learning after the warm-up: the largest step in its bucket %.3g (limit "
+        "%.3g)\n",
+        largest, limit);
 }

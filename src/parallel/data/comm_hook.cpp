@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <charconv>
@@ -184,10 +185,11 @@ MomentumCompressionHook::MomentumCompressionHook(std::shared_ptr<CommHook> inner
              "--comm-hook {}: momentum={} is outside [0, 1); it is AdamW's beta1 (0.9 by default), "
              "the momentum's decay",
              inner_->name(), beta);
-  LOOM_CHECK(preconditioning.beta2 >= 0 && preconditioning.beta2 < 1 && preconditioning.eps > 0,
-             "--comm-hook {}: preconditioning with beta2 = {} and eps = {}: beta2 must be in "
-             "[0, 1) and eps > 0 (the optimizer's)",
-             inner_->name(), preconditioning.beta2, preconditioning.eps);
+  LOOM_CHECK(preconditioning.beta2 >= 0 && preconditioning.beta2 < 1 && preconditioning.eps > 0 &&
+                 preconditioning.limit > 0,
+             "--comm-hook {}: preconditioning with beta2 = {}, eps = {} and limit = {}: beta2 "
+             "must be in [0, 1), eps > 0 (the optimizer's) and limit > 0",
+             inner_->name(), preconditioning.beta2, preconditioning.eps, preconditioning.limit);
 }
 
 const at::Tensor& MomentumCompressionHook::divisor(Bucket& b) {
@@ -205,8 +207,6 @@ dist::WorkPtr MomentumCompressionHook::start(GradBucket& bucket, dist::Communica
   auto& b = buckets_[bucket.index];
   const auto options = bucket.buffer.options().dtype(at::kFloat);
   if (!b.momentum.defined()) b.momentum = at::zeros({bucket.numel()}, options);
-  if (preconditioning_.enabled && !b.variance.defined())
-    b.variance = at::zeros({bucket.numel()}, options);
   // Every rank restored the same sizes from one checkpoint layout, so all stop alike.
   for (const auto* t : {&b.momentum, &b.variance})
     LOOM_CHECK(!t->defined() || t->numel() == bucket.numel(),
@@ -223,24 +223,40 @@ dist::WorkPtr MomentumCompressionHook::start(GradBucket& bucket, dist::Communica
   // m and v must be the same on every rank, but a rank whose checkpoint file did not load starts
   // from zero while the others restore theirs (CommHookState warns and goes on): the first
   // reduction of each bucket after construction or a restore takes rank 0's. Blocking, once per
-  // bucket.
+  // bucket. The variance exists once an exact step was seen: rank 0's count says whether.
   if (!b.agreed) {
     comm.broadcast(b.momentum, 0);
-    if (b.variance.defined()) {
+    if (preconditioning_.enabled) {
       auto steps = at::full({1}, b.variance_steps, options.dtype(at::kLong));
       comm.broadcast(steps, 0);
       b.variance_steps = steps.item<int64_t>();
-      comm.broadcast(b.variance, 0);
+      if (b.variance_steps > 0) {
+        if (!b.variance.defined()) b.variance = at::zeros({bucket.numel()}, options);
+        comm.broadcast(b.variance, 0);
+      } else {
+        b.variance = at::Tensor();
+      }
       b.divisor_steps = -1;
     }
     b.agreed = true;
   }
   // This rank's momentum, beta m + (1 - beta) g, in the gradient's place; once compression starts
-  // after exact steps, divided by AdamW's denominator (the class comment).
+  // after exact steps, divided by AdamW's denominator and clamped (the class comment).
   bucket.buffer.mul_(1 - beta_).add_(b.momentum, beta_);
   b.exact_in_flight = inner_->reduces_exactly_this_step();
-  b.scaled_in_flight = !b.exact_in_flight && b.variance.defined() && b.variance_steps > 0;
-  if (b.scaled_in_flight) bucket.buffer.div_(divisor(b));
+  b.scaled_in_flight = !b.exact_in_flight && b.variance_steps > 0;
+  if (b.scaled_in_flight) {
+    // A rank's own momentum is noisier than the mean whose variance d holds, by up to sqrt(R).
+    const double limit = preconditioning_.limit * std::sqrt(static_cast<double>(comm.size()));
+    bucket.buffer.div_(divisor(b)).clamp_(-limit, limit);
+  } else if (!b.exact_in_flight && preconditioning_.enabled && !warned_unpreconditioned_) {
+    warned_unpreconditioned_ = true;
+    spdlog::warn(
+        "--comm-hook {}: compressing momenta without preconditioning: no exact step gave a "
+        "variance (no warmup=, or resumed from a checkpoint written without one); values whose "
+        "variance is about 0 may take outsized steps (docs/compression.md)",
+        name());
+  }
   return inner_->start(bucket, comm);
 }
 
@@ -255,8 +271,9 @@ void MomentumCompressionHook::finish(GradBucket& bucket, dist::Communicator& com
   // The gradient whose momentum update beta m + (1 - beta) g is the averaged momentum.
   bucket.buffer.copy_((averaged - beta_ * b.momentum) / (1 - beta_));
   b.momentum.copy_(averaged);
-  if (b.exact_in_flight && b.variance.defined()) {
+  if (b.exact_in_flight && preconditioning_.enabled) {
     // AdamW's variance update on the mean gradient, as the optimizer applies it.
+    if (!b.variance.defined()) b.variance = at::zeros({bucket.numel()}, averaged.options());
     const auto g = bucket.buffer.to(at::kFloat);
     b.variance.mul_(preconditioning_.beta2).addcmul_(g, g, 1 - preconditioning_.beta2);
     ++b.variance_steps;
@@ -419,9 +436,13 @@ std::shared_ptr<CommHook> make_comm_hook(const std::string& text,
   const int64_t unclipped = spec.get_int("unclipped", 0);
   LOOM_CHECK(unclipped == 0 || unclipped == 1, "--comm-hook '{}': unclipped={} must be 0 or 1",
              text, unclipped);
-  LOOM_CHECK(!names_unclipped || (compresses_momentum && precondition == 1),
-             "--comm-hook '{}': unclipped= applies to a preconditioned momentum compression only "
-             "(momentum=B without precondition=0)",
+  LOOM_CHECK(!names_unclipped || compresses_momentum,
+             "--comm-hook '{}': unclipped= applies to a momentum compression only; add momentum=B "
+             "(B = --beta1)",
+             text);
+  LOOM_CHECK(unclipped == 0 || precondition == 1,
+             "--comm-hook '{}': unclipped=1 exempts the preconditioned steps from clipping; with "
+             "precondition=0 there are none",
              text);
   spec.options.erase("warmup");
   spec.options.erase("momentum");
@@ -433,7 +454,10 @@ std::shared_ptr<CommHook> make_comm_hook(const std::string& text,
   if (compresses_momentum)
     hook = std::make_shared<MomentumCompressionHook>(
         std::move(hook), momentum,
-        MomentumPreconditioning{precondition == 1, unclipped == 1, optimizer.beta2, optimizer.eps});
+        MomentumPreconditioning{.enabled = precondition == 1,
+                                .unclipped = unclipped == 1,
+                                .beta2 = optimizer.beta2,
+                                .eps = optimizer.eps});
   return hook;
 }
 

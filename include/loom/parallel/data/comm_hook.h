@@ -220,8 +220,13 @@ class DenseWarmupHook : public CommHook {
 // gives each value an error on the scale of the block's updates, not of its momenta: compressing
 // m itself hands a value whose variance is ~0 (a position row past --seq-len, an attention key
 // bias, a vocabulary row the corpus never holds) a momentum of its block's mean size, which the
-// optimizer divides by ~eps (docs/compression.md: the 1-bit Adam run that diverged). Without an
-// exact step (no warm-up) or with precondition=0, the momentum itself is compressed. With
+// optimizer divides by ~eps (docs/compression.md: the 1-bit Adam run that diverged). d matches
+// the optimizer's denominator where the optimizer sees what the hook returned: not where clipping
+// scaled the warm-up's gradients, tensor parallelism sums partial gradients or a pipeline sums a
+// tied embedding's copies after the reduction (then it is a preconditioner, not the optimizer's
+// own; the clamp, MomentumPreconditioning::limit, bounds what a value with d ~ eps can send).
+// Without an exact step (no warm-up; a warning once) or with precondition=0, the momentum itself
+// is compressed. With
 // unclipped=1 the steps it preconditions are exempt from the trainer's gradient clipping: the
 // returned gradients carry the compression's error over 1 - B, so their norm (5 to 10 times the
 // exact one, measured) shrinks every clipped step. Off by default: after a short warm-up, unclipped
@@ -231,6 +236,12 @@ struct MomentumPreconditioning {
   bool unclipped = false;  // exempt_from_clipping_this_step on the preconditioned steps
   double beta2 = 0.95;     // the optimizer's (make_comm_hook takes them from its AdamWOptions)
   double eps = 1e-8;
+  // |m / d| is clamped to this many of AdamW's unit steps, times sqrt(R) over R ranks (a rank's
+  // own momentum is noisier than the mean whose variance d holds), before it is compressed (what
+  // is cut is dropped, as clipping drops it). A value whose variance was ~0 during the warm-up and
+  // that learns later (a byte first seen after it; under pp, a tied embedding row whose gradient
+  // this stage's part did not hold) would otherwise send m / eps and set its whole block's scale.
+  double limit = 10;
 };
 
 class MomentumCompressionHook : public CommHook {
@@ -246,8 +257,8 @@ class MomentumCompressionHook : public CommHook {
   void finish(GradBucket& bucket, dist::Communicator& comm) override;
   bool carries_state() const override { return true; }
   // The named hook's state, and per bucket "b<index>/momentum" (float32, the bucket's length),
-  // with preconditioning also "b<index>/variance" (the same length) and "b<index>/variance_steps"
-  // (int64, one value: W).
+  // after an exact step with preconditioning also "b<index>/variance" (the same length) and
+  // "b<index>/variance_steps" (int64, one value: W).
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
   // Those three are held alike by every rank (kFirst); the named hook's entries by its rules.
@@ -285,6 +296,7 @@ class MomentumCompressionHook : public CommHook {
   double beta_;
   MomentumPreconditioning preconditioning_;
   std::map<int64_t, Bucket> buckets_;  // by bucket index
+  bool warned_unpreconditioned_ = false;
 };
 
 // The registry of hooks by name: "avg", "bf16", "int8", "onebit", "powersgd", "topk" and
