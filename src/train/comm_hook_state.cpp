@@ -7,17 +7,52 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "loom/core/error.h"
 #include "loom/core/safetensors.h"
+#include "loom/models/causal_lm.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/run_context.h"
 
 namespace loom::train {
 
 CommHookState::CommHookState(std::string prefix,
-                             std::vector<std::shared_ptr<parallel::data::CommHook>> hooks)
-    : prefix_(std::move(prefix)), hooks_(std::move(hooks)) {}
+                             std::vector<std::shared_ptr<parallel::data::CommHook>> hooks,
+                             bool reduce_scatter)
+    : prefix_(std::move(prefix)), hooks_(std::move(hooks)), reduce_scatter_(reduce_scatter) {}
+
+HookValueLayout CommHookState::value_layout(const RunContext& run, const Buckets& buckets) const {
+  HookValueLayout out;
+  out.owner = prefix_;
+  out.hook = run.config.comm_hook;
+  out.dp = run.coord(dist::Dim::dp);
+  out.dp_size = run.size(dist::Dim::dp);
+  out.tp = run.coord(dist::Dim::tp);
+  out.tp_size = run.size(dist::Dim::tp);
+  out.cp = run.coord(dist::Dim::cp);
+  out.cp_size = run.size(dist::Dim::cp);
+  out.pp = run.coord(dist::Dim::pp);
+  out.pp_size = run.size(dist::Dim::pp);
+  out.chunks = buckets;
+  LOOM_CHECK(buckets.size() == run.chunks.size(), "{} chunks of buckets for {} model chunks",
+             buckets.size(), run.chunks.size());
+  for (size_t c = 0; c < buckets.size(); ++c) {
+    const auto& chunk = *run.chunks[c];
+    for (const auto& bucket : buckets[c])
+      for (const auto& name : bucket.names) {
+        HookValueLayout::Param p;
+        p.spec = chunk.shard_spec(name);
+        // A tied embedding's copies on the first and last stages have their gradients summed.
+        p.stages = run.model_config.tie_embeddings && out.pp_size > 1 &&
+                           name == chunk.embedding_weight_name()
+                       ? 2
+                       : 1;
+        out.params.emplace(name, p);
+      }
+  }
+  return out;
+}
 
 bool CommHookState::carries_state() const {
   return !hooks_.empty() && hooks_.front()->carries_state();
@@ -28,14 +63,15 @@ bool CommHookState::exempts_step_from_clipping() const {
                      [](const auto& hook) { return hook->exempt_from_clipping_this_step(); });
 }
 
-void CommHookState::save(const std::string& layout, const Reshard& reshard,
-                         core::NamedTensors& tensors,
+void CommHookState::save(const RunContext& run, const std::string& layout, const Reshard& reshard,
+                         const Buckets& buckets, core::NamedTensors& tensors,
                          std::map<std::string, std::string>& metadata) const {
   if (!carries_state()) return;
   for (size_t c = 0; c < hooks_.size(); ++c)
     for (const auto& [key, t] : hooks_[c]->state())
       tensors.emplace_back(fmt::format("{}/c{}/{}", prefix_, c, key), t.cpu());
   metadata[prefix_ + ".layout"] = layout;
+  metadata[kHookValueLayoutKey] = value_layout(run, buckets).to_json();
   if (!reshard.key.empty()) {
     metadata[prefix_ + ".reshard_key"] = reshard.key;
     metadata[prefix_ + ".dp_rank"] = std::to_string(reshard.dp_rank);
@@ -44,7 +80,8 @@ void CommHookState::save(const std::string& layout, const Reshard& reshard,
 }
 
 void CommHookState::load(const RunContext& run, const CheckpointContents& checkpoint,
-                         const std::string& layout, const Reshard& reshard) {
+                         const std::string& layout, const Reshard& reshard,
+                         const Buckets& buckets) {
   if (!carries_state()) return;
   const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
   std::string why;
@@ -80,6 +117,21 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
       }
     } catch (const std::exception& e) {
       why += fmt::format("; resharding it failed: {}", e.what());
+    }
+  }
+  if (checkpoint.state.contains("rank_state_files")) {
+    try {
+      if (const int64_t groups = carry_across_layouts(checkpoint, value_layout(run, buckets));
+          groups > 0) {
+        spdlog::info(
+            "--comm-hook {}: error feedback carried from another layout: the {} data-parallel "
+            "groups that saved it, per parameter, onto this rank's buckets (what the run owes "
+            "each parameter stays the same)",
+            run.config.comm_hook, groups);
+        return;
+      }
+    } catch (const std::exception& e) {
+      why += fmt::format("; carrying it across layouts failed: {}", e.what());
     }
   }
   spdlog::warn(
@@ -139,6 +191,25 @@ int64_t CommHookState::reshard_from(const CheckpointContents& checkpoint, const 
     throw;
   }
   return static_cast<int64_t>(sources.size());
+}
+
+int64_t CommHookState::carry_across_layouts(const CheckpointContents& checkpoint,
+                                            const HookValueLayout& mine) {
+  std::set<std::string> wanted;
+  for (const auto& buckets : mine.chunks)
+    for (const auto& b : buckets) wanted.insert(b.names.begin(), b.names.end());
+  // group_values and the rules read no state of the hook's own: any chunk's hook serves.
+  const auto totals = read_hook_values(checkpoint, *hooks_.front(), mine.hook, wanted);
+  if (totals.groups() == 0) return 0;
+  try {
+    const auto carried = totals.values_for(mine);
+    for (size_t c = 0; c < hooks_.size(); ++c)
+      hooks_[c]->load_group_values(carried.at(c), reduce_scatter_);
+  } catch (...) {
+    for (auto& hook : hooks_) hook->load_state({});
+    throw;
+  }
+  return totals.groups();
 }
 
 std::string CommHookState::restore(const std::string& file, const std::string& layout) {

@@ -35,6 +35,14 @@ std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view wh
   return index;
 }
 
+at::Tensor leading_values(const at::Tensor& entry, int64_t numel, const std::string& hook,
+                          int64_t index, std::string_view what) {
+  LOOM_CHECK(entry.dim() == 1 && entry.numel() >= numel,
+             "--comm-hook {} state: bucket {}'s {} has shape {}; its parameters have {} values",
+             hook, index, what, entry.sizes(), numel);
+  return entry.narrow(0, 0, numel).to(at::kFloat).contiguous().clone();
+}
+
 StateReshard CommHook::reshard_rule(const std::string& key) const {
   return bucket_of_key(key, "error") ? StateReshard::kMean : StateReshard::kFirst;
 }
@@ -352,6 +360,53 @@ void MomentumCompressionHook::lay_out_resharded(int64_t index, int64_t numel, in
     it->second.divisor_steps = -1;
   }
   inner_->lay_out_resharded(index, numel, rank, ranks);
+}
+
+std::map<std::string, at::Tensor> MomentumCompressionHook::group_values(
+    const std::map<std::string, at::Tensor>& group,
+    const std::map<int64_t, BucketShape>& buckets) const {
+  auto out = inner_->group_values(group, buckets);
+  int64_t variance_steps = -1;
+  for (const auto& [index, shape] : buckets) {
+    for (const char* what : {"momentum", "variance"}) {
+      const auto it = group.find(bucket_state_key(index, what));
+      if (it == group.end()) continue;
+      out[bucket_state_key(index, what)] =
+          leading_values(it->second, shape.numel, name(), index, what);
+    }
+    if (const auto it = group.find(bucket_state_key(index, "variance_steps")); it != group.end())
+      variance_steps = std::max(variance_steps, it->second.item<int64_t>());
+  }
+  if (variance_steps >= 0) out["variance_steps"] = at::full({1}, variance_steps, at::kLong);
+  return out;
+}
+
+CommHook::ValueRule MomentumCompressionHook::value_rule(const std::string& what) const {
+  if (what == "momentum") return ValueRule::kSum;
+  if (what == "variance") return ValueRule::kRms;
+  return inner_->value_rule(what);
+}
+
+void MomentumCompressionHook::load_group_values(const std::map<std::string, at::Tensor>& values,
+                                                bool /*reduce_scatter*/) {
+  buckets_.clear();
+  const auto steps = values.find("variance_steps");
+  std::map<std::string, at::Tensor> inner;
+  for (const auto& [key, t] : values) {
+    const auto momentum = bucket_of_key(key, "momentum");
+    const auto variance = bucket_of_key(key, "variance");
+    if (momentum) {
+      buckets_[*momentum].momentum = t.to(at::kFloat).contiguous().clone();
+    } else if (variance && preconditioning_.enabled && steps != values.end()) {
+      auto& b = buckets_[*variance];
+      b.variance = t.to(at::kFloat).contiguous().clone();
+      b.variance_steps = steps->second.item<int64_t>();
+    } else if (!variance && key != "variance_steps") {
+      inner.emplace(key, t);
+    }
+  }
+  // The named hook reduces whole buckets under ZeRO too (reduces_once_per_step).
+  inner_->load_group_values(inner, /*reduce_scatter=*/false);
 }
 
 bool MomentumCompressionHook::exempt_from_clipping_this_step() const {

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "loom/core/error.h"
 
 namespace loom::parallel::data {
@@ -9,6 +11,17 @@ namespace loom::parallel::data {
 at::Tensor GradBucket::grad_view(size_t i) const {
   const auto& p = params.at(i);
   return buffer.narrow(0, offsets.at(i), p.numel()).view(p.sizes());
+}
+
+BucketShape shape_of(const GradBucket& bucket) {
+  BucketShape out;
+  out.names = bucket.names;
+  out.offsets = bucket.offsets;
+  for (size_t i = 0; i < bucket.params.size(); ++i) {
+    out.shapes.push_back(bucket.params[i].sizes().vec());
+    out.numel = std::max(out.numel, bucket.offsets[i] + bucket.params[i].numel());
+  }
+  return out;
 }
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,

@@ -25,6 +25,11 @@ bool PowerSgdHook::compresses(int64_t rows, int64_t cols) const {
 }
 
 PowerSgdHook::Layout PowerSgdHook::layout_of(const GradBucket& bucket) const {
+  return layout_of(shape_of(bucket).shapes, bucket.offsets);
+}
+
+PowerSgdHook::Layout PowerSgdHook::layout_of(const std::vector<std::vector<int64_t>>& shapes,
+                                             const std::vector<int64_t>& offsets) const {
   Layout l;
   const auto dense = [&](int64_t offset, int64_t length) {
     if (length == 0) return;
@@ -35,17 +40,17 @@ PowerSgdHook::Layout PowerSgdHook::layout_of(const GradBucket& bucket) const {
     }
     l.dense_numel += length;
   };
-  for (size_t i = 0; i < bucket.params.size(); ++i) {
-    const auto& p = bucket.params[i];
-    const int64_t numel = p.numel();
-    const int64_t rows = p.dim() >= 2 ? p.size(0) : 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& shape = shapes[i];
+    int64_t numel = 1;
+    for (const int64_t size : shape) numel *= size;
+    const int64_t rows = shape.size() >= 2 ? shape[0] : 0;
     const int64_t cols = rows > 0 ? numel / rows : 0;
-    if (p.dim() < 2 || !compresses(rows, cols)) {
-      dense(bucket.offsets[i], numel);
+    if (shape.size() < 2 || !compresses(rows, cols)) {
+      dense(offsets[i], numel);
       continue;
     }
-    l.matrices.push_back(
-        Matrix{bucket.offsets[i], rows, cols, l.error_numel, l.p_numel, l.q_numel});
+    l.matrices.push_back(Matrix{offsets[i], rows, cols, l.error_numel, l.p_numel, l.q_numel});
     l.error_numel += rows * cols;
     l.p_numel += rows * rank_;
     l.q_numel += cols * rank_;
@@ -93,6 +98,17 @@ dist::WorkPtr PowerSgdHook::start(GradBucket& bucket, dist::Communicator& comm) 
     s.error = s.error.to(bucket.buffer.device());
     s.q = s.q.to(bucket.buffer.device());
     s.first_q = s.first_q.to(bucket.buffer.device());
+  }
+  // What another layout owed: into the matrices' errors, and onto the values sent as they are
+  // (every rank adds the same, so the average delivers it).
+  if (const auto pending = pending_owed_.find(bucket.index); pending != pending_owed_.end()) {
+    const auto owed = pending->second.to(s.error.device());
+    for (const auto& m : l.matrices)
+      s.error.narrow(0, m.error_offset, m.rows * m.cols)
+          .add_(owed.narrow(0, m.bucket_offset, m.rows * m.cols));
+    for (const auto& [offset, length] : l.dense)
+      bucket.buffer.narrow(0, offset, length).add_(owed.narrow(0, offset, length));
+    pending_owed_.erase(pending);
   }
   s.message = at::empty({l.p_numel + l.dense_numel}, options);
   for (const auto& m : l.matrices) {
@@ -171,11 +187,21 @@ std::map<std::string, at::Tensor> PowerSgdHook::state() const {
     out[bucket_state_key(index, "error")] = s.error;
     out[bucket_state_key(index, "q")] = s.q;
   }
+  for (const auto& [index, owed] : pending_owed_)
+    out[bucket_state_key(index, "pending_owed")] = owed;
   return out;
 }
 
 void PowerSgdHook::load_state(const std::map<std::string, at::Tensor>& state) {
   state_.clear();
+  pending_owed_.clear();
+  for (const auto& [key, t] : state) {
+    if (const auto index = bucket_of_key(key, "pending_owed")) {
+      LOOM_CHECK(t.dim() == 1, "--comm-hook powersgd state: bucket {}'s pending_owed has {} dims",
+                 *index, t.dim());
+      pending_owed_[*index] = t.to(at::kFloat).contiguous().clone();
+    }
+  }
   for (const auto& [key, error] : state) {
     const auto bucket = bucket_of_key(key, "error");
     if (!bucket) continue;
@@ -188,6 +214,38 @@ void PowerSgdHook::load_state(const std::map<std::string, at::Tensor>& state) {
     s.error = error.to(at::kFloat).contiguous().clone();
     s.q = q->second.to(at::kFloat).contiguous().clone();
   }
+}
+
+std::map<std::string, at::Tensor> PowerSgdHook::group_values(
+    const std::map<std::string, at::Tensor>& group,
+    const std::map<int64_t, BucketShape>& buckets) const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [index, shape] : buckets) {
+    const auto error = group.find(bucket_state_key(index, "error"));
+    const auto pending = group.find(bucket_state_key(index, "pending_owed"));
+    if (error == group.end() && pending == group.end()) continue;
+    auto owed = pending != group.end()
+                    ? leading_values(pending->second, shape.numel, name(), index, "pending_owed")
+                    : at::zeros({shape.numel}, at::kFloat);
+    if (error != group.end()) {
+      const auto l = layout_of(shape.shapes, shape.offsets);
+      const auto carried = leading_values(error->second, l.error_numel, name(), index, "error");
+      for (const auto& m : l.matrices)
+        owed.narrow(0, m.bucket_offset, m.rows * m.cols)
+            .add_(carried.narrow(0, m.error_offset, m.rows * m.cols));
+    }
+    out[bucket_state_key(index, "owed")] = owed;
+  }
+  return out;
+}
+
+void PowerSgdHook::load_group_values(const std::map<std::string, at::Tensor>& values,
+                                     bool /*reduce_scatter*/) {
+  state_.clear();
+  pending_owed_.clear();
+  for (const auto& [key, owed] : values)
+    if (const auto index = bucket_of_key(key, "owed"))
+      pending_owed_[*index] = owed.to(at::kFloat).contiguous().clone();
 }
 
 at::Tensor PowerSgdHook::error(int64_t index) const {

@@ -230,6 +230,57 @@ void QuantizedAllReduceHook::load_resharded_state(const std::map<std::string, at
   }
 }
 
+std::map<std::string, at::Tensor> QuantizedAllReduceHook::group_values(
+    const std::map<std::string, at::Tensor>& group,
+    const std::map<int64_t, BucketShape>& buckets) const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [index, shape] : buckets) {
+    const int64_t n = shape.numel;
+    const auto error = group.find(bucket_state_key(index, "error"));
+    const auto scattered = group.find(bucket_state_key(index, "scatter_error"));
+    if (error != group.end()) {
+      const auto server = group.find(bucket_state_key(index, "server_error"));
+      LOOM_CHECK(server != group.end(), "{} hook state: bucket {}'s error has no server error",
+                 name_, index);
+      out[bucket_state_key(index, "owed")] =
+          leading_values(error->second, n, name_, index, "error") +
+          leading_values(server->second, n, name_, index, "server error");
+    } else if (scattered != group.end()) {
+      const auto shard_entry = group.find(bucket_state_key(index, "scatter_shard"));
+      const int64_t shard = shard_entry == group.end() || shard_entry->second.numel() != 1
+                                ? 0
+                                : shard_entry->second.item<int64_t>();
+      const int64_t segment = to_block(shard);
+      LOOM_CHECK(
+          shard > 0 && scattered->second.dim() == 1 && scattered->second.numel() % segment == 0,
+          "{} hook state: bucket {}'s reduce-scatter error ({} values) is not whole "
+          "shards of {} padded to the block",
+          name_, index, scattered->second.numel(), shard);
+      const auto joined = scattered->second.view({-1, segment}).narrow(1, 0, shard).reshape({-1});
+      out[bucket_state_key(index, "owed")] = leading_values(joined, n, name_, index, "error");
+    }
+  }
+  return out;
+}
+
+void QuantizedAllReduceHook::load_group_values(const std::map<std::string, at::Tensor>& values,
+                                               bool reduce_scatter) {
+  state_.clear();
+  scatter_state_.clear();
+  for (const auto& [key, owed] : values) {
+    const auto index = bucket_of_key(key, "owed");
+    if (!index) continue;
+    auto error = owed.to(at::kFloat).contiguous().clone();
+    if (reduce_scatter) {
+      scatter_state_[*index].resharded_error = std::move(error);
+    } else {
+      auto& s = state_[*index];
+      s.resharded_error = std::move(error);
+      s.resharded_server_error = at::zeros({0}, at::kFloat);
+    }
+  }
+}
+
 at::Tensor QuantizedAllReduceHook::error(int64_t index) const {
   const auto it = state_.find(index);
   return it == state_.end() ? at::Tensor() : it->second.error;

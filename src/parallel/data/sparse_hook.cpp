@@ -229,6 +229,51 @@ void SparseCompressHook::lay_out_resharded(int64_t index, int64_t numel, int64_t
   const auto it = scatter_state_.find(index);
   if (it != scatter_state_.end() && it->second.resharded_error.defined())
     lay_out_scatter(it->second, ranks, numel / ranks, at::TensorOptions(at::kCPU));
+  // An error taken from another layout holds the parameters' values; ZeRO's whole-bucket
+  // reduction (under a momentum compression) adds its padding.
+  if (const auto plain = state_.find(index); plain != state_.end() &&
+                                             plain->second.error.defined() &&
+                                             plain->second.error.numel() != numel) {
+    auto& s = plain->second;
+    auto fitted = at::zeros({numel}, s.error.options());
+    const int64_t kept = std::min(numel, s.error.numel());
+    fitted.narrow(0, 0, kept).copy_(s.error.narrow(0, 0, kept));
+    s.error = fitted;
+    s.capacity = capacity(numel);
+  }
+}
+
+std::map<std::string, at::Tensor> SparseCompressHook::group_values(
+    const std::map<std::string, at::Tensor>& group,
+    const std::map<int64_t, BucketShape>& buckets) const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [index, shape] : buckets) {
+    for (const char* what : {"error", "scatter_error"}) {
+      const auto it = group.find(bucket_state_key(index, what));
+      if (it != group.end())
+        out[bucket_state_key(index, "owed")] =
+            leading_values(it->second, shape.numel, name_, index, what);
+    }
+  }
+  return out;
+}
+
+void SparseCompressHook::load_group_values(const std::map<std::string, at::Tensor>& values,
+                                           bool reduce_scatter) {
+  state_.clear();
+  scatter_state_.clear();
+  for (const auto& [key, owed] : values) {
+    const auto index = bucket_of_key(key, "owed");
+    if (!index) continue;
+    auto error = owed.to(at::kFloat).contiguous().clone();
+    if (reduce_scatter) {
+      scatter_state_[*index].resharded_error = std::move(error);  // steps 0: thresholds anew
+    } else {
+      auto& s = state_[*index];
+      s.capacity = capacity(error.numel());
+      s.error = std::move(error);
+    }
+  }
 }
 
 void SparseCompressHook::load_scatter_state(int64_t index, const at::Tensor& error,

@@ -24,6 +24,18 @@ core::NamedTensors ZeroOptimizer::state() const {
   return out;
 }
 
+data::BucketShape ZeroOptimizer::bucket_shape(size_t i) const {
+  const auto& b = buckets_.at(i);
+  data::BucketShape out;
+  for (size_t slot = 0; slot < b.params.size(); ++slot) {
+    out.names.push_back(params_[b.params[slot]].first);
+    out.shapes.push_back(params_[b.params[slot]].second.sizes().vec());
+    out.offsets.push_back(b.layout.offset(slot));
+  }
+  out.numel = b.layout.total();
+  return out;
+}
+
 std::map<std::string, std::string> ZeroOptimizer::state_metadata() const {
   std::string layout;
   for (const auto& b : buckets_)

@@ -65,10 +65,10 @@ class DataParallelStrategy final : public Strategy {
   // Error feedback is per rank: each rank's buckets' carried errors go into its own file.
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    hook_state_->save(layout(run), reshard(run), tensors, metadata);
+    hook_state_->save(run, layout(run), reshard(run), buckets(), tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    hook_state_->load(run, checkpoint, layout(run), reshard(run));
+    hook_state_->load(run, checkpoint, layout(run), reshard(run), buckets());
     // Resharded state is laid out for this rank's buckets now, so that a checkpoint written
     // before the next reduction holds it (a no-op otherwise).
     for (size_t c = 0; c < dp_.size(); ++c)
@@ -117,6 +117,14 @@ class DataParallelStrategy final : public Strategy {
     for (auto d : {dist::Dim::tp, dist::Dim::cp, dist::Dim::pp})
       key += fmt::format(" {} {} rank {}", dist::to_string(d), run.size(d), run.coord(d));
     return {key + bucket_sizes(), run.coord(dist::Dim::dp), run.size(dist::Dim::dp)};
+  }
+  CommHookState::Buckets buckets() const {
+    CommHookState::Buckets out;
+    for (const auto& dp : dp_) {
+      auto& chunk = out.emplace_back();
+      for (const auto& b : dp->buckets()) chunk.push_back(parallel::data::shape_of(b));
+    }
+    return out;
   }
   std::string bucket_sizes() const {
     std::string out;

@@ -170,7 +170,7 @@ class ZeroStrategy final : public Strategy {
               return zero->run_unit(static_cast<size_t>(layer), [&] { return block(x); });
             });
     }
-    hook_state_ = std::make_unique<CommHookState>("zero", hooks_);
+    hook_state_ = std::make_unique<CommHookState>("zero", hooks_, /*reduce_scatter=*/true);
     run.collective_forward = stage == 3;
     auto engine = std::make_unique<ZeroEngine>(std::move(engines), run.device);
     engine_ = engine.get();
@@ -209,10 +209,10 @@ class ZeroStrategy final : public Strategy {
   // A compressing hook's error feedback, per rank (beside the optimizer's shards).
   void save_rank_state(RunContext& run, core::NamedTensors& tensors,
                        std::map<std::string, std::string>& metadata) override {
-    hook_state_->save(layout(run), reshard(run), tensors, metadata);
+    hook_state_->save(run, layout(run), reshard(run), buckets(), tensors, metadata);
   }
   void load_state(RunContext& run, const CheckpointContents& checkpoint) override {
-    hook_state_->load(run, checkpoint, layout(run), reshard(run));
+    hook_state_->load(run, checkpoint, layout(run), reshard(run), buckets());
     // Resharded state is cut into this rank's shards now, so that a checkpoint written before
     // the next reduction holds it (a no-op otherwise).
     const auto& engines = engine_->engines();
@@ -242,6 +242,15 @@ class ZeroStrategy final : public Strategy {
                                   stage_, run.mesh->shape().describe(), run.config.bucket_mb);
     for (const auto& z : engine_->engines())
       out += fmt::format("; {} buckets of {} parameters", z->num_buckets(), z->num_params());
+    return out;
+  }
+
+  CommHookState::Buckets buckets() const {
+    CommHookState::Buckets out;
+    for (const auto& z : engine_->engines()) {
+      auto& chunk = out.emplace_back();
+      for (size_t b = 0; b < z->num_buckets(); ++b) chunk.push_back(z->bucket_shape(b));
+    }
     return out;
   }
 

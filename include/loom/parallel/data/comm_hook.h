@@ -67,6 +67,34 @@ class CommHook {
   virtual void lay_out_resharded(int64_t /*index*/, int64_t /*numel*/, int64_t /*rank*/,
                                  int64_t /*ranks*/) {}
 
+  // Resharding across layouts (another tp, cp or pp size, other buckets, another ZeRO stage;
+  // train/hook_values.h), where a bucket's values no longer line up with the old ones: per-value
+  // state is carried per parameter. From `group`, the StateResharder result over every rank of
+  // one old data-parallel group, and the shapes of that group's buckets, returns entries
+  // "b<index>/<what>" holding one value per parameter value of the bucket (in bucket order, no
+  // padding): "owed", what the group still owes the gradient (its ranks' mean carried error plus
+  // what it carries once), and for a momentum compression "momentum" and "variance". Entries
+  // without a bucket prefix are scalars held alike ("variance_steps"). Anything else (a warm
+  // start, a threshold, a step count) is not carried: it starts afresh. The default: {} (a hook
+  // that does not say how its state maps onto values restarts it at zero, with a warning).
+  virtual std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& /*group*/,
+      const std::map<int64_t, BucketShape>& /*buckets*/) const {
+    return {};
+  }
+  // How entry <what> of group_values combines over copies of a parameter whose gradients are
+  // summed after the reduction (tensor-parallel partial sums, context-parallel ranks, a tied
+  // embedding's pipeline stages) and splits over the new ones: kSum for what is linear in the
+  // gradient ("owed", "momentum"), kRms for a mean square ("variance": its square roots add).
+  enum class ValueRule { kSum, kRms };
+  virtual ValueRule value_rule(const std::string& /*what*/) const { return ValueRule::kSum; }
+  // Takes group_values entries built for this rank's buckets (every rank of a dp group alike:
+  // each carries the whole of what is owed, so their mean is it), replacing any state; laid out
+  // by lay_out_resharded as a reshard across numbers of ranks is. `reduce_scatter`: the buckets
+  // are ZeRO's, reduced by start_reduce_scatter where the hook reduces_scatter().
+  virtual void load_group_values(const std::map<std::string, at::Tensor>& /*values*/,
+                                 bool /*reduce_scatter*/) {}
+
   // ZeRO's gradient reduction (parallel/zero): `bucket.buffer` holds comm.size() equal shards in
   // rank order (the parameters' gradients at bucket.offsets, zeros after the last); once the work
   // is done and finish_reduce_scatter has run, `recv` (one shard, the buffer's dtype) holds the
@@ -120,6 +148,12 @@ std::string bucket_state_key(int64_t index, const std::string& what);
 // The bucket index of a "b<index>/<what>" key; nullopt for any other key.
 std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view what);
 
+// The first `numel` values of a 1-D state entry, as a float32 tensor of their own (what
+// group_values hands on); loom::Error naming the hook, the bucket `index` and `what` when the
+// entry is not 1-D or holds fewer values.
+at::Tensor leading_values(const at::Tensor& entry, int64_t numel, const std::string& hook,
+                          int64_t index, std::string_view what);
+
 // All-reduce average in the gradients' own dtype.
 class AllReduceAvgHook : public CommHook {
  public:
@@ -168,6 +202,16 @@ class DenseWarmupHook : public CommHook {
   }
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override {
     inner_->lay_out_resharded(index, numel, rank, ranks);
+  }
+  std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& group,
+      const std::map<int64_t, BucketShape>& buckets) const override {
+    return inner_->group_values(group, buckets);
+  }
+  ValueRule value_rule(const std::string& what) const override { return inner_->value_rule(what); }
+  void load_group_values(const std::map<std::string, at::Tensor>& values,
+                         bool reduce_scatter) override {
+    inner_->load_group_values(values, reduce_scatter);
   }
   bool reduces_scatter() const override { return inner_->reduces_scatter(); }
   dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
@@ -267,6 +311,14 @@ class MomentumCompressionHook : public CommHook {
   // Also fits the momentum and variance to `numel` (ZeRO's padded bucket changes with the number
   // of ranks; past the parameters it is padding, never delivered: values kept, new padding zero).
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
+  // The named hook's values, and "momentum", "variance" (kRms) and the scalar "variance_steps".
+  // The named hook reduces whole buckets (ZeRO included).
+  std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& group,
+      const std::map<int64_t, BucketShape>& buckets) const override;
+  ValueRule value_rule(const std::string& what) const override;
+  void load_group_values(const std::map<std::string, at::Tensor>& values,
+                         bool reduce_scatter) override;
   // With unclipped=1, true on the steps it preconditions (the class comment: the norm of the
   // gradients it returns is mostly compression noise over 1 - B).
   bool exempt_from_clipping_this_step() const override;

@@ -30,6 +30,17 @@ struct GradBucket {
   at::Tensor grad_view(size_t i) const;
 };
 
+// A bucket's parameters as they lie in it, without their values: what another layout needs to
+// map a hook's per-value state back onto parameters (CommHook::group_values).
+struct BucketShape {
+  std::vector<std::string> names;            // fully-qualified, in bucket order
+  std::vector<std::vector<int64_t>> shapes;  // as this rank holds them (tensor-parallel shards)
+  std::vector<int64_t> offsets;              // element offset of each in the bucket
+  int64_t numel = 0;                         // the parameters' values (no padding)
+};
+// `bucket`'s shape.
+BucketShape shape_of(const GradBucket& bucket);
+
 // Assigns parameters (in registration order) to buckets of at most `bucket_bytes` each, walking
 // them in reverse; a parameter larger than that gets a bucket of its own, and a bucket holds one
 // dtype. Returns, for each bucket, the parameter indices it holds, in bucket order. Deterministic

@@ -46,8 +46,18 @@ class PowerSgdHook : public CommHook {
   bool carries_state() const override { return true; }
   // "b<index>/error" (float32: the compressed matrices' errors, one after another) and
   // "b<index>/q" (float32: their Q factors) of every bucket reduced so far.
+  // Taken from another layout, "b<index>/pending_owed" (float32, the bucket's parameters' values)
+  // until the bucket's next reduction adds it: to the matrices' errors, and to the gradient of
+  // the values sent as they are.
   std::map<std::string, at::Tensor> state() const override;
   void load_state(const std::map<std::string, at::Tensor>& state) override;
+  // "owed": the mean error of each matrix at its place in the bucket (plus any pending); Q is not
+  // carried (the first step's is drawn again).
+  std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& group,
+      const std::map<int64_t, BucketShape>& buckets) const override;
+  void load_group_values(const std::map<std::string, at::Tensor>& values,
+                         bool reduce_scatter) override;
 
   int64_t rank() const { return rank_; }
   // Whether a rows x cols matrix is sent as factors: rank (rows + cols) <= rows cols / 2.
@@ -76,11 +86,14 @@ class PowerSgdHook : public CommHook {
     at::Tensor first_q;  // [q_numel]: the first step's, for columns that die and a NaN's reset
     at::Tensor message;  // in flight: [p_numel + dense_numel]
   };
+  Layout layout_of(const std::vector<std::vector<int64_t>>& shapes,
+                   const std::vector<int64_t>& offsets) const;
   Layout layout_of(const GradBucket& bucket) const;
   static at::Tensor draw_first_q(int64_t bucket_index, int64_t numel, const at::Tensor& like);
 
   int64_t rank_;
-  std::map<int64_t, State> state_;  // by bucket index
+  std::map<int64_t, State> state_;              // by bucket index
+  std::map<int64_t, at::Tensor> pending_owed_;  // by bucket index: from another layout
 };
 
 }  // namespace loom::parallel::data

@@ -44,6 +44,14 @@ class QuantizedAllReduceHook : public CommHook {
   StateReshard reshard_rule(const std::string& key) const override;
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
+  // "owed": the mean error plus the joined server error, or the reduce-scatter's mean error with
+  // each shard's block padding dropped. Taken back as a mean error (no server error), laid out
+  // by lay_out_resharded.
+  std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& group,
+      const std::map<int64_t, BucketShape>& buckets) const override;
+  void load_group_values(const std::map<std::string, at::Tensor>& values,
+                         bool reduce_scatter) override;
   bool reduces_scatter() const override { return true; }
   dist::WorkPtr start_reduce_scatter(GradBucket& bucket, const at::Tensor& recv,
                                      dist::Communicator& comm) override;

@@ -55,6 +55,13 @@ class SparseCompressHook : public CommHook {
   // the old ones.
   void load_resharded_state(const std::map<std::string, at::Tensor>& state) override;
   void lay_out_resharded(int64_t index, int64_t numel, int64_t rank, int64_t ranks) override;
+  // "owed": the mean error (the reduce-scatter's, over the whole bucket). Taken back as the
+  // error, with the step count and thresholds afresh (found again on the next step).
+  std::map<std::string, at::Tensor> group_values(
+      const std::map<std::string, at::Tensor>& group,
+      const std::map<int64_t, BucketShape>& buckets) const override;
+  void load_group_values(const std::map<std::string, at::Tensor>& values,
+                         bool reduce_scatter) override;
   bool reduces_scatter() const override { return true; }
   // State "b<index>/scatter_error" (float32 [R shard]), "b<index>/scatter_steps" and
   // "b<index>/scatter_threshold" (float64 [R], a threshold per shard).

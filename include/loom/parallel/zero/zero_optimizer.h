@@ -131,6 +131,8 @@ class ZeroOptimizer {
   // multiple of the ranks (what a communication hook reduces).
   int64_t bucket_params_numel(size_t i) const { return buckets_.at(i).layout.total(); }
   int64_t bucket_padded_numel(size_t i) const { return buckets_.at(i).layout.padded_total(); }
+  // Bucket i's parameters as they lie in it (names, shapes, offsets; no padding).
+  data::BucketShape bucket_shape(size_t i) const;
   int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
   // The unit index for a unit name given at construction; throws loom::Error otherwise.
   size_t unit_index(const std::string& name) const;
