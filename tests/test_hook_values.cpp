@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/safetensors.h"
 #include "loom/parallel/data/comm_hook.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/hook_values.h"
 #include "test_util.h"
 
@@ -309,4 +311,37 @@ TEST(HookValues, EachHookTurnsItsStateIntoValuesAndBack) {
     EXPECT_EQ(state.at("b0/variance_steps").item<int64_t>(), 9);
     EXPECT_TRUE(state.count("b0/error"));  // the named hook's, whole-bucket under ZeRO too
   }
+}
+
+namespace {
+
+// A user's hook that carries state without saying how it maps onto parameter values.
+class KeepsItsOwnState : public pd::CommHook {
+ public:
+  std::string name() const override { return "kept"; }
+  loom::dist::WorkPtr start(pd::GradBucket&, loom::dist::Communicator&) override { return {}; }
+  bool carries_state() const override { return true; }
+  std::map<std::string, at::Tensor> state() const override { return {{"b0/mine", at::ones({3})}}; }
+};
+
+}  // namespace
+
+// Reading a checkpoint's hook state for another layout: a file saved for another --comm-hook, and
+// a hook whose state has no per-value form (the default group_values), are errors naming them,
+// not a silent restart reported as carried.
+TEST(HookValues, AHookThatCannotCarryItsStateSaysSo) {
+  loom::testing::TempDir dir;
+  const KeepsItsOwnState hook;
+  auto layout = layout_at(0, 1, 0, 1, 0, 1);
+  layout.hook = "kept";
+  loom::core::save_safetensors(dir.path() / "rank-state-0-of-1.safetensors",
+                               {{"data-parallel/c0/b0/mine", at::ones({3})}},
+                               {{train::kHookValueLayoutKey, layout.to_json()}});
+  train::CheckpointContents checkpoint;
+  checkpoint.dir = dir.path();
+  checkpoint.state["rank_state_files"] = {"rank-state-0-of-1.safetensors"};
+  auto m = error_of([&] { (void)train::read_hook_values(checkpoint, hook, "int8"); });
+  EXPECT_TRUE(contains(m, "--comm-hook kept") && contains(m, "this run uses int8")) << m;
+  m = error_of([&] { (void)train::read_hook_values(checkpoint, hook, "kept"); });
+  EXPECT_TRUE(contains(m, "does not say how its state maps")) << m;
 }

@@ -330,7 +330,14 @@ HookValueTotals read_hook_values(const CheckpointContents& checkpoint,
       std::map<int64_t, parallel::data::BucketShape> shapes;
       for (size_t i = 0; i < layout.chunks[c].size(); ++i)
         shapes.emplace(static_cast<int64_t>(i), layout.chunks[c][i]);
-      values.push_back(hook.group_values(resharders[c].result(), shapes));
+      const auto state = resharders[c].result();
+      values.push_back(hook.group_values(state, shapes));
+      // A hook that carries state but does not say how it maps onto values would lose it here
+      // while the resume reported it carried.
+      LOOM_CHECK(state.empty() || !values.back().empty(),
+                 "--comm-hook {} does not say how its state maps onto parameter values "
+                 "(CommHook::group_values), so it cannot be carried to another layout",
+                 hook_text);
     }
     totals.add_group(layout, values);
   }
