@@ -45,6 +45,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--dropout", c.dropout, "Dropout probability (attention and residual)")
       ->capture_default_str();
+  app.add_option("--ffn-blocks", c.ffn_blocks,
+                 "The MLP's linears as B independent block-diagonal blocks (1: dense); B divides "
+                 "d_model and the MLP width, and under --tp is a multiple of it (each rank holds "
+                 "whole blocks: no MLP all-reduce)")
+      ->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")
       ->capture_default_str();

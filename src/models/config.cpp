@@ -56,6 +56,14 @@ void ModelConfig::validate() const {
     LOOM_CHECK(head_dim() % 2 == 0, "model config: RoPE needs an even head_dim; got {}",
                head_dim());
   }
+  LOOM_CHECK(ffn_blocks >= 1 && d_model % ffn_blocks == 0 && d_ff % ffn_blocks == 0,
+             "model config: ffn_blocks = {} must be at least 1 and divide d_model = {} and "
+             "d_ff = {} (each block maps d_model / ffn_blocks features to d_ff / ffn_blocks)",
+             ffn_blocks, d_model, d_ff);
+  LOOM_CHECK(ffn_blocks == 1 || family != Family::kCustom,
+             "model config: ffn_blocks = {} applies to loom's GPT-2 and Llama MLPs, not a custom "
+             "model",
+             ffn_blocks);
   LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
@@ -64,28 +72,35 @@ int64_t ModelConfig::num_parameters() const {
   const int64_t d = d_model, kv = n_kv_heads * head_dim();
   int64_t per_layer = 0, embed = vocab_size * d, extra = 0;
   if (family == Family::kGpt2) {
-    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * d_ff + d_ff) + (d_ff * d + d) + 4 * d;
+    // The MLP's weights are block-diagonal: 1/ffn_blocks of the dense ones.
+    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * d_ff / ffn_blocks + d_ff) +
+                (d_ff * d / ffn_blocks + d) + 4 * d;
     extra = max_seq_len * d + 2 * d;
   } else {
-    per_layer = d * d + 2 * d * kv + d * d + 3 * d * d_ff + 2 * d;
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * d_ff / ffn_blocks + 2 * d;
     extra = d + (tie_embeddings ? 0 : vocab_size * d);
   }
   return embed + extra + n_layers * per_layer;
 }
 
 nlohmann::json ModelConfig::to_json() const {
-  return {{"family", to_string(family)}, {"vocab_size", vocab_size},
-          {"max_seq_len", max_seq_len},  {"d_model", d_model},
-          {"n_layers", n_layers},        {"n_heads", n_heads},
-          {"n_kv_heads", n_kv_heads},    {"d_ff", d_ff},
-          {"norm_eps", norm_eps},        {"rope_theta", rope_theta},
-          {"dropout", dropout},          {"tie_embeddings", tie_embeddings}};
+  nlohmann::json j = {{"family", to_string(family)}, {"vocab_size", vocab_size},
+                      {"max_seq_len", max_seq_len},  {"d_model", d_model},
+                      {"n_layers", n_layers},        {"n_heads", n_heads},
+                      {"n_kv_heads", n_kv_heads},    {"d_ff", d_ff},
+                      {"norm_eps", norm_eps},        {"rope_theta", rope_theta},
+                      {"dropout", dropout},          {"tie_embeddings", tie_embeddings}};
+  // Written only when structured, so a dense model's config reads as it always did.
+  if (ffn_blocks != 1) j["ffn_blocks"] = ffn_blocks;
+  return j;
 }
 
 ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   ModelConfig c;
   // Integer fields must hold JSON integers (a float would be cast: undefined when out of range).
-  core::check_json_like(j, c.to_json(), "model config");
+  auto like = c.to_json();
+  like["ffn_blocks"] = c.ffn_blocks;  // optional, but an integer when present
+  core::check_json_like(j, like, "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
     c.vocab_size = j.at("vocab_size").get<int64_t>();
@@ -98,6 +113,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
     c.norm_eps = j.at("norm_eps").get<double>();
     c.rope_theta = j.at("rope_theta").get<double>();
     c.dropout = j.at("dropout").get<double>();
+    c.ffn_blocks = j.value("ffn_blocks", int64_t{1});
     c.tie_embeddings = j.at("tie_embeddings").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     fail("model config JSON is missing a field or has a wrong type: {}", e.what());

@@ -30,6 +30,15 @@ Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer
       std::make_shared<pt::RowParallelLinear>(d, d, tp_, true, config.n_heads, "attn.c_proj"));
   ln_2_ = register_module("ln_2", ln());
   auto mlp = register_module("mlp", std::make_shared<nn::Module>());
+  if (config.ffn_blocks > 1) {
+    fc_blocks_ =
+        mlp->register_module("c_fc", std::make_shared<pt::BlockDiagonalLinear>(
+                                         d, config.d_ff, config.ffn_blocks, tp_, true, "mlp.c_fc"));
+    proj_blocks_ = mlp->register_module(
+        "c_proj", std::make_shared<pt::BlockDiagonalLinear>(config.d_ff, d, config.ffn_blocks, tp_,
+                                                            true, "mlp.c_proj"));
+    return;
+  }
   c_fc_ = mlp->register_module(
       "c_fc", std::make_shared<pt::ColumnParallelLinear>(d, config.d_ff, tp_,
                                                          pt::ColumnParallelOptions{}, "mlp.c_fc"));
@@ -56,6 +65,14 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim,
                                      ops::dropout_site(layer_, ops::DropoutPlace::kAttention));
+  if (fc_blocks_) {
+    // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
+    auto m = pt::enter_feature_blocks(ln_2_->forward(out), tp, 1);
+    m = pt::exit_feature_blocks(proj_blocks_->forward(ops::gelu_tanh(fc_blocks_->forward(m))), tp,
+                                1);
+    return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
+                                     ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
+  }
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
   // On the CPU the fc bias enters with the activation (one pass fewer); elsewhere the GEMM adds
   // it, as before.

@@ -126,6 +126,10 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
   core::NamedTensors tensors;
   for (const auto& [name, value] : gather_parameters(model)) {
     auto t = value.detach().to(at::kCPU, dtype);
+    // A block-diagonal MLP weight [blocks, out / blocks, in / blocks] goes out as the dense
+    // [out, in] matrix it stands for (zeros off the diagonal): the same function in a format
+    // that has no blocks.
+    if (t.dim() == 3) t = at::block_diag(std::vector<at::Tensor>(t.unbind(0)));
     if (c.family == Family::kGpt2 && is_conv1d_weight(name)) t = t.t().contiguous();
     tensors.emplace_back(name, t);
   }

@@ -69,6 +69,16 @@ LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, int64_t lay
   post_attention_layernorm_ =
       register_module("post_attention_layernorm", std::make_shared<RmsNorm>(d, config.norm_eps));
   auto mlp = register_module("mlp", std::make_shared<nn::Module>());
+  if (config.ffn_blocks > 1) {
+    const auto blocks = [&](int64_t in, int64_t out, const std::string& what) {
+      return std::make_shared<pt::BlockDiagonalLinear>(in, out, config.ffn_blocks, tp_, false,
+                                                       what);
+    };
+    gate_blocks_ = mlp->register_module("gate_proj", blocks(d, config.d_ff, "mlp.gate_proj"));
+    up_blocks_ = mlp->register_module("up_proj", blocks(d, config.d_ff, "mlp.up_proj"));
+    down_blocks_ = mlp->register_module("down_proj", blocks(config.d_ff, d, "mlp.down_proj"));
+    return;
+  }
   gate_proj_ = mlp->register_module("gate_proj", column(d, config.d_ff, 0, tp_, "mlp.gate_proj"));
   up_proj_ = mlp->register_module("up_proj", column(d, config.d_ff, 0, tp_, "mlp.up_proj"));
   down_proj_ = mlp->register_module(
@@ -93,6 +103,12 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   auto out = x + o_proj_->forward(y);
+  if (gate_blocks_) {
+    // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
+    auto m = pt::enter_feature_blocks(post_attention_layernorm_->forward(out), tp, 1);
+    m = down_blocks_->forward(at::silu(gate_blocks_->forward(m)) * up_blocks_->forward(m));
+    return out + pt::exit_feature_blocks(m, tp, 1);
+  }
   auto m = pt::enter_tp_region(post_attention_layernorm_->forward(out), tp, 1);
   return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
 }

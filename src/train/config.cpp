@@ -40,12 +40,16 @@ void TrainConfig::validate() const {
              precision);
   LOOM_CHECK(freeze_variance_after >= 0,
              "--freeze-variance-after {} must be >= 0 (0: AdamW's variance is never frozen)",
-             freeze_variance_after);
+             freeze_variance_after, ffn_blocks);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
   LOOM_CHECK(lr_decay_steps >= 0, "--lr-decay-steps {} must be >= 0 (0 = --steps)", lr_decay_steps);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "--dropout {} must be in [0, 1)", dropout);
+  LOOM_CHECK(ffn_blocks >= 1,
+             "--ffn-blocks {} must be at least 1 (1: a dense MLP; B: its linears as B "
+             "block-diagonal blocks)",
+             ffn_blocks);
   LOOM_CHECK(eval_batches > 0, "--eval-batches {} must be positive", eval_batches);
   LOOM_CHECK(log_every > 0, "--log-every {} must be positive", log_every);
   core::parse_preemption_signals(preempt_signals);  // throws naming a bad name
@@ -215,6 +219,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
+  same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
   // A registered strategy may change what is computed (local SGD, compression): the same list.
   same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
        fmt::format("[{}]", fmt::join(strategies, " ")));

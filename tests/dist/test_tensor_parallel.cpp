@@ -297,12 +297,13 @@ struct Case {
   bool sequence_parallel;
   double dropout;
   std::string preset;  // empty: small_config
+  int64_t ffn_blocks = 1;  // 12: a multiple of every tp tested that divides d_model and d_ff
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  auto name = fmt::format("{}{}{}", models::to_string(info.param.family),
-                          info.param.sequence_parallel ? "_sp" : "",
-                          info.param.dropout > 0 ? "_dropout" : "");
+  auto name = fmt::format(
+      "{}{}{}{}", models::to_string(info.param.family), info.param.sequence_parallel ? "_sp" : "",
+      info.param.dropout > 0 ? "_dropout" : "", info.param.ffn_blocks > 1 ? "_ffn_blocks" : "");
   if (!info.param.preset.empty())
     name = info.param.preset + (info.param.sequence_parallel ? "_sp" : "");
   std::replace(name.begin(), name.end(), '-', '_');
@@ -314,13 +315,14 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 class TpModel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(TpModel, LogitsLossAndEveryGradientEqualOneProcess) {
-  const auto [family, sp, dropout, preset] = GetParam();
+  const auto [family, sp, dropout, preset, ffn_blocks] = GetParam();
   if (!preset.empty() && world().size() == 3)
     GTEST_SKIP() << preset << " has 4 heads: tp 3 cannot split them";
   auto tp = world_group(sp);
   auto config =
       preset.empty() ? small_config(family, tp->size()) : models::ModelConfig::preset(preset);
   config.dropout = dropout;
+  config.ffn_blocks = ffn_blocks;
   config.max_seq_len = std::min<int64_t>(config.max_seq_len, 64);  // small position/RoPE tables
   auto reference = models::make_model(config);
   auto sharded = models::make_model(config, tp);
@@ -409,7 +411,12 @@ INSTANTIATE_TEST_SUITE_P(Families, TpModel,
                                            // The tiny presets as shipped (llama-tiny: 4 heads,
                                            // 2 kv heads).
                                            Case{models::Family::kGpt2, false, 0.0, "gpt2-tiny"},
-                                           Case{models::Family::kLlama, true, 0.0, "llama-tiny"}),
+                                           Case{models::Family::kLlama, true, 0.0, "llama-tiny"},
+                                           // Block-diagonal MLPs (each rank its own blocks).
+                                           Case{models::Family::kGpt2, false, 0.0, "", 12},
+                                           Case{models::Family::kGpt2, true, 0.2, "", 12},
+                                           Case{models::Family::kLlama, false, 0.0, "", 12},
+                                           Case{models::Family::kLlama, true, 0.0, "", 12}),
                          case_name);
 
 TEST(TpModel, CommunicationVolumeMatchesTheFormula) {
@@ -440,6 +447,46 @@ TEST(TpModel, CommunicationVolumeMatchesTheFormula) {
       }
       if (tp->size() > 1) {
         EXPECT_EQ(st.loss_elements, 3 * b * s);
+      }
+    }
+  }
+}
+
+// A block-diagonal MLP (--ffn-blocks) moves its activations by all-gathers: no all-reduce. Without
+// sequence parallelism the all-reduces are the attention's entry and exit per block, the
+// embedding's exit and the head's entry — the dense MLP's two per block are gone — and each block
+// all-gathers its MLP's output forward and its input's gradient backward, (tp - 1) / tp of a
+// b * s * h tensor each way: half what the two all-reduces moved. With it the volume of
+// all-gathers and reduce-scatters equals the dense model's (the sequence is gathered and cut as
+// before) and there is still no all-reduce.
+TEST(TpModel, BlockDiagonalMlpIssuesNoAllReduce) {
+  for (const bool sp : {false, true}) {
+    auto tp = world_group(sp);
+    if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
+    for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
+      SCOPED_TRACE(fmt::format("{} sp {}", models::to_string(family), sp));
+      auto dense_config = small_config(family, tp->size());
+      auto config = dense_config;
+      config.ffn_blocks = 12;
+      const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
+      auto tokens = at::zeros({b, s}, at::kLong);
+      pt::TpCommStats dense, blocks;
+      for (auto* c : {&dense_config, &config}) {
+        auto model = models::make_model(*c, tp);
+        models::init_parameters(*model, 1);
+        tp->stats().reset();
+        model->loss(tokens, tokens).backward();
+        (c == &config ? blocks : dense) = tp->stats();
+      }
+      if (!sp) {
+        EXPECT_EQ(blocks.all_reduce_elements, (2 * layers + 2) * b * s * h);
+        EXPECT_EQ(dense.all_reduce_elements, (4 * layers + 2) * b * s * h);
+        EXPECT_EQ(blocks.reduce_scatter_elements, 0);
+        EXPECT_GT(blocks.all_gather_elements, 0);
+      } else {
+        EXPECT_EQ(blocks.all_reduce_elements, 0);
+        EXPECT_EQ(blocks.all_gather_elements + blocks.reduce_scatter_elements,
+                  dense.all_gather_elements + dense.reduce_scatter_elements);
       }
     }
   }

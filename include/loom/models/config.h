@@ -27,6 +27,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;  // Llama only
   double dropout = 0.0;
   bool tie_embeddings = true;  // GPT-2: always; Llama: usually untied
+  // The MLP's linears as this many independent blocks (block-diagonal; 1: dense). Must divide
+  // d_model and d_ff; under tensor parallelism a multiple of tp (each rank holds whole blocks).
+  int64_t ffn_blocks = 1;
 
   int64_t head_dim() const { return d_model / n_heads; }
   // Throws loom::Error naming the field, its value and what would be valid.

@@ -31,6 +31,8 @@ class Gpt2Block : public torch::nn::Module {
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> c_attn_, c_fc_;
   std::shared_ptr<parallel::tensor::RowParallelLinear> attn_c_proj_, mlp_c_proj_;
+  // With ModelConfig::ffn_blocks > 1, the MLP's linears instead.
+  std::shared_ptr<parallel::tensor::BlockDiagonalLinear> fc_blocks_, proj_blocks_;
 };
 
 class Gpt2 : public CausalLM {

@@ -41,6 +41,8 @@ class LlamaBlock : public torch::nn::Module {
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> q_proj_, k_proj_, v_proj_;
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> gate_proj_, up_proj_;
   std::shared_ptr<parallel::tensor::RowParallelLinear> o_proj_, down_proj_;
+  // With ModelConfig::ffn_blocks > 1, the MLP's linears instead.
+  std::shared_ptr<parallel::tensor::BlockDiagonalLinear> gate_blocks_, up_blocks_, down_blocks_;
 };
 
 class Llama : public CausalLM {

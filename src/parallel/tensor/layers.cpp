@@ -58,6 +58,46 @@ at::Tensor ColumnParallelLinear::forward_without_bias(const at::Tensor& x) {
   return product(x, weight, std::nullopt);
 }
 
+BlockDiagonalLinear::BlockDiagonalLinear(int64_t in, int64_t out, int64_t blocks, TpGroupPtr tp,
+                                         bool bias_on, const std::string& what)
+    : tp_(or_single(std::move(tp))) {
+  const int64_t ranks = tp_->size();
+  LOOM_CHECK(blocks >= 1 && in % blocks == 0 && out % blocks == 0,
+             "{}: {} blocks must be at least 1 and divide its {} input and {} output features",
+             what, blocks, in, out);
+  LOOM_CHECK(blocks % ranks == 0,
+             "{}: {} blocks cannot be split evenly across tp = {} ranks (each rank holds whole "
+             "blocks: the number of blocks must be a multiple of tp)",
+             what, blocks, ranks);
+  weight_spec_.dim = 0;
+  weight_spec_.full = blocks;
+  bias_spec_.dim = 0;
+  bias_spec_.full = out;
+  weight = register_parameter("weight", zeros({blocks / ranks, out / blocks, in / blocks}));
+  if (bias_on) bias = register_parameter("bias", zeros({out / ranks}));
+}
+
+at::Tensor BlockDiagonalLinear::forward(const at::Tensor& x) {
+  const int64_t local = weight.size(0), block_in = weight.size(2);
+  LOOM_CHECK(x.size(-1) == local * block_in,
+             "block-diagonal layer: input has {} features; this rank's {} blocks take {}",
+             x.size(-1), local, local * block_in);
+  auto lead = x.sizes().vec();
+  lead.pop_back();
+  // [..., local, block_in] x [local, block_out, block_in]^T -> [..., local, block_out]
+  auto xb = x.reshape({-1, local, block_in}).transpose(0, 1);    // [local, N, block_in]
+  auto y = at::bmm(xb, weight.transpose(1, 2)).transpose(0, 1);  // [N, local, block_out]
+  lead.push_back(local * weight.size(1));
+  y = y.reshape(lead);
+  return bias.defined() ? y + bias.to(y.scalar_type()) : y;
+}
+
+std::map<std::string, ShardSpec> BlockDiagonalLinear::shard_specs() const {
+  std::map<std::string, ShardSpec> out{{"weight", weight_spec_}};
+  if (bias.defined()) out.emplace("bias", bias_spec_);
+  return out;
+}
+
 std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
   std::map<std::string, ShardSpec> out{{"weight", spec_}};
   if (bias.defined()) out.emplace("bias", spec_);

@@ -164,4 +164,19 @@ at::Tensor exit_tp_region(const at::Tensor& x, TpGroup& tp, int64_t seq_dim) {
                                 : reduce_from_tp_region(x, tp);
 }
 
+at::Tensor enter_feature_blocks(const at::Tensor& x, TpGroup& tp, int64_t seq_dim) {
+  if (tp.size() == 1) return x;
+  const int64_t features = x.size(-1) / tp.size();
+  if (!tp.sequence_parallel()) return scatter_to_sequence_region(x, tp, -1);
+  // The narrow's backward puts this rank's gradient into zeros elsewhere: partial sums that the
+  // gather's reduce-scatter adds up.
+  return gather_from_sequence_region(x, tp, seq_dim).narrow(-1, tp.rank() * features, features);
+}
+
+at::Tensor exit_feature_blocks(const at::Tensor& y, TpGroup& tp, int64_t seq_dim) {
+  if (tp.size() == 1) return y;
+  auto whole = gather_from_tp_region(y, tp, -1);
+  return tp.sequence_parallel() ? scatter_to_sequence_region(whole, tp, seq_dim) : whole;
+}
+
 }  // namespace loom::parallel::tensor

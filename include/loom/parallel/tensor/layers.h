@@ -104,6 +104,30 @@ class RowParallelLinear : public torch::nn::Module, public ShardedModule, public
   ShardSpec spec_;
 };
 
+// A block-diagonal linear layer (Wei et al. 2024, structured FFN): `blocks` independent
+// products, block i mapping input features [i in/B, (i+1) in/B) to output features
+// [i out/B, (i+1) out/B): 1/B of a dense layer's weights and FLOPs. Tensor parallelism gives each
+// rank B/tp whole blocks (B a multiple of tp), so a rank needs only its slice of the input and
+// makes only its slice of the output: no partial sums, no all-reduce (enter_feature_blocks /
+// exit_feature_blocks move the activations). Not prunable.
+class BlockDiagonalLinear : public torch::nn::Module, public ShardedModule {
+ public:
+  // Throws loom::Error naming `what` and the values when blocks < 1, blocks does not divide in
+  // and out, or tp does not divide blocks.
+  BlockDiagonalLinear(int64_t in, int64_t out, int64_t blocks, TpGroupPtr tp, bool bias,
+                      const std::string& what);
+  // x: [..., in / tp] (this rank's blocks' input features). Returns [..., out / tp].
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  // [blocks / tp, out / blocks, in / blocks], [out / tp]
+  at::Tensor weight, bias;
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec weight_spec_, bias_spec_;
+};
+
 // Embedding table split by vocabulary rows, padded to TpGroup::padded_vocab(vocab).
 class VocabParallelEmbedding : public torch::nn::Module, public ShardedModule {
  public:

@@ -34,6 +34,16 @@ at::Tensor enter_tp_region(const at::Tensor& x, TpGroup& tp, int64_t seq_dim);
 // sequence with sequence parallelism, else all-reduced.
 at::Tensor exit_tp_region(const at::Tensor& x, TpGroup& tp, int64_t seq_dim);
 
+// Around layers that split features into whole blocks per rank (BlockDiagonalLinear): the
+// input `x` (replicated [batch, seq, d], or with sequence parallelism this rank's sequence chunk)
+// becomes this rank's 1/tp of the features over the whole sequence; without sequence
+// parallelism its own chunk forward and an all-gather backward, with it an all-gather of the
+// sequence forward (its reduce-scatter backward sums each rank's gradient of its own features).
+at::Tensor enter_feature_blocks(const at::Tensor& x, TpGroup& tp, int64_t seq_dim);
+// And back: this rank's features [batch, seq, d / tp] all-gathered into [batch, seq, d] (with
+// sequence parallelism then cut to this rank's sequence chunk). Neither needs an all-reduce.
+at::Tensor exit_feature_blocks(const at::Tensor& y, TpGroup& tp, int64_t seq_dim);
+
 // The plain collectives the functions above are built from (no autograd), for layers that
 // need them directly. Each returns a new tensor.
 at::Tensor all_reduce_sum(const at::Tensor& x, TpGroup& tp);
