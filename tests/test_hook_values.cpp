@@ -11,8 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/rng.h"
 #include "loom/core/safetensors.h"
+#include "loom/dist/local_communicator.h"
 #include "loom/parallel/data/comm_hook.h"
+#include "loom/parallel/data/grad_bucket.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/hook_values.h"
 #include "test_util.h"
@@ -344,4 +347,41 @@ TEST(HookValues, AHookThatCannotCarryItsStateSaysSo) {
   EXPECT_TRUE(contains(m, "--comm-hook kept") && contains(m, "this run uses int8")) << m;
   m = error_of([&] { (void)train::read_hook_values(checkpoint, hook, "kept"); });
   EXPECT_TRUE(contains(m, "does not say how its state maps")) << m;
+}
+
+// PowerSGD's owed value from another layout waits as pending_owed (saved and restored as such)
+// and joins the next reduction once: on one rank the first reduction of a zero gradient delivers
+// the owed values sent as they are (the vector) exactly and leaves the matrix's owed in its error
+// (what it did not deliver of it), and the second delivers nothing more of the vector.
+TEST(HookValues, PowerSgdAddsWhatIsOwedToTheNextReductionOnce) {
+  auto gen = loom::core::make_generator(83);
+  const auto hook = pd::make_comm_hook("powersgd:rank=2");
+  pd::GradBucket bucket;
+  bucket.index = 0;
+  bucket.params = {at::zeros({60, 40}), at::zeros({600})};
+  bucket.names = {"m", "v"};
+  bucket.offsets = {0, 2400};
+  bucket.buffer = at::zeros({3000});
+  const auto owed = at::randn({3000}, gen);
+  hook->load_group_values({{"b0/owed", owed}}, false);
+  // Through a checkpoint before the reduction.
+  const auto saved = hook->state();
+  ASSERT_TRUE(saved.count("b0/pending_owed"));
+  hook->load_state(saved);
+  loom::dist::LocalCommunicator one;
+  auto reduce = [&] {
+    bucket.buffer.zero_();
+    hook->start(bucket, one)->wait();
+    hook->finish(bucket, one);
+    return bucket.buffer.clone();
+  };
+  const auto first = reduce();
+  EXPECT_TRUE(at::allclose(first.narrow(0, 2400, 600), owed.narrow(0, 2400, 600), 0, 0));
+  const auto state = hook->state();
+  EXPECT_FALSE(state.count("b0/pending_owed"));
+  // The matrix: what was delivered plus what is still carried is what was owed.
+  EXPECT_TRUE(at::allclose(first.narrow(0, 0, 2400) + state.at("b0/error"), owed.narrow(0, 0, 2400),
+                           1e-5, 1e-5));
+  const auto second = reduce();
+  EXPECT_EQ(second.narrow(0, 2400, 600).abs().max().item<float>(), 0.0f);
 }

@@ -83,6 +83,26 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
                          const std::string& layout, const Reshard& reshard,
                          const Buckets& buckets) {
   if (!carries_state()) return;
+  auto why = take_state(run, checkpoint, layout, reshard, buckets);
+  // Every rank or none: a rank whose state restarted at zero while the others took theirs would
+  // compress a parameter that tp replicates (the same gradient on every tp rank, reduced in
+  // separate dp groups) otherwise than its replicas do, and the replicas would drift apart.
+  auto failed = at::full({1}, why.empty() ? 0 : 1, at::kInt);
+  if (run.mesh->world_size() > 1) run.mesh->world().all_reduce(failed, dist::ReduceOp::Max);
+  if (failed.item<int>() == 0) return;
+  if (why.empty()) {
+    for (auto& hook : hooks_) hook->load_state({});
+    why = "another rank could not take its state, and every rank starts alike";
+  }
+  spdlog::warn(
+      "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
+      "continues, not bit for bit as it would have)",
+      run.config.comm_hook, why);
+}
+
+std::string CommHookState::take_state(const RunContext& run, const CheckpointContents& checkpoint,
+                                      const std::string& layout, const Reshard& reshard,
+                                      const Buckets& buckets) {
   const auto file = checkpoint.dir / rank_state_name(run.mesh->rank(), run.mesh->world_size());
   std::string why;
   if (!checkpoint.state.contains("rank_state_files")) {
@@ -103,7 +123,7 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
     if (why.empty()) {
       spdlog::info("--comm-hook {}: error feedback restored from '{}'", run.config.comm_hook,
                    file.string());
-      return;
+      return {};
     }
   }
   if (checkpoint.state.contains("rank_state_files") && !reshard.key.empty()) {
@@ -113,7 +133,7 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
             "--comm-hook {}: error feedback resharded from the {} data-parallel ranks that saved "
             "it (each rank carries their mean error; what the group carries once is split anew)",
             run.config.comm_hook, from);
-        return;
+        return {};
       }
     } catch (const std::exception& e) {
       why += fmt::format("; resharding it failed: {}", e.what());
@@ -128,16 +148,14 @@ void CommHookState::load(const RunContext& run, const CheckpointContents& checkp
             "groups that saved it, per parameter, onto this rank's buckets (what the run owes "
             "each parameter stays the same)",
             run.config.comm_hook, groups);
-        return;
+        return {};
       }
     } catch (const std::exception& e) {
       why += fmt::format("; carrying it across layouts failed: {}", e.what());
     }
   }
-  spdlog::warn(
-      "--comm-hook {}: its error feedback restarts at zero on this resume: {} (the run "
-      "continues, not bit for bit as it would have)",
-      run.config.comm_hook, why);
+  for (auto& hook : hooks_) hook->load_state({});
+  return why;
 }
 
 int64_t CommHookState::reshard_from(const CheckpointContents& checkpoint, const Reshard& reshard) {

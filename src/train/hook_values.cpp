@@ -135,6 +135,7 @@ HookValueLayout HookValueLayout::from_json(const std::string& text, const std::s
       p.spec.padded = core::json_int64(s[2], where("spec padding"), 0);
       p.spec.parts = core::json_int64(s[3], where("spec parts"), 1);
       p.spec.units = core::json_int64(s[4], where("spec units"), 0);
+      if (!s[5].is_boolean()) fail(fmt::format("gives '{}' a partial flag {}", name, s[5].dump()));
       p.spec.grad_partial = s[5].get<bool>();
       p.stages = core::json_int64(s[6], where("stages"), 1, 2);
       p.spec.check(out.tp_size, fmt::format("'{}': parameter '{}'", source, name));
@@ -158,12 +159,13 @@ HookValueTotals::HookValueTotals(const parallel::data::CommHook& hook, std::set<
 void HookValueTotals::add_group(const HookValueLayout& layout,
                                 const std::vector<std::map<std::string, at::Tensor>>& values) {
   LOOM_CHECK(groups_ == 0 || (layout.tp_size == tp_size_ && layout.cp_size == cp_size_),
-             "the checkpoint's rank-state files disagree on their layout: tp {} and cp {} here, "
-             "tp {} and cp {} in an earlier one",
-             layout.tp_size, layout.cp_size, tp_size_, cp_size_);
+             "the checkpoint's rank-state files disagree on their layout: the group of tp rank "
+             "{}, cp rank {}, pp rank {} says tp {} and cp {}, an earlier one tp {} and cp {}",
+             layout.tp, layout.cp, layout.pp, layout.tp_size, layout.cp_size, tp_size_, cp_size_);
   LOOM_CHECK(values.size() == layout.chunks.size(),
-             "a group's hook values hold {} model chunks; its layout has {}", values.size(),
-             layout.chunks.size());
+             "the hook values of the group of tp rank {}, cp rank {}, pp rank {} hold {} model "
+             "chunks; its layout has {}",
+             layout.tp, layout.cp, layout.pp, values.size(), layout.chunks.size());
   tp_size_ = layout.tp_size;
   cp_size_ = layout.cp_size;
   ++groups_;
@@ -240,13 +242,13 @@ std::map<std::string, std::map<std::string, at::Tensor>> HookValueTotals::totals
 
 std::vector<std::map<std::string, at::Tensor>> HookValueTotals::values_for(
     const HookValueLayout& mine) const {
-  const auto by_entry = totals();
   std::vector<std::map<std::string, at::Tensor>> out(mine.chunks.size());
   for (size_t c = 0; c < mine.chunks.size(); ++c) {
     out[c] = scalars_;
     for (size_t i = 0; i < mine.chunks[c].size(); ++i) {
       const auto& bucket = mine.chunks[c][i];
-      for (const auto& [what, by_name] : by_entry) {
+      // One parameter's total at a time: made, cut to this rank's piece, dropped.
+      for (const auto& [what, by_name] : pieces_) {
         const bool rms = hook_->value_rule(what) == ValueRule::kRms;
         auto values = at::zeros({bucket.numel}, at::kFloat);
         for (size_t k = 0; k < bucket.names.size(); ++k) {
@@ -256,7 +258,7 @@ std::vector<std::map<std::string, at::Tensor>> HookValueTotals::values_for(
                      "the checkpoint's hook state has '{}' of other parameters but none of '{}'",
                      what, name);
           const auto& param = mine.params.at(name);
-          const auto& whole = it->second;
+          const auto whole = total(what, name, it->second);
           LOOM_CHECK(whole.sizes().vec() == param.spec.full_shape(bucket.shapes[k]),
                      "'{}' of parameter '{}' has shape {} in the checkpoint, {} in this model",
                      what, name, whole.sizes(),
@@ -297,7 +299,7 @@ HookValueTotals read_hook_values(const CheckpointContents& checkpoint,
                "two rank-state files hold the same place in the old layout: '{}' and '{}'",
                group.at(dp).first.string(), path.string());
   }
-  HookValueTotals totals(hook, std::move(wanted));
+  HookValueTotals totals(hook, wanted);
   if (groups.empty()) return totals;
   const auto& any = groups.begin()->second.begin()->second.second;
   LOOM_CHECK(static_cast<int64_t>(groups.size()) == any.tp_size * any.cp_size * any.pp_size,
@@ -313,6 +315,16 @@ HookValueTotals read_hook_values(const CheckpointContents& checkpoint,
                "and the checkpoint holds the hook state of {}",
                std::get<0>(coords), std::get<1>(coords), std::get<2>(coords), layout.dp_size,
                ranks.size());
+    // A group holding none of the wanted parameters (another pipeline stage's) is only counted.
+    bool holds_wanted = wanted.empty();
+    for (const auto& buckets : layout.chunks)
+      for (const auto& b : buckets)
+        for (const auto& name : b.names) holds_wanted = holds_wanted || wanted.count(name) > 0;
+    if (!holds_wanted) {
+      totals.add_group(layout,
+                       std::vector<std::map<std::string, at::Tensor>>(layout.chunks.size()));
+      continue;
+    }
     std::vector<parallel::data::StateResharder> resharders(layout.chunks.size(),
                                                            parallel::data::StateResharder(hook));
     for (const auto& [dp, file] : ranks) {  // one file at a time, in dp order

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dist_util.h"
@@ -60,47 +61,65 @@ std::map<std::string, std::map<std::string, at::Tensor>> totals_in(
   return totals.totals();
 }
 
-// What a checkpoint saved at plain dp (one group, one chunk) owes each parameter, read without
-// group_values or HookValueTotals: per bucket the ranks' mean error plus their server segments
-// joined, cut at each parameter's offset; and the momentum rank 0 holds. *scale: the largest
+// What each old data-parallel group of a checkpoint (one chunk per rank; entries "error",
+// "server_error", "momentum" as int8 and onebit keep them for whole buckets) owes each parameter,
+// read without group_values or HookValueTotals: per bucket the group's mean error plus its
+// server segments joined in dp order, cut at each parameter's offset; and the momentum its dp
+// rank 0 holds. By group (tp, cp, pp rank), then entry, then parameter. *scale: the largest
 // magnitude of what was added (the library rounds each term to fp32 before adding them).
-std::map<std::string, std::map<std::string, at::Tensor>> dp_owed_by_hand(
+using Coords = std::tuple<int64_t, int64_t, int64_t>;
+std::map<Coords, std::map<std::string, std::map<std::string, at::Tensor>>> owed_by_hand(
     const std::filesystem::path& checkpoint, const std::string& owner, double* scale) {
   const auto contents = train::open_checkpoint(checkpoint);
-  std::map<std::string, std::map<std::string, at::Tensor>> out;
-  std::map<int64_t, at::Tensor> error_sum, momentum;
-  std::map<int64_t, std::vector<at::Tensor>> server;
-  train::HookValueLayout layout;
-  int64_t ranks = 0;
+  struct Group {
+    train::HookValueLayout layout;
+    std::map<int64_t, at::Tensor> error_sum, momentum;
+    std::map<int64_t, std::map<int64_t, at::Tensor>> server;  // by bucket, then dp rank
+    int64_t ranks = 0;
+  };
+  std::map<Coords, Group> groups;
   for (const auto& name : contents.state.at("rank_state_files")) {
     const auto file = loom::core::load_safetensors(contents.dir / name.get<std::string>());
-    layout = train::HookValueLayout::from_json(file.metadata.at(train::kHookValueLayoutKey), "f");
-    ++ranks;
+    const auto layout =
+        train::HookValueLayout::from_json(file.metadata.at(train::kHookValueLayoutKey), "f");
+    auto& g = groups[{layout.tp, layout.cp, layout.pp}];
+    g.layout = layout;
+    ++g.ranks;
     for (size_t b = 0; b < layout.chunks[0].size(); ++b) {
       const auto key = [&](const char* what) {
         return fmt::format("{}/c0/b{}/{}", owner, b, what);
       };
-      const auto error = file.tensors.at(key("error")).to(at::kDouble);
       const auto index = static_cast<int64_t>(b);
-      error_sum[index] = error_sum.count(index) ? error_sum[index] + error : error;
-      server[index].push_back(file.tensors.at(key("server_error")).to(at::kDouble));
-      if (layout.dp == 0) momentum[index] = file.tensors.at(key("momentum")).to(at::kDouble);
+      const auto error = file.tensors.at(key("error")).to(at::kDouble);
+      g.error_sum[index] = g.error_sum.count(index) ? g.error_sum[index] + error : error;
+      g.server[index][layout.dp] = file.tensors.at(key("server_error")).to(at::kDouble);
+      if (layout.dp == 0 && file.tensors.count(key("momentum")))
+        g.momentum[index] = file.tensors.at(key("momentum")).to(at::kDouble);
     }
   }
-  for (size_t b = 0; b < layout.chunks[0].size(); ++b) {
-    const auto index = static_cast<int64_t>(b);
-    const auto mean = error_sum[index] / static_cast<double>(ranks);
-    const auto joined = at::cat(server[index]);
-    *scale = std::max({*scale, mean.abs().max().item<double>(), joined.abs().max().item<double>(),
-                       momentum[index].abs().max().item<double>()});
-    const auto owed = mean + joined;
-    const auto& bucket = layout.chunks[0][b];
-    for (size_t k = 0; k < bucket.names.size(); ++k) {
-      int64_t n = 1;
-      for (auto size : bucket.shapes[k]) n *= size;
-      out["owed"][bucket.names[k]] = owed.narrow(0, bucket.offsets[k], n).view(bucket.shapes[k]);
-      out["momentum"][bucket.names[k]] =
-          momentum[index].narrow(0, bucket.offsets[k], n).view(bucket.shapes[k]);
+  std::map<Coords, std::map<std::string, std::map<std::string, at::Tensor>>> out;
+  for (auto& [coords, g] : groups) {
+    for (size_t b = 0; b < g.layout.chunks[0].size(); ++b) {
+      const auto index = static_cast<int64_t>(b);
+      const auto mean = g.error_sum[index] / static_cast<double>(g.ranks);
+      std::vector<at::Tensor> segments;
+      for (const auto& [dp, t] : g.server[index]) segments.push_back(t);
+      const auto joined = at::cat(segments);
+      *scale =
+          std::max({*scale, mean.abs().max().item<double>(), joined.abs().max().item<double>()});
+      const auto owed = mean + joined;
+      const auto& bucket = g.layout.chunks[0][b];
+      for (size_t k = 0; k < bucket.names.size(); ++k) {
+        int64_t n = 1;
+        for (auto size : bucket.shapes[k]) n *= size;
+        const auto& name = bucket.names[k];
+        out[coords]["owed"][name] = owed.narrow(0, bucket.offsets[k], n).view(bucket.shapes[k]);
+        if (g.momentum.count(index)) {
+          *scale = std::max(*scale, g.momentum[index].abs().max().item<double>());
+          out[coords]["momentum"][name] =
+              g.momentum[index].narrow(0, bucket.offsets[k], n).view(bucket.shapes[k]);
+        }
+      }
     }
   }
   return out;
@@ -114,12 +133,14 @@ std::map<std::string, std::map<std::string, at::Tensor>> dp_owed_by_hand(
 // summed or averaged as the layout makes them, split over the new copies and summed again. The
 // bound: fp32's rounding of each share and of the sums, 16 u of the largest total (a lost or
 // doubled piece is of the size of the total itself, which the test requires to be nonzero).
-// Where A is plain dp (onebit's case), its totals also equal the files read by hand (the mean
-// error plus the server segments, the momentum). Cases: int8 from dp 2 x tp 2 with sequence
-// parallelism (partial norms) to dp 4 with other buckets; int8 from dp 2 x pp 2 (the tied
-// embedding's two stages) to dp 2 x tp 2; topk from ZeRO-2 at dp 2 x tp 2 to plain data parallelism
-// at dp 4; onebit on momenta (the momentum and variance too) from ZeRO-1 at dp 4 to dp 2 x pp 2;
-// powersgd from dp 2 x cp 2 to dp 2 x tp 2. Then B trains two finite steps.
+// For int8 and onebit (whole buckets) A's totals also equal the files read by hand (the mean
+// error plus the server segments, the momentum): every parameter at plain dp; a partial norm, a
+// column-split weight and the tied embedding's two stages at tp 2 and pp 2. Cases: int8 from dp 2 x
+// tp 2 with sequence parallelism (partial norms) to dp 4 with other buckets; int8 from dp 2 x pp 2
+// (the tied embedding's two stages) to dp 2 x tp 2; topk from ZeRO-2 at dp 2 x tp 2 to plain data
+// parallelism at dp 4; onebit on momenta (the momentum and variance too) from ZeRO-1 at dp 4 to dp
+// 2 x pp 2; powersgd from dp 2 x cp 2 to dp 2 x tp 2; int8 from dp 2 x pp 2 into ZeRO-2's shard
+// layout at dp 4. Then B trains two finite steps.
 TEST(HookLayouts, WhatTheRunOwesEachParameterSurvivesAnotherLayout) {
   if (world().size() != 4) GTEST_SKIP() << "runs 4-rank layouts";
   loom::testing::SharedTempDir dir;
@@ -127,13 +148,16 @@ TEST(HookLayouts, WhatTheRunOwesEachParameterSurvivesAnotherLayout) {
   struct Case {
     std::string hook;
     Layout from, to;
+    bool hand_checked = false;  // the old state is int8/onebit's whole buckets: read by hand too
   };
   const std::vector<Case> cases = {
-      {"int8", {{.dp = 2, .tp = 2}, 0, 0.05, true}, {{.dp = 4}, 0, 0.1}},
-      {"int8", {{.dp = 2, .pp = 2}}, {{.dp = 2, .tp = 2}}},
+      {"int8", {{.dp = 2, .tp = 2}, 0, 0.05, true}, {{.dp = 4}, 0, 0.1}, true},
+      {"int8", {{.dp = 2, .pp = 2}}, {{.dp = 2, .tp = 2}}, true},
       {"topk:ratio=0.05", {{.dp = 2, .tp = 2}, 2}, {{.dp = 4}, 0}},
-      {"onebit:warmup=1,momentum=0.9", {{.dp = 4}, 1}, {{.dp = 2, .pp = 2}, 0}},
+      {"onebit:warmup=1,momentum=0.9", {{.dp = 4}, 1}, {{.dp = 2, .pp = 2}, 0}, true},
       {"powersgd:rank=2", {{.dp = 2, .cp = 2}}, {{.dp = 2, .tp = 2}}},
+      // Into ZeRO's shard layout.
+      {"int8", {{.dp = 2, .pp = 2}}, {{.dp = 4}, 2}},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& c = cases[i];
@@ -164,15 +188,36 @@ TEST(HookLayouts, WhatTheRunOwesEachParameterSurvivesAnotherLayout) {
         const auto before = totals_in(sub / "from" / "step-00000002", c.hook);
         const auto after = totals_in(sub / "to" / "step-00000002", c.hook);
         EXPECT_EQ(before.size(), after.size());
-        if (c.from.shape.tp == 1 && c.from.shape.pp == 1 && c.from.shape.cp == 1) {
-          // The old totals themselves, against the files read by hand.
+        if (c.hand_checked) {
+          // The old totals themselves, against the files read by hand: at plain dp every
+          // parameter; at tp 2 with sequence parallelism a norm (partial: the two tp groups
+          // summed) and a column-split weight (their halves stacked); at pp 2 the tied
+          // embedding (its two stages summed) and a layer of stage 0.
           double scale = 0;
-          const auto by_hand = dp_owed_by_hand(sub / "from" / "step-00000002",
-                                               c.from.zero > 0 ? "zero" : "data-parallel", &scale);
-          for (const auto& [what, by_name] : by_hand)
-            for (const auto& [name, t] : by_name)
-              EXPECT_LE((before.at(what).at(name) - t).abs().max().item<double>(), 4 * kU * scale)
-                  << what << " of " << name;
+          const auto hand = owed_by_hand(sub / "from" / "step-00000002",
+                                         c.from.zero > 0 ? "zero" : "data-parallel", &scale);
+          const auto expect_total = [&](const std::string& what, const std::string& name,
+                                        const at::Tensor& want) {
+            ASSERT_TRUE(before.count(what) && before.at(what).count(name)) << what << " " << name;
+            EXPECT_LE((before.at(what).at(name) - want).abs().max().item<double>(), 4 * kU * scale)
+                << what << " of " << name;
+          };
+          const auto piece = [&](int64_t tp, int64_t pp, const std::string& name) {
+            return hand.at({tp, 0, pp}).at("owed").at(name);
+          };
+          const std::string ln = "transformer.h.0.ln_1.weight";
+          if (c.from.shape.tp == 2) {
+            expect_total("owed", ln, piece(0, 0, ln) + piece(1, 0, ln));
+            const std::string fc = "transformer.h.0.mlp.c_fc.weight";
+            expect_total("owed", fc, at::cat({piece(0, 0, fc), piece(1, 0, fc)}, 0));
+          } else if (c.from.shape.pp == 2) {
+            const std::string wte = "transformer.wte.weight";
+            expect_total("owed", wte, piece(0, 0, wte) + piece(0, 1, wte));
+            expect_total("owed", ln, piece(0, 0, ln));
+          } else {
+            for (const auto& [what, by_name] : hand.at({0, 0, 0}))
+              for (const auto& [name, t] : by_name) expect_total(what, name, t);
+          }
         }
         for (const auto& [what, by_name] : before) {
           double largest = 0, lost = 0;

@@ -56,10 +56,16 @@ class CommHookState {
   // Restores them from this rank's file of `checkpoint` when it was saved for `layout`, else
   // reshards them from the files saved under the same reshard key, else carries every old
   // group's values per parameter onto `buckets`; warns naming the reason when none can be done.
+  // Every rank or none (collective over the world): when any rank's state restarts at zero,
+  // every rank's does.
   void load(const RunContext& run, const CheckpointContents& checkpoint, const std::string& layout,
             const Reshard& reshard, const Buckets& buckets);
 
  private:
+  // What load does on this rank: "" when the state was taken (restored, resharded or carried);
+  // else why not, the hooks left empty.
+  std::string take_state(const RunContext& run, const CheckpointContents& checkpoint,
+                         const std::string& layout, const Reshard& reshard, const Buckets& buckets);
   // "" when restored; else why not. On a throw the hooks are left empty.
   std::string restore(const std::string& file, const std::string& layout);
   // From every file of `checkpoint` saved under `reshard.key`: how many old ranks they were (0:

@@ -43,6 +43,15 @@ at::Tensor leading_values(const at::Tensor& entry, int64_t numel, const std::str
   return entry.narrow(0, 0, numel).to(at::kFloat).contiguous().clone();
 }
 
+void CommHook::load_group_values(const std::map<std::string, at::Tensor>& values,
+                                 bool /*reduce_scatter*/) {
+  for (const auto& [key, t] : values)
+    LOOM_CHECK(key.find('/') == std::string::npos,
+               "--comm-hook {} cannot take state carried from another layout ('{}'): it does not "
+               "override CommHook::load_group_values",
+               name(), key);
+}
+
 StateReshard CommHook::reshard_rule(const std::string& key) const {
   return bucket_of_key(key, "error") ? StateReshard::kMean : StateReshard::kFirst;
 }

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "loom/core/error.h"
@@ -102,6 +104,13 @@ dist::WorkPtr PowerSgdHook::start(GradBucket& bucket, dist::Communicator& comm) 
   // What another layout owed: into the matrices' errors, and onto the values sent as they are
   // (every rank adds the same, so the average delivers it).
   if (const auto pending = pending_owed_.find(bucket.index); pending != pending_owed_.end()) {
+    int64_t params_end = 0;
+    for (size_t i = 0; i < bucket.params.size(); ++i)
+      params_end = std::max(params_end, bucket.offsets[i] + bucket.params[i].numel());
+    LOOM_CHECK(pending->second.numel() == params_end,
+               "--comm-hook powersgd: bucket {}'s pending_owed holds {} values; its parameters "
+               "have {} (state from another model or bucket size?)",
+               bucket.index, pending->second.numel(), params_end);
     const auto owed = pending->second.to(s.error.device());
     for (const auto& m : l.matrices)
       s.error.narrow(0, m.error_offset, m.rows * m.cols)

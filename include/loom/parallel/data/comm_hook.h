@@ -91,9 +91,11 @@ class CommHook {
   // Takes group_values entries built for this rank's buckets (every rank of a dp group alike:
   // each carries the whole of what is owed, so their mean is it), replacing any state; laid out
   // by lay_out_resharded as a reshard across numbers of ranks is. `reduce_scatter`: the buckets
-  // are ZeRO's, reduced by start_reduce_scatter where the hook reduces_scatter().
-  virtual void load_group_values(const std::map<std::string, at::Tensor>& /*values*/,
-                                 bool /*reduce_scatter*/) {}
+  // are ZeRO's, reduced by start_reduce_scatter where the hook reduces_scatter(). The default
+  // takes only an empty map: given bucket entries it throws loom::Error (a hook that makes
+  // values must also take them, or its state would be dropped while reported carried).
+  virtual void load_group_values(const std::map<std::string, at::Tensor>& values,
+                                 bool reduce_scatter);
 
   // ZeRO's gradient reduction (parallel/zero): `bucket.buffer` holds comm.size() equal shards in
   // rank order (the parameters' gradients at bucket.offsets, zeros after the last); once the work
