@@ -43,6 +43,12 @@ mkdir -p "$work/hf" && cat > "$work/hf/config.json" << 'JSON'
 JSON
 expect "n_heads = 5 does not divide d_model = 48" "${run[@]}" --data "$work/data/train.bin" --init-from-hf "$work/hf"
 expect "/proc/loom-nope" "${run[@]}" --data "$work/data/train.bin" --save-dir /proc/loom-nope
+expect "--ffn-blocks 0 must be at least 1" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 0
+expect "ffn_blocks = 3 must be at least 1 and divide d_model = 128" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 3
+mkdir -p "$work/hf2" && cat > "$work/hf2/config.json" << 'JSON'
+{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 48, "n_layer": 1, "n_head": 4}
+JSON
+expect "--ffn-blocks 2 with --init-from-hf" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 2 --init-from-hf "$work/hf2"
 expect "--precision 'fp16' is not valid: use fp32, bf16 or fp64" "${run[@]}" --data "$work/data/train.bin" --precision fp16
 # fp64 (the correctness instrument) trains from the command line; its Hugging Face export is
 # float32, and the log says it was rounded.
