@@ -1,10 +1,12 @@
-// Structured MLPs (--ffn-blocks): a block-diagonal layer equals the dense layer with its
-// structure masked in, forward and backward; a model built with it counts its parameters, exports
+// Structured MLPs (--ffn-blocks, --ffn-rank): a block-diagonal layer equals the dense layer with
+// its structure masked in, a low-rank one the dense layer of its factors' product, forward and
+// backward; a model built with it counts its parameters, exports
 // to Hugging Face's dense format as the same function, and bad shapes are errors naming them.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -72,34 +74,88 @@ TEST(BlockDiagonal, ShapesThatDoNotSplitAreClearErrors) {
   EXPECT_TRUE(contains(msg, "ffn_blocks = 0")) << msg;
 }
 
-class StructuredFfnModels : public ::testing::TestWithParam<models::Family> {};
+// u [out, r] and v [r, in] against the dense layer whose weight is u v: the same output, the same
+// input gradient, and the factors' gradients the dense gradient G carried back (G v^T, u^T G);
+// the column and the row placement alike at tp 1.
+TEST(LowRank, EqualsTheDenseLayerOfTheFactorsProduct) {
+  auto gen = loom::core::make_generator(6);
+  pt::LowRankColumnLinear column(12, 10, 3, nullptr, true, "column");
+  pt::LowRankRowLinear row(12, 10, 3, nullptr, true, "row");
+  for (torch::nn::Module* layer :
+       {static_cast<torch::nn::Module*>(&column), static_cast<torch::nn::Module*>(&row)}) {
+    layer->to(at::kDouble);
+    torch::NoGradGuard no_grad;
+    for (auto& p : layer->parameters()) p.copy_(at::randn(p.sizes(), gen, at::kDouble));
+  }
+  const auto check = [&](const at::Tensor& u, const at::Tensor& v, const at::Tensor& bias,
+                         const std::function<at::Tensor(const at::Tensor&)>& forward) {
+    auto dense = at::mm(u.detach(), v.detach()).requires_grad_();
+    auto x = at::randn({2, 4, 12}, gen, at::kDouble).requires_grad_();
+    auto x2 = x.detach().clone().requires_grad_();
+    const auto y = forward(x);
+    const auto want = at::linear(x2, dense, bias.detach());
+    EXPECT_TRUE(at::allclose(y, want, 1e-12, 1e-12));
+    const auto dy = at::randn({2, 4, 10}, gen, at::kDouble);
+    y.backward(dy);
+    want.backward(dy);
+    EXPECT_TRUE(at::allclose(x.grad(), x2.grad(), 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(u.grad(), at::mm(dense.grad(), v.detach().t()), 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(v.grad(), at::mm(u.detach().t(), dense.grad()), 1e-12, 1e-12));
+  };
+  check(column.u, column.v, column.bias, [&](const at::Tensor& x) { return column.forward(x); });
+  check(row.u, row.v, row.bias, [&](const at::Tensor& x) { return row.forward(x); });
+  auto config = models::ModelConfig::preset("gpt2-tiny");
+  config.ffn_rank = 128;  // d_model
+  auto msg = error_of([&] { config.validate(); });
+  EXPECT_TRUE(contains(msg, "ffn_rank = 128") && contains(msg, "[1, 128)")) << msg;
+  config.ffn_rank = 8;
+  config.ffn_blocks = 2;
+  msg = error_of([&] { config.validate(); });
+  EXPECT_TRUE(contains(msg, "block-diagonal or low rank")) << msg;
+  msg = error_of([] { pt::LowRankColumnLinear(12, 10, 0, nullptr, true, "mlp.c_fc"); });
+  EXPECT_TRUE(contains(msg, "mlp.c_fc: low rank 0")) << msg;
+}
 
-// gpt2-tiny and llama-tiny with 4 blocks: the parameter count is the config's formula (the
-// MLP a quarter of the dense one's), the config survives JSON, and the Hugging Face export
-// writes dense matrices (the blocks on the diagonal) whose model, loaded back as a dense one,
-// gives the same logits.
+struct Structure {
+  models::Family family;
+  int64_t blocks = 1, rank = 0;
+};
+
+class StructuredFfnModels : public ::testing::TestWithParam<Structure> {};
+
+// gpt2-tiny and llama-tiny with 4 blocks or rank 16: the parameter count is the config's
+// formula (the MLP a quarter of the dense one's; rank (d_model + d_ff) per linear), the config
+// survives JSON, and the Hugging Face export writes dense matrices (the blocks on the diagonal;
+// the factors' product) whose model, loaded back as a dense one, gives the same logits.
 TEST_P(StructuredFfnModels, CountExportAndReloadAsTheSameFunction) {
-  auto config =
-      models::ModelConfig::preset(GetParam() == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny");
+  const auto structure = GetParam();
+  auto config = models::ModelConfig::preset(
+      structure.family == models::Family::kGpt2 ? "gpt2-tiny" : "llama-tiny");
   config.vocab_size = 61;
   config.max_seq_len = 32;
   auto dense_config = config;
-  config.ffn_blocks = 4;
+  config.ffn_blocks = structure.blocks;
+  config.ffn_rank = structure.rank;
   auto model = models::make_model(config);
   models::init_parameters(*model, 3);
   int64_t count = 0;
   for (const auto& p : model->parameters()) count += p.numel();
   EXPECT_EQ(count, config.num_parameters());
-  const int64_t mlp = GetParam() == models::Family::kGpt2 ? 2 : 3;
+  const int64_t mlp = structure.family == models::Family::kGpt2 ? 2 : 3;
+  const int64_t d = config.d_model, ff = config.d_ff;
+  const int64_t one = structure.rank > 0 ? structure.rank * (d + ff) : d * ff / structure.blocks;
   EXPECT_EQ(dense_config.num_parameters() - config.num_parameters(),
-            config.n_layers * mlp * config.d_model * config.d_ff * 3 / 4);
-  EXPECT_EQ(models::ModelConfig::from_json(config.to_json()).ffn_blocks, 4);
+            config.n_layers * mlp * (d * ff - one));
+  const auto back_config = models::ModelConfig::from_json(config.to_json());
+  EXPECT_EQ(back_config.ffn_blocks, structure.blocks);
+  EXPECT_EQ(back_config.ffn_rank, structure.rank);
   EXPECT_FALSE(dense_config.to_json().contains("ffn_blocks"));  // dense configs read as before
 
   TempDir dir;
   models::save_hf(*model, dir.path());
   auto back = models::load_hf(dir.path());
   EXPECT_EQ(back->config().ffn_blocks, 1);
+  EXPECT_EQ(back->config().ffn_rank, 0);
   torch::NoGradGuard no_grad;
   model->eval();
   back->eval();
@@ -108,5 +164,11 @@ TEST_P(StructuredFfnModels, CountExportAndReloadAsTheSameFunction) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, StructuredFfnModels,
-                         ::testing::Values(models::Family::kGpt2, models::Family::kLlama),
-                         [](const auto& info) { return models::to_string(info.param); });
+                         ::testing::Values(Structure{models::Family::kGpt2, 4, 0},
+                                           Structure{models::Family::kLlama, 4, 0},
+                                           Structure{models::Family::kGpt2, 1, 16},
+                                           Structure{models::Family::kLlama, 1, 16}),
+                         [](const auto& info) {
+                           return models::to_string(info.param.family) +
+                                  (info.param.rank > 0 ? "_rank" : "_blocks");
+                         });

@@ -50,6 +50,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "d_model and the MLP width, and under --tp is a multiple of it (each rank holds "
                  "whole blocks: no MLP all-reduce)")
       ->capture_default_str();
+  app.add_option("--ffn-rank", c.ffn_rank,
+                 "The MLP's linears as products of two rank-r factors (0: dense); r below d_model "
+                 "and the MLP width; under --tp the MLP's all-reduce carries r values per token")
+      ->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")
       ->capture_default_str();

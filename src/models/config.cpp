@@ -1,5 +1,7 @@
 #include "loom/models/config.h"
 
+#include <algorithm>
+
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
@@ -60,6 +62,18 @@ void ModelConfig::validate() const {
              "model config: ffn_blocks = {} must be at least 1 and divide d_model = {} and "
              "d_ff = {} (each block maps d_model / ffn_blocks features to d_ff / ffn_blocks)",
              ffn_blocks, d_model, d_ff);
+  LOOM_CHECK(ffn_rank >= 0 && ffn_rank < std::min(d_model, d_ff),
+             "model config: ffn_rank = {} must be 0 (dense) or in [1, {}) (below d_model = {} "
+             "and d_ff = {}: a larger rank saves nothing)",
+             ffn_rank, std::min(d_model, d_ff), d_model, d_ff);
+  LOOM_CHECK(ffn_rank == 0 || ffn_blocks == 1,
+             "model config: ffn_rank = {} and ffn_blocks = {}: an MLP is block-diagonal or low "
+             "rank, not both",
+             ffn_rank, ffn_blocks);
+  LOOM_CHECK(ffn_rank == 0 || family != Family::kCustom,
+             "model config: ffn_rank = {} applies to loom's GPT-2 and Llama MLPs, not a custom "
+             "model",
+             ffn_rank);
   LOOM_CHECK(ffn_blocks == 1 || family != Family::kCustom,
              "model config: ffn_blocks = {} applies to loom's GPT-2 and Llama MLPs, not a custom "
              "model",
@@ -68,16 +82,21 @@ void ModelConfig::validate() const {
   LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
 
+int64_t ModelConfig::mlp_weights() const {
+  // One d_model x d_ff linear: dense, 1/ffn_blocks of it, or two rank-ffn_rank factors.
+  const int64_t one = ffn_rank > 0 ? ffn_rank * (d_model + d_ff) : d_model * d_ff / ffn_blocks;
+  return (family == Family::kLlama ? 3 : 2) * one;
+}
+
 int64_t ModelConfig::num_parameters() const {
   const int64_t d = d_model, kv = n_kv_heads * head_dim();
   int64_t per_layer = 0, embed = vocab_size * d, extra = 0;
   if (family == Family::kGpt2) {
-    // The MLP's weights are block-diagonal: 1/ffn_blocks of the dense ones.
-    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * d_ff / ffn_blocks + d_ff) +
-                (d_ff * d / ffn_blocks + d) + 4 * d;
+    // The MLP: its linears' weights (mlp_weights) and two biases.
+    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + mlp_weights() + d_ff + d + 4 * d;
     extra = max_seq_len * d + 2 * d;
   } else {
-    per_layer = d * d + 2 * d * kv + d * d + 3 * d * d_ff / ffn_blocks + 2 * d;
+    per_layer = d * d + 2 * d * kv + d * d + mlp_weights() + 2 * d;
     extra = d + (tie_embeddings ? 0 : vocab_size * d);
   }
   return embed + extra + n_layers * per_layer;
@@ -92,6 +111,7 @@ nlohmann::json ModelConfig::to_json() const {
                       {"dropout", dropout},          {"tie_embeddings", tie_embeddings}};
   // Written only when structured, so a dense model's config reads as it always did.
   if (ffn_blocks != 1) j["ffn_blocks"] = ffn_blocks;
+  if (ffn_rank != 0) j["ffn_rank"] = ffn_rank;
   return j;
 }
 
@@ -100,6 +120,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   // Integer fields must hold JSON integers (a float would be cast: undefined when out of range).
   auto like = c.to_json();
   like["ffn_blocks"] = c.ffn_blocks;  // optional, but an integer when present
+  like["ffn_rank"] = c.ffn_rank;
   core::check_json_like(j, like, "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
@@ -114,6 +135,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
     c.rope_theta = j.at("rope_theta").get<double>();
     c.dropout = j.at("dropout").get<double>();
     c.ffn_blocks = j.value("ffn_blocks", int64_t{1});
+    c.ffn_rank = j.value("ffn_rank", int64_t{0});
     c.tie_embeddings = j.at("tie_embeddings").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     fail("model config JSON is missing a field or has a wrong type: {}", e.what());

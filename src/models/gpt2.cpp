@@ -39,6 +39,15 @@ Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer
                                                             true, "mlp.c_proj"));
     return;
   }
+  if (config.ffn_rank > 0) {
+    fc_low_ =
+        mlp->register_module("c_fc", std::make_shared<pt::LowRankColumnLinear>(
+                                         d, config.d_ff, config.ffn_rank, tp_, true, "mlp.c_fc"));
+    proj_low_ = mlp->register_module(
+        "c_proj", std::make_shared<pt::LowRankRowLinear>(config.d_ff, d, config.ffn_rank, tp_, true,
+                                                         "mlp.c_proj"));
+    return;
+  }
   c_fc_ = mlp->register_module(
       "c_fc", std::make_shared<pt::ColumnParallelLinear>(d, config.d_ff, tp_,
                                                          pt::ColumnParallelOptions{}, "mlp.c_fc"));
@@ -74,6 +83,11 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
                                      ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
   }
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
+  if (fc_low_) {
+    m = proj_low_->forward(ops::gelu_tanh(fc_low_->forward(m)));
+    return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
+                                     ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
+  }
   // On the CPU the fc bias enters with the activation (one pass fewer); elsewhere the GEMM adds
   // it, as before.
   m = c_fc_->bias.defined() && ops::bias_gelu_tanh_applies(m, c_fc_->bias)
@@ -141,8 +155,14 @@ ParamInit Gpt2::init_for(const std::string& name) const {
   if (name.ends_with(".bias")) return {K::kZeros};
   if (is_norm && name.ends_with(".weight")) return {K::kOnes};
   // GPT-2's scaled init of the projections that write into the residual stream.
-  if (name.ends_with("c_proj.weight"))
-    return {K::kNormal, 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers))};
+  const double residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers));
+  // Low-rank factors: each N(0, s^2) with rank s^4 = std^2, so that their product has the dense
+  // weight's standard deviation.
+  if (name.ends_with(".u") || name.ends_with(".v")) {
+    const double dense = name.find("c_proj.") != std::string::npos ? residual : 0.02;
+    return {K::kNormal, std::sqrt(dense / std::sqrt(static_cast<double>(config().ffn_rank)))};
+  }
+  if (name.ends_with("c_proj.weight")) return {K::kNormal, residual};
   if (name.ends_with(".weight")) return {K::kNormal, 0.02};
   fail("GPT-2 has no initialization rule for parameter '{}'", name);
 }

@@ -124,12 +124,22 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
              "then save a single-process model holding them",
              model.tp().size());
   core::NamedTensors tensors;
-  for (const auto& [name, value] : gather_parameters(model)) {
-    auto t = value.detach().to(at::kCPU, dtype);
-    // A block-diagonal MLP weight [blocks, out / blocks, in / blocks] goes out as the dense
-    // [out, in] matrix it stands for (zeros off the diagonal): the same function in a format
-    // that has no blocks.
+  const auto params = gather_parameters(model);
+  for (const auto& [key, value] : params) {
+    std::string name = key;
+    auto t = value.detach();
+    // Structured MLP weights go out as the dense matrices they stand for, the same function in a
+    // format without structure: a block-diagonal [blocks, out / blocks, in / blocks] with zeros
+    // off the diagonal; low-rank factors u [out, rank] and v [rank, in] as u v (in the model's
+    // precision, then rounded).
     if (t.dim() == 3) t = at::block_diag(std::vector<at::Tensor>(t.unbind(0)));
+    if (name.ends_with(".v")) continue;
+    if (name.ends_with(".u")) {
+      name = name.substr(0, name.size() - 2);
+      t = at::mm(t, params.at(name + ".v").detach());
+      name += ".weight";
+    }
+    t = t.to(at::kCPU, dtype);
     if (c.family == Family::kGpt2 && is_conv1d_weight(name)) t = t.t().contiguous();
     tensors.emplace_back(name, t);
   }

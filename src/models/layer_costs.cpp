@@ -15,17 +15,17 @@ parallel::pipeline::LayerCosts layer_costs(const ModelConfig& c, const std::stri
              "--pp-partition measured)",
              kind, to_string_cost_kinds());
   const double d = static_cast<double>(c.d_model), ff = static_cast<double>(c.d_ff);
-  const double blocks = static_cast<double>(c.ffn_blocks);  // the MLP's weights: 1/blocks
+  const double mlp = static_cast<double>(c.mlp_weights());  // dense, blocks or low rank
   const double v = static_cast<double>(c.vocab_size), t = static_cast<double>(shape.seq_len);
   const double kv = static_cast<double>(c.n_kv_heads * c.head_dim());
   const double tp = static_cast<double>(shape.tp);
   // Weights of one block's matmuls (what its FLOPs scale with) and all of its parameters.
   double matmul = 0, params = 0;
   if (c.family == Family::kGpt2) {
-    matmul = 4 * d * d + 2 * d * ff / blocks;
+    matmul = 4 * d * d + mlp;
     params = matmul + 3 * d + d + ff + d + 4 * d;  // biases and two LayerNorms
   } else {
-    matmul = 2 * d * d + 2 * d * kv + 3 * d * ff / blocks;
+    matmul = 2 * d * d + 2 * d * kv + mlp;
     params = matmul + 2 * d;  // two RMSNorms
   }
   const double embed_params = v * d + (c.family == Family::kGpt2 ? c.max_seq_len * d : 0.0);

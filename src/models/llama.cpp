@@ -79,6 +79,18 @@ LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, int64_t lay
     down_blocks_ = mlp->register_module("down_proj", blocks(config.d_ff, d, "mlp.down_proj"));
     return;
   }
+  if (config.ffn_rank > 0) {
+    const auto column = [&](const std::string& what) {
+      return std::make_shared<pt::LowRankColumnLinear>(d, config.d_ff, config.ffn_rank, tp_, false,
+                                                       what);
+    };
+    gate_low_ = mlp->register_module("gate_proj", column("mlp.gate_proj"));
+    up_low_ = mlp->register_module("up_proj", column("mlp.up_proj"));
+    down_low_ = mlp->register_module(
+        "down_proj", std::make_shared<pt::LowRankRowLinear>(config.d_ff, d, config.ffn_rank, tp_,
+                                                            false, "mlp.down_proj"));
+    return;
+  }
   gate_proj_ = mlp->register_module("gate_proj", column(d, config.d_ff, 0, tp_, "mlp.gate_proj"));
   up_proj_ = mlp->register_module("up_proj", column(d, config.d_ff, 0, tp_, "mlp.up_proj"));
   down_proj_ = mlp->register_module(
@@ -110,6 +122,8 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
     return out + pt::exit_feature_blocks(m, tp, 1);
   }
   auto m = pt::enter_tp_region(post_attention_layernorm_->forward(out), tp, 1);
+  if (gate_low_)
+    return out + down_low_->forward(at::silu(gate_low_->forward(m)) * up_low_->forward(m));
   return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
 }
 
@@ -190,8 +204,14 @@ at::Tensor Llama::head(const at::Tensor& x) {
 ParamInit Llama::init_for(const std::string& name) const {
   using K = ParamInit::Kind;
   if (name.find("norm.weight") != std::string::npos) return {K::kOnes};
+  const double residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers));
+  // Low-rank factors: each N(0, s^2) with rank s^4 = std^2 (their product: the dense std).
+  if (name.ends_with(".u") || name.ends_with(".v")) {
+    const double dense = name.find("down_proj.") != std::string::npos ? residual : 0.02;
+    return {K::kNormal, std::sqrt(dense / std::sqrt(static_cast<double>(config().ffn_rank)))};
+  }
   if (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight"))
-    return {K::kNormal, 0.02 / std::sqrt(2.0 * static_cast<double>(config().n_layers))};
+    return {K::kNormal, residual};
   if (name.ends_with(".weight")) return {K::kNormal, 0.02};
   fail("Llama has no initialization rule for parameter '{}'", name);
 }

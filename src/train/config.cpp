@@ -40,7 +40,7 @@ void TrainConfig::validate() const {
              precision);
   LOOM_CHECK(freeze_variance_after >= 0,
              "--freeze-variance-after {} must be >= 0 (0: AdamW's variance is never frozen)",
-             freeze_variance_after, ffn_blocks);
+             freeze_variance_after, ffn_blocks, ffn_rank);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
@@ -50,6 +50,10 @@ void TrainConfig::validate() const {
              "--ffn-blocks {} must be at least 1 (1: a dense MLP; B: its linears as B "
              "block-diagonal blocks)",
              ffn_blocks);
+  LOOM_CHECK(ffn_rank >= 0,
+             "--ffn-rank {} must be 0 (a dense MLP) or positive (its linears as products of two "
+             "rank-r factors)",
+             ffn_rank);
   LOOM_CHECK(eval_batches > 0, "--eval-batches {} must be positive", eval_batches);
   LOOM_CHECK(log_every > 0, "--log-every {} must be positive", log_every);
   core::parse_preemption_signals(preempt_signals);  // throws naming a bad name
@@ -220,6 +224,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
   same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
+  same("--ffn-rank", saved.ffn_rank, ffn_rank);
   // A registered strategy may change what is computed (local SGD, compression): the same list.
   same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
        fmt::format("[{}]", fmt::join(strategies, " ")));

@@ -74,10 +74,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "draws from LibTorch's default generator: seeded per dp rank, saved in checkpoints "
                "and replayed by activation checkpointing)",
                config_.dropout);
-    LOOM_CHECK(config_.ffn_blocks == 1,
-               "--ffn-blocks {} applies to loom's GPT-2 and Llama MLPs; a custom model defines "
-               "its own layers",
-               config_.ffn_blocks);
+    LOOM_CHECK(config_.ffn_blocks == 1 && config_.ffn_rank == 0,
+               "--ffn-blocks {} / --ffn-rank {} apply to loom's GPT-2 and Llama MLPs; a custom "
+               "model defines its own layers",
+               config_.ffn_blocks, config_.ffn_rank);
   }
   // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).
   if (const auto hook = parallel::data::make_comm_hook(config_.comm_hook);
@@ -147,7 +147,12 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--ffn-blocks {} with --init-from-hf: the directory holds a dense MLP, which "
                "block-diagonal weights cannot take",
                config_.ffn_blocks);
+    LOOM_CHECK(config_.ffn_rank == 0 || config_.init_from_hf.empty(),
+               "--ffn-rank {} with --init-from-hf: the directory holds a dense MLP, which "
+               "low-rank factors cannot take",
+               config_.ffn_rank);
     model_config.ffn_blocks = config_.ffn_blocks;
+    model_config.ffn_rank = config_.ffn_rank;
   }
   if (!custom_model_) model_config.validate();
   return model_config;

@@ -296,14 +296,16 @@ struct Case {
   models::Family family;
   bool sequence_parallel;
   double dropout;
-  std::string preset;  // empty: small_config
+  std::string preset;      // empty: small_config
   int64_t ffn_blocks = 1;  // 12: a multiple of every tp tested that divides d_model and d_ff
+  int64_t ffn_rank = 0;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   auto name = fmt::format(
-      "{}{}{}{}", models::to_string(info.param.family), info.param.sequence_parallel ? "_sp" : "",
-      info.param.dropout > 0 ? "_dropout" : "", info.param.ffn_blocks > 1 ? "_ffn_blocks" : "");
+      "{}{}{}{}{}", models::to_string(info.param.family), info.param.sequence_parallel ? "_sp" : "",
+      info.param.dropout > 0 ? "_dropout" : "", info.param.ffn_blocks > 1 ? "_ffn_blocks" : "",
+      info.param.ffn_rank > 0 ? "_ffn_rank" : "");
   if (!info.param.preset.empty())
     name = info.param.preset + (info.param.sequence_parallel ? "_sp" : "");
   std::replace(name.begin(), name.end(), '-', '_');
@@ -315,7 +317,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 class TpModel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(TpModel, LogitsLossAndEveryGradientEqualOneProcess) {
-  const auto [family, sp, dropout, preset, ffn_blocks] = GetParam();
+  const auto [family, sp, dropout, preset, ffn_blocks, ffn_rank] = GetParam();
   if (!preset.empty() && world().size() == 3)
     GTEST_SKIP() << preset << " has 4 heads: tp 3 cannot split them";
   auto tp = world_group(sp);
@@ -323,6 +325,7 @@ TEST_P(TpModel, LogitsLossAndEveryGradientEqualOneProcess) {
       preset.empty() ? small_config(family, tp->size()) : models::ModelConfig::preset(preset);
   config.dropout = dropout;
   config.ffn_blocks = ffn_blocks;
+  config.ffn_rank = ffn_rank;
   config.max_seq_len = std::min<int64_t>(config.max_seq_len, 64);  // small position/RoPE tables
   auto reference = models::make_model(config);
   auto sharded = models::make_model(config, tp);
@@ -416,7 +419,12 @@ INSTANTIATE_TEST_SUITE_P(Families, TpModel,
                                            Case{models::Family::kGpt2, false, 0.0, "", 12},
                                            Case{models::Family::kGpt2, true, 0.2, "", 12},
                                            Case{models::Family::kLlama, false, 0.0, "", 12},
-                                           Case{models::Family::kLlama, true, 0.0, "", 12}),
+                                           Case{models::Family::kLlama, true, 0.0, "", 12},
+                                           // Low-rank MLPs (rank 8).
+                                           Case{models::Family::kGpt2, false, 0.0, "", 1, 8},
+                                           Case{models::Family::kGpt2, true, 0.2, "", 1, 8},
+                                           Case{models::Family::kLlama, false, 0.0, "", 1, 8},
+                                           Case{models::Family::kLlama, true, 0.0, "", 1, 8}),
                          case_name);
 
 TEST(TpModel, CommunicationVolumeMatchesTheFormula) {
@@ -489,6 +497,26 @@ TEST(TpModel, BlockDiagonalMlpIssuesNoAllReduce) {
                   dense.all_gather_elements + dense.reduce_scatter_elements);
       }
     }
+  }
+}
+
+// A low-rank MLP (--ffn-rank r) leaves its region after the second factor's first half: without
+// sequence parallelism its all-reduce carries r values per token instead of d_model, the rest as
+// dense: (3 layers + 2) b s h + layers b s r elements all-reduced, exactly.
+TEST(TpModel, LowRankMlpAllReducesRankValuesPerToken) {
+  auto tp = world_group(false);
+  if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
+  for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
+    SCOPED_TRACE(models::to_string(family));
+    auto config = small_config(family, tp->size());
+    config.ffn_rank = 8;
+    const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
+    auto model = models::make_model(config, tp);
+    models::init_parameters(*model, 1);
+    auto tokens = at::zeros({b, s}, at::kLong);
+    tp->stats().reset();
+    model->loss(tokens, tokens).backward();
+    EXPECT_EQ(tp->stats().all_reduce_elements, (3 * layers + 2) * b * s * h + layers * b * s * 8);
   }
 }
 

@@ -30,10 +30,16 @@ struct ModelConfig {
   // The MLP's linears as this many independent blocks (block-diagonal; 1: dense). Must divide
   // d_model and d_ff; under tensor parallelism a multiple of tp (each rank holds whole blocks).
   int64_t ffn_blocks = 1;
+  // The MLP's linears as products of two rank-`ffn_rank` factors (0: dense). Below
+  // min(d_model, d_ff); not with ffn_blocks > 1.
+  int64_t ffn_rank = 0;
 
   int64_t head_dim() const { return d_model / n_heads; }
   // Throws loom::Error naming the field, its value and what would be valid.
   void validate() const;
+  // The weights of one block's MLP linears (GPT-2: 2, Llama: 3), as ffn_blocks or ffn_rank
+  // make them.
+  int64_t mlp_weights() const;
   // Number of parameters (tied embeddings counted once).
   int64_t num_parameters() const;
 

@@ -33,6 +33,9 @@ class Gpt2Block : public torch::nn::Module {
   std::shared_ptr<parallel::tensor::RowParallelLinear> attn_c_proj_, mlp_c_proj_;
   // With ModelConfig::ffn_blocks > 1, the MLP's linears instead.
   std::shared_ptr<parallel::tensor::BlockDiagonalLinear> fc_blocks_, proj_blocks_;
+  // With ModelConfig::ffn_rank > 0, the MLP's linears instead.
+  std::shared_ptr<parallel::tensor::LowRankColumnLinear> fc_low_;
+  std::shared_ptr<parallel::tensor::LowRankRowLinear> proj_low_;
 };
 
 class Gpt2 : public CausalLM {

@@ -43,6 +43,9 @@ class LlamaBlock : public torch::nn::Module {
   std::shared_ptr<parallel::tensor::RowParallelLinear> o_proj_, down_proj_;
   // With ModelConfig::ffn_blocks > 1, the MLP's linears instead.
   std::shared_ptr<parallel::tensor::BlockDiagonalLinear> gate_blocks_, up_blocks_, down_blocks_;
+  // With ModelConfig::ffn_rank > 0, the MLP's linears instead.
+  std::shared_ptr<parallel::tensor::LowRankColumnLinear> gate_low_, up_low_;
+  std::shared_ptr<parallel::tensor::LowRankRowLinear> down_low_;
 };
 
 class Llama : public CausalLM {

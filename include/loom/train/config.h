@@ -38,6 +38,7 @@ struct TrainConfig {
   double dropout = 0.0;  // overrides the preset's (0 by default)
   int64_t layers = 0;    // transformer blocks; 0: the preset's
   int64_t ffn_blocks = 1;  // the MLP as this many block-diagonal blocks (ModelConfig::ffn_blocks)
+  int64_t ffn_rank = 0;    // the MLP's linears as rank-r factor products (ModelConfig::ffn_rank)
 
   // Data.
   std::string data;      // training token file (llm.c .bin or *.u16)

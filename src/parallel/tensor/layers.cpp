@@ -98,6 +98,59 @@ std::map<std::string, ShardSpec> BlockDiagonalLinear::shard_specs() const {
   return out;
 }
 
+LowRankColumnLinear::LowRankColumnLinear(int64_t in, int64_t out, int64_t rank, TpGroupPtr tp,
+                                         bool bias_on, const std::string& what)
+    : tp_(or_single(std::move(tp))) {
+  LOOM_CHECK(rank >= 1, "{}: low rank {} must be at least 1", what, rank);
+  split_.dim = 0;
+  split_.full = out;
+  split_.check(tp_->size(), what);
+  const int64_t local = split_.local_size(tp_->size());
+  u = register_parameter("u", zeros({local, rank}));
+  v = register_parameter("v", zeros({rank, in}));
+  if (bias_on) bias = register_parameter("bias", zeros({local}));
+}
+
+at::Tensor LowRankColumnLinear::forward(const at::Tensor& x) {
+  return at::linear(at::linear(x, v), u,
+                    bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+}
+
+std::map<std::string, ShardSpec> LowRankColumnLinear::shard_specs() const {
+  ShardSpec shared;
+  shared.grad_partial = true;  // every rank's gradient holds its own rows of u's part
+  std::map<std::string, ShardSpec> out{{"u", split_}, {"v", shared}};
+  if (bias.defined()) out.emplace("bias", split_);
+  return out;
+}
+
+LowRankRowLinear::LowRankRowLinear(int64_t in, int64_t out, int64_t rank, TpGroupPtr tp,
+                                   bool bias_on, const std::string& what)
+    : tp_(or_single(std::move(tp))) {
+  LOOM_CHECK(rank >= 1, "{}: low rank {} must be at least 1", what, rank);
+  split_.dim = 1;
+  split_.full = in;
+  split_.check(tp_->size(), what);
+  u = register_parameter("u", zeros({out, rank}));
+  v = register_parameter("v", zeros({rank, split_.local_size(tp_->size())}));
+  if (bias_on) bias = register_parameter("bias", zeros({out}));
+}
+
+at::Tensor LowRankRowLinear::forward(const at::Tensor& x) {
+  auto z = at::linear(x, v);
+  if (tp_->size() > 1) z = exit_tp_region(z, *tp_, 1);  // rank values per token
+  return at::linear(z, u, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+}
+
+std::map<std::string, ShardSpec> LowRankRowLinear::shard_specs() const {
+  // u and the bias act after the exit: on sequence shards with sequence parallelism.
+  ShardSpec after_exit;
+  after_exit.grad_partial = tp_->sequence_parallel();
+  std::map<std::string, ShardSpec> out{{"v", split_}, {"u", after_exit}};
+  if (bias.defined()) out.emplace("bias", after_exit);
+  return out;
+}
+
 std::map<std::string, ShardSpec> ColumnParallelLinear::shard_specs() const {
   std::map<std::string, ShardSpec> out{{"weight", spec_}};
   if (bias.defined()) out.emplace("bias", spec_);

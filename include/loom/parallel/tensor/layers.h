@@ -128,6 +128,51 @@ class BlockDiagonalLinear : public torch::nn::Module, public ShardedModule {
   ShardSpec weight_spec_, bias_spec_;
 };
 
+// A low-rank linear layer (Wei et al. 2024's second structure): the weight as the product of
+// two factors, W = u v (u: [out, rank], v: [rank, in]), rank (in + out) weights instead of
+// in out. Two placements for tensor parallelism, as the dense column- and row-parallel layers:
+//  - LowRankColumnLinear (the MLP's first linears): v replicated, u and the bias split by output
+//    rows. The input is inside the TP region (replicated or sequence-gathered): x v^T is the
+//    same on every rank, and each rank's gradient of v is partial (its rows of u), summed across
+//    tp after backward (ShardSpec::grad_partial, PartialGradSync): no collective of its own.
+//  - LowRankRowLinear (the MLP's last linear): v split by input features, u and the bias
+//    replicated. Each rank's x v^T is a partial sum of `rank` values per token, leaving the
+//    region there (all-reduced; reduce-scattered with sequence parallelism), and u is applied
+//    after: the MLP's all-reduce carries rank values per token instead of d_model.
+// Parameters "u", "v" (and "bias"). Not prunable.
+class LowRankColumnLinear : public torch::nn::Module, public ShardedModule {
+ public:
+  // Throws loom::Error naming `what` when rank < 1 or tp does not divide out.
+  LowRankColumnLinear(int64_t in, int64_t out, int64_t rank, TpGroupPtr tp, bool bias,
+                      const std::string& what);
+  // x: [..., in], inside the TP region. Returns [..., out / tp].
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  at::Tensor u, v, bias;  // [out / tp, rank], [rank, in], [out / tp]
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec split_;
+};
+
+class LowRankRowLinear : public torch::nn::Module, public ShardedModule {
+ public:
+  // Throws loom::Error naming `what` when rank < 1 or tp does not divide in.
+  LowRankRowLinear(int64_t in, int64_t out, int64_t rank, TpGroupPtr tp, bool bias,
+                   const std::string& what);
+  // x: [batch, seq, in / tp] (this rank's features). Returns [batch, seq, out], summed across
+  // the group; with sequence parallelism [batch, seq / tp, out], this rank's sequence chunk.
+  at::Tensor forward(const at::Tensor& x);
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  at::Tensor u, v, bias;  // [out, rank], [rank, in / tp], [out]
+
+ private:
+  TpGroupPtr tp_;
+  ShardSpec split_;
+};
+
 // Embedding table split by vocabulary rows, padded to TpGroup::padded_vocab(vocab).
 class VocabParallelEmbedding : public torch::nn::Module, public ShardedModule {
  public:
