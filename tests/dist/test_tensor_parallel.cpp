@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <tuple>
+
 #include "../test_util.h"
 #include "dist_util.h"
 #include "loom/models/hf.h"
@@ -561,6 +563,33 @@ TEST(TpModel, IdsOutsideTheVocabularyAreClearErrors) {
 }
 
 // --- Training over dp x tp against one process --------------------------------------------
+
+// Structured MLPs through the Trainer: gpt2-tiny with --ffn-blocks 4 (sequence parallel) and
+// llama-tiny with --ffn-rank 16, 3 fp64 steps at tp 2 (dp the rest), equal one process within the
+// fp64 bounds (losses, gradient norms, every parameter): the low-rank factor's partial gradients
+// summed across tp, the block-diagonal MLP's all-gathers in place of all-reduces.
+TEST(TrainerTp, StructuredMlpsTrainLikeOneProcess) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at tp 2 (dp 1 or 2)";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  for (const auto& [model, blocks, rank] :
+       {std::tuple<const char*, int64_t, int64_t>{"gpt2", 4, 0}, {"llama", 1, 16}}) {
+    SCOPED_TRACE(fmt::format("{} blocks {} rank {}", model, blocks, rank));
+    auto config = loom::testing::tiny_layout_config(dir.path(), model);
+    config.ffn_blocks = blocks;
+    config.ffn_rank = rank;
+    loom::testing::RunResult single;
+    {
+      train::Trainer t(config);
+      single = loom::testing::run(t);
+    }
+    config.tp = 2;
+    config.sequence_parallel = blocks > 1;
+    train::Trainer t(config, loom::testing::layout_mesh({.tp = 2}));
+    loom::testing::expect_same_run(loom::testing::run(t), single);
+  }
+}
 
 TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
   const int64_t n = world().size();
