@@ -538,6 +538,13 @@ TEST(TpModel, ShapesThatDoNotSplitAreClearErrors) {
     msg = error_of([&] { models::make_model(config, tp); });
     EXPECT_TRUE(contains(msg, "n_kv_heads 3 and tp 4 must divide one another")) << msg;
   }
+  // Block-diagonal MLP blocks that tp cannot hand out whole (48 and 96 features divide by 3 and 2).
+  config = small_config(models::Family::kGpt2, n);
+  config.ffn_blocks = n == 2 ? 3 : 2;
+  msg = error_of([&] { models::make_model(config, tp); });
+  EXPECT_TRUE(contains(msg, fmt::format("mlp.c_fc: {} blocks cannot be split evenly across tp = {}",
+                                        config.ffn_blocks, n)))
+      << msg;
   config = small_config(models::Family::kGpt2, n);
   auto sp_model = models::make_model(config, world_group(true));
   msg = error_of([&] { sp_model->forward(at::zeros({1, n + 1}, at::kLong)); });
