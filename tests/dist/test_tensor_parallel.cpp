@@ -20,11 +20,14 @@
 #include "loom/parallel/tensor/partial_grads.h"
 #include "loom/train/grad_clip.h"
 #include "loom/train/trainer.h"
+#include "tp_models.h"
 #include "train_compare.h"
 
 using loom::testing::contains;
 using loom::testing::error_of;
+using loom::testing::small_config;
 using loom::testing::world;
+using loom::testing::world_group;
 namespace dist = loom::dist;
 namespace models = loom::models;
 namespace pt = loom::parallel::tensor;
@@ -32,11 +35,6 @@ namespace train = loom::train;
 namespace fs = std::filesystem;
 
 namespace {
-
-pt::TpGroupPtr world_group(bool sequence_parallel = false, int64_t pad_multiple = 1) {
-  return std::make_shared<pt::TpGroup>(loom::testing::runtime().world(),
-                                       pt::TpOptions{sequence_parallel, pad_multiple});
-}
 
 at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -274,26 +272,6 @@ TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
 
 namespace {
 
-models::ModelConfig small_config(models::Family family, int64_t world_size) {
-  models::ModelConfig c;
-  c.family = family;
-  c.vocab_size = 101;  // prime: padded for every tp > 1
-  c.max_seq_len = 24;
-  c.d_model = 48;
-  c.n_layers = 2;
-  c.n_heads = 12;
-  c.d_ff = 96;
-  if (family == models::Family::kLlama) {
-    // Grouped-query attention: 2 kv heads are split at tp 2 and replicated at tp 4; tp 3 needs
-    // a count it divides or that divides it.
-    c.n_kv_heads = world_size == 3 ? 3 : 2;
-    c.tie_embeddings = false;
-  } else {
-    c.n_kv_heads = c.n_heads;
-  }
-  return c;
-}
-
 struct Case {
   models::Family family;
   bool sequence_parallel;
@@ -462,66 +440,6 @@ TEST(TpModel, CommunicationVolumeMatchesTheFormula) {
   }
 }
 
-// A block-diagonal MLP (--ffn-blocks) moves its activations by all-gathers: no all-reduce. Without
-// sequence parallelism the all-reduces are the attention's entry and exit per block, the
-// embedding's exit and the head's entry — the dense MLP's two per block are gone — and each block
-// all-gathers its MLP's output forward and its input's gradient backward, (tp - 1) / tp of a
-// b * s * h tensor each way: half what the two all-reduces moved. With it the volume of
-// all-gathers and reduce-scatters equals the dense model's (the sequence is gathered and cut as
-// before) and there is still no all-reduce.
-TEST(TpModel, BlockDiagonalMlpIssuesNoAllReduce) {
-  for (const bool sp : {false, true}) {
-    auto tp = world_group(sp);
-    if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
-    for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
-      SCOPED_TRACE(fmt::format("{} sp {}", models::to_string(family), sp));
-      auto dense_config = small_config(family, tp->size());
-      auto config = dense_config;
-      config.ffn_blocks = 12;
-      const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
-      auto tokens = at::zeros({b, s}, at::kLong);
-      pt::TpCommStats dense, blocks;
-      for (auto* c : {&dense_config, &config}) {
-        auto model = models::make_model(*c, tp);
-        models::init_parameters(*model, 1);
-        tp->stats().reset();
-        model->loss(tokens, tokens).backward();
-        (c == &config ? blocks : dense) = tp->stats();
-      }
-      if (!sp) {
-        EXPECT_EQ(blocks.all_reduce_elements, (2 * layers + 2) * b * s * h);
-        EXPECT_EQ(dense.all_reduce_elements, (4 * layers + 2) * b * s * h);
-        EXPECT_EQ(blocks.reduce_scatter_elements, 0);
-        EXPECT_GT(blocks.all_gather_elements, 0);
-      } else {
-        EXPECT_EQ(blocks.all_reduce_elements, 0);
-        EXPECT_EQ(blocks.all_gather_elements + blocks.reduce_scatter_elements,
-                  dense.all_gather_elements + dense.reduce_scatter_elements);
-      }
-    }
-  }
-}
-
-// A low-rank MLP (--ffn-rank r) leaves its region after the second factor's first half: without
-// sequence parallelism its all-reduce carries r values per token instead of d_model, the rest as
-// dense: (3 layers + 2) b s h + layers b s r elements all-reduced, exactly.
-TEST(TpModel, LowRankMlpAllReducesRankValuesPerToken) {
-  auto tp = world_group(false);
-  if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
-  for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
-    SCOPED_TRACE(models::to_string(family));
-    auto config = small_config(family, tp->size());
-    config.ffn_rank = 8;
-    const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
-    auto model = models::make_model(config, tp);
-    models::init_parameters(*model, 1);
-    auto tokens = at::zeros({b, s}, at::kLong);
-    tp->stats().reset();
-    model->loss(tokens, tokens).backward();
-    EXPECT_EQ(tp->stats().all_reduce_elements, (3 * layers + 2) * b * s * h + layers * b * s * 8);
-  }
-}
-
 TEST(TpModel, ShapesThatDoNotSplitAreClearErrors) {
   if (world().size() == 1) GTEST_SKIP() << "tp = 1 splits every shape";
   auto tp = world_group();
@@ -570,33 +488,6 @@ TEST(TpModel, IdsOutsideTheVocabularyAreClearErrors) {
 }
 
 // --- Training over dp x tp against one process --------------------------------------------
-
-// Structured MLPs through the Trainer: gpt2-tiny with --ffn-blocks 4 (sequence parallel) and
-// llama-tiny with --ffn-rank 16, 3 fp64 steps at tp 2 (dp the rest), equal one process within the
-// fp64 bounds (losses, gradient norms, every parameter): the low-rank factor's partial gradients
-// summed across tp, the block-diagonal MLP's all-gathers in place of all-reduces.
-TEST(TrainerTp, StructuredMlpsTrainLikeOneProcess) {
-  const int64_t n = world().size();
-  if (n != 2 && n != 4) GTEST_SKIP() << "runs at tp 2 (dp 1 or 2)";
-  loom::testing::SharedTempDir dir;
-  loom::testing::write_shared_corpus(dir, 30000, 4000);
-  for (const auto& [model, blocks, rank] :
-       {std::tuple<const char*, int64_t, int64_t>{"gpt2", 4, 0}, {"llama", 1, 16}}) {
-    SCOPED_TRACE(fmt::format("{} blocks {} rank {}", model, blocks, rank));
-    auto config = loom::testing::tiny_layout_config(dir.path(), model);
-    config.ffn_blocks = blocks;
-    config.ffn_rank = rank;
-    loom::testing::RunResult single;
-    {
-      train::Trainer t(config);
-      single = loom::testing::run(t);
-    }
-    config.tp = 2;
-    config.sequence_parallel = blocks > 1;
-    train::Trainer t(config, loom::testing::layout_mesh({.tp = 2}));
-    loom::testing::expect_same_run(loom::testing::run(t), single);
-  }
-}
 
 TEST(TrainerTp, DpTimesTpTrainsLikeOneProcessAndExportsTheWholeModel) {
   const int64_t n = world().size();
