@@ -45,6 +45,7 @@ expect "n_heads = 5 does not divide d_model = 48" "${run[@]}" --data "$work/data
 expect "/proc/loom-nope" "${run[@]}" --data "$work/data/train.bin" --save-dir /proc/loom-nope
 expect "--ffn-blocks 0 must be at least 1" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 0
 expect "ffn_blocks = 3 must be at least 1 and divide d_model = 128" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 3
+expect "--prune-targets mlp,attention with --ffn-blocks 2" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 2 --prune-to 0.5
 mkdir -p "$work/hf2" && cat > "$work/hf2/config.json" << 'JSON'
 {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 48, "n_layer": 1, "n_head": 4}
 JSON

@@ -52,7 +52,8 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--ffn-rank", c.ffn_rank,
                  "The MLP's linears as products of two rank-r factors (0: dense); r below d_model "
-                 "and the MLP width; under --tp the MLP's all-reduce carries r values per token")
+                 "and the MLP width; under --tp the MLP's forward all-reduce carries r values per "
+                 "token")
       ->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")

@@ -64,7 +64,7 @@ void ModelConfig::validate() const {
              ffn_blocks, d_model, d_ff);
   LOOM_CHECK(ffn_rank >= 0 && ffn_rank < std::min(d_model, d_ff),
              "model config: ffn_rank = {} must be 0 (dense) or in [1, {}) (below d_model = {} "
-             "and d_ff = {}: a larger rank saves nothing)",
+             "and d_ff = {}; it saves weights only below d_model d_ff / (d_model + d_ff))",
              ffn_rank, std::min(d_model, d_ff), d_model, d_ff);
   LOOM_CHECK(ffn_rank == 0 || ffn_blocks == 1,
              "model config: ffn_rank = {} and ffn_blocks = {}: an MLP is block-diagonal or low "

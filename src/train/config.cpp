@@ -40,7 +40,7 @@ void TrainConfig::validate() const {
              precision);
   LOOM_CHECK(freeze_variance_after >= 0,
              "--freeze-variance-after {} must be >= 0 (0: AdamW's variance is never frozen)",
-             freeze_variance_after, ffn_blocks, ffn_rank);
+             freeze_variance_after);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
@@ -50,6 +50,12 @@ void TrainConfig::validate() const {
              "--ffn-blocks {} must be at least 1 (1: a dense MLP; B: its linears as B "
              "block-diagonal blocks)",
              ffn_blocks);
+  // Pruning selects 2-D ".weight" matrices: a structured MLP has none, and would stay dense.
+  LOOM_CHECK(!prune.enabled() || (ffn_blocks == 1 && ffn_rank == 0) ||
+                 prune.targets.find("mlp") == std::string::npos,
+             "--prune-targets {} with --ffn-blocks {} / --ffn-rank {}: a structured MLP is not "
+             "pruned (its blocks or factors are the structure); use --prune-targets attention",
+             prune.targets, ffn_blocks, ffn_rank);
   LOOM_CHECK(ffn_rank >= 0,
              "--ffn-rank {} must be 0 (a dense MLP) or positive (its linears as products of two "
              "rank-r factors)",
@@ -191,7 +197,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
     pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device, attention,
     peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,
-    freeze_variance_after)
+    freeze_variance_after, ffn_blocks, ffn_rank)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;

@@ -138,7 +138,8 @@ class BlockDiagonalLinear : public torch::nn::Module, public ShardedModule {
 //  - LowRankRowLinear (the MLP's last linear): v split by input features, u and the bias
 //    replicated. Each rank's x v^T is a partial sum of `rank` values per token, leaving the
 //    region there (all-reduced; reduce-scattered with sequence parallelism), and u is applied
-//    after: the MLP's all-reduce carries rank values per token instead of d_model.
+//    after: the MLP's forward all-reduce carries rank values per token instead of d_model (its
+//    backward all-reduce, at the region's entry, still d_model).
 // Parameters "u", "v" (and "bias"). Not prunable.
 class LowRankColumnLinear : public torch::nn::Module, public ShardedModule {
  public:
