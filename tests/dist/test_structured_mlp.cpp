@@ -63,21 +63,32 @@ TEST(TpModel, BlockDiagonalMlpIssuesNoAllReduce) {
 
 // A low-rank MLP (--ffn-rank r) leaves its region after the second factor's first half: without
 // sequence parallelism its all-reduce carries r values per token instead of d_model, the rest as
-// dense: (3 layers + 2) b s h + layers b s r elements all-reduced, exactly.
+// dense: (3 layers + 2) b s h + layers b s r elements all-reduced, exactly. With it no
+// all-reduce, and ((3 layers + 2) h + layers r) b s elements all-gathered and as many
+// reduce-scattered (the MLP's exit and its backward dual carry r per token).
 TEST(TpModel, LowRankMlpAllReducesRankValuesPerToken) {
-  auto tp = world_group(false);
-  if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
-  for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
-    SCOPED_TRACE(models::to_string(family));
-    auto config = small_config(family, tp->size());
-    config.ffn_rank = 8;
-    const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers;
-    auto model = models::make_model(config, tp);
-    models::init_parameters(*model, 1);
-    auto tokens = at::zeros({b, s}, at::kLong);
-    tp->stats().reset();
-    model->loss(tokens, tokens).backward();
-    EXPECT_EQ(tp->stats().all_reduce_elements, (3 * layers + 2) * b * s * h + layers * b * s * 8);
+  for (const bool sp : {false, true}) {
+    auto tp = world_group(sp);
+    if (tp->size() == 1) GTEST_SKIP() << "needs tp > 1";
+    for (const auto family : {models::Family::kGpt2, models::Family::kLlama}) {
+      SCOPED_TRACE(fmt::format("{} sp {}", models::to_string(family), sp));
+      auto config = small_config(family, tp->size());
+      config.ffn_rank = 8;
+      const int64_t b = 2, s = 12, h = config.d_model, layers = config.n_layers, r = 8;
+      auto model = models::make_model(config, tp);
+      models::init_parameters(*model, 1);
+      auto tokens = at::zeros({b, s}, at::kLong);
+      tp->stats().reset();
+      model->loss(tokens, tokens).backward();
+      const auto& st = tp->stats();
+      if (!sp) {
+        EXPECT_EQ(st.all_reduce_elements, (3 * layers + 2) * b * s * h + layers * b * s * r);
+      } else {
+        EXPECT_EQ(st.all_reduce_elements, 0);
+        EXPECT_EQ(st.all_gather_elements, ((3 * layers + 2) * h + layers * r) * b * s);
+        EXPECT_EQ(st.reduce_scatter_elements, ((3 * layers + 2) * h + layers * r) * b * s);
+      }
+    }
   }
 }
 
