@@ -43,6 +43,14 @@ at::Tensor leading_values(const at::Tensor& entry, int64_t numel, const std::str
   return entry.narrow(0, 0, numel).to(at::kFloat).contiguous().clone();
 }
 
+std::map<int64_t, at::Tensor> owed_by_bucket(const std::map<std::string, at::Tensor>& values) {
+  std::map<int64_t, at::Tensor> out;
+  for (const auto& [key, owed] : values)
+    if (const auto index = bucket_of_key(key, "owed"))
+      out[*index] = owed.to(at::kFloat).contiguous().clone();
+  return out;
+}
+
 void CommHook::load_group_values(const std::map<std::string, at::Tensor>& values,
                                  bool /*reduce_scatter*/) {
   for (const auto& [key, t] : values)

@@ -252,9 +252,7 @@ void PowerSgdHook::load_group_values(const std::map<std::string, at::Tensor>& va
                                      bool /*reduce_scatter*/) {
   state_.clear();
   pending_owed_.clear();
-  for (const auto& [key, owed] : values)
-    if (const auto index = bucket_of_key(key, "owed"))
-      pending_owed_[*index] = owed.to(at::kFloat).contiguous().clone();
+  pending_owed_ = owed_by_bucket(values);
 }
 
 at::Tensor PowerSgdHook::error(int64_t index) const {

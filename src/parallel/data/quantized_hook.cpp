@@ -267,14 +267,11 @@ void QuantizedAllReduceHook::load_group_values(const std::map<std::string, at::T
                                                bool reduce_scatter) {
   state_.clear();
   scatter_state_.clear();
-  for (const auto& [key, owed] : values) {
-    const auto index = bucket_of_key(key, "owed");
-    if (!index) continue;
-    auto error = owed.to(at::kFloat).contiguous().clone();
+  for (auto& [index, error] : owed_by_bucket(values)) {
     if (reduce_scatter) {
-      scatter_state_[*index].resharded_error = std::move(error);
+      scatter_state_[index].resharded_error = std::move(error);
     } else {
-      auto& s = state_[*index];
+      auto& s = state_[index];
       s.resharded_error = std::move(error);
       s.resharded_server_error = at::zeros({0}, at::kFloat);
     }

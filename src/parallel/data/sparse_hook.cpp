@@ -262,14 +262,11 @@ void SparseCompressHook::load_group_values(const std::map<std::string, at::Tenso
                                            bool reduce_scatter) {
   state_.clear();
   scatter_state_.clear();
-  for (const auto& [key, owed] : values) {
-    const auto index = bucket_of_key(key, "owed");
-    if (!index) continue;
-    auto error = owed.to(at::kFloat).contiguous().clone();
+  for (auto& [index, error] : owed_by_bucket(values)) {
     if (reduce_scatter) {
-      scatter_state_[*index].resharded_error = std::move(error);  // steps 0: thresholds anew
+      scatter_state_[index].resharded_error = std::move(error);  // steps 0: thresholds anew
     } else {
-      auto& s = state_[*index];
+      auto& s = state_[index];
       s.capacity = capacity(error.numel());
       s.error = std::move(error);
     }

@@ -156,6 +156,10 @@ std::optional<int64_t> bucket_of_key(const std::string& key, std::string_view wh
 at::Tensor leading_values(const at::Tensor& entry, int64_t numel, const std::string& hook,
                           int64_t index, std::string_view what);
 
+// The "b<index>/owed" entries of load_group_values' `values`, by bucket index, each as a float32
+// tensor of its own (what the error-feedback hooks take back as their carried error).
+std::map<int64_t, at::Tensor> owed_by_bucket(const std::map<std::string, at::Tensor>& values);
+
 // All-reduce average in the gradients' own dtype.
 class AllReduceAvgHook : public CommHook {
  public:
