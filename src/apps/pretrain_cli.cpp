@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include "loom/core/error.h"
+#include "loom/models/config.h"
 #include "loom/train/runtime.h"
 
 namespace loom::apps {
@@ -55,6 +56,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "and the MLP width; under --tp the MLP's forward all-reduce carries r values per "
                  "token")
       ->capture_default_str();
+  app.add_option("--mtp", c.mtp,
+                 "Multi-token prediction: N extra heads (each a transformer block on the last "
+                 "block's input, its own norm and the shared unembedding) predicting 2 .. N+1 "
+                 "tokens ahead, their losses added while training");
+  app.add_option("--mtp-weights", c.mtp_weights,
+                 "Loss weight of each --mtp head, comma-separated (default: 1 each)")
+      ->delimiter(',');
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")
       ->capture_default_str();
@@ -239,6 +247,12 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
 }
 
 void PretrainCommandLine::finish() {
+  // 0 is the config's "no heads", but given on the command line it is a mistake.
+  LOOM_CHECK(app.count("--mtp") == 0 ||
+                 (config.mtp >= 1 && config.mtp <= models::ModelConfig::kMaxMtpHeads),
+             "--mtp {} must be in [1, {}] (extra heads predicting 2, 3, ... tokens ahead), or "
+             "left out",
+             config.mtp, models::ModelConfig::kMaxMtpHeads);
   if (app.count("--micro-batches") > 0) {
     LOOM_CHECK(micro_batches > 0, "--micro-batches {} must be positive", micro_batches);
     LOOM_CHECK(app.count("--grad-accum") == 0 || config.grad_accum == micro_batches,

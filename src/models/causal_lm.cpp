@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <cmath>
+#include <utility>
 
 #include "loom/core/error.h"
 #include "loom/core/format.h"
@@ -68,6 +70,12 @@ CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp, ModelPart part)
   LOOM_CHECK(part_.first || part_.last || part_.end_layer > part_.first_layer,
              "a model part in the middle of the pipeline must hold at least one layer (got {})",
              part_.describe(config_.n_layers));
+  LOOM_CHECK(config_.mtp_heads == 0 || !part_.last || part_.end_layer > part_.first_layer,
+             "multi-token prediction heads read the last layer's input, so the last pipeline "
+             "stage must hold at least that layer; this one holds {}",
+             part_.describe(config_.n_layers));
+  mtp_weights_.assign(static_cast<size_t>(config_.mtp_heads), 1.0);
+  mtp_execution_->checkpointing = ActivationCheckpointing::kNone;
 }
 
 void CausalLM::check_divisible_by_tp() const {
@@ -157,6 +165,11 @@ void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
                "follow this rank's slice, not the tokens' places in the sequence; train with "
                "--dropout 0 or cp 1",
                config_.dropout);
+    LOOM_CHECK(config_.mtp_heads == 0,
+               "multi-token prediction ({} heads) under context parallelism is not supported yet: "
+               "a head's targets lie k tokens ahead, across this rank's chunk boundaries; train "
+               "with cp 1",
+               config_.mtp_heads);
   }
   execution_->context = group && group->size() > 1 ? std::move(group) : nullptr;
 }
@@ -173,8 +186,21 @@ at::Tensor CausalLM::forward_part(const at::Tensor& input) {
                part_.describe(config_.n_layers), config_.d_model, input.sizes());
     x = input;
   }
-  x = run_layers(x);
-  return part_.last ? head(x) : x;
+  // The multi-token heads need the last block's input: run_block keeps it for loss_from_logits.
+  trunk_ = at::Tensor();
+  trunk_logits_.reset();
+  keep_trunk_ = part_.last && !mtp_heads_.empty() && (is_training() || heads_forward_);
+  try {
+    x = run_layers(x);
+  } catch (...) {
+    keep_trunk_ = false;
+    throw;
+  }
+  keep_trunk_ = false;
+  if (!part_.last) return x;
+  auto logits = head(x);
+  if (trunk_.defined()) trunk_logits_ = TensorImplWeak(logits.getIntrusivePtr());
+  return logits;
 }
 
 at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
@@ -183,8 +209,29 @@ at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
   return forward_part(tokens);
 }
 
+at::Tensor CausalLM::token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
+    return next_token_loss(logits, targets);
+  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+}
+
 at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
   check_ids(targets, "target");
+  if (!mtp_heads_.empty() && is_training()) {
+    LOOM_CHECK(trunk_.defined() && trunk_logits_.lock().get() == logits.unsafeGetTensorImpl(),
+               "multi-token prediction: these logits did not come from this model's last "
+               "forward_part while training, whose trunk the {} heads read; call forward_part "
+               "and loss_from_logits in turn",
+               mtp_heads_.size());
+    const auto trunk = std::exchange(trunk_, at::Tensor());
+    trunk_logits_.reset();
+    LOOM_CHECK(targets.dim() == 2 && targets.sizes() == logits.sizes().slice(0, 2),
+               "loss: targets {} must be [batch, seq] of the logits {}", targets.sizes(),
+               logits.sizes());
+    // The heads first: their forwards run while the main head's cross-entropy holds nothing yet.
+    const auto heads = mtp_loss(trunk, targets);
+    return token_loss(logits, targets) + heads;
+  }
   if (context_parallel_size() > 1) {
     auto& group = *execution_->context;
     LOOM_CHECK(targets.dim() == 2 && targets.size(1) == logits.size(1) * group.size(),
@@ -199,9 +246,104 @@ at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor
             : pt::vocab_parallel_cross_entropy(logits, local, config_.vocab_size, *tp_);
     return parallel::context::context_mean(mean, group);
   }
-  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
-    return next_token_loss(logits, targets);
-  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+  return token_loss(logits, targets);
+}
+
+at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets) {
+  const int64_t heads = static_cast<int64_t>(mtp_heads_.size()), seq = targets.size(1);
+  LOOM_CHECK(seq > heads,
+             "multi-token prediction with {} heads needs sequences of more than {} tokens (head "
+             "k predicts the token k + 1 places ahead); got {}",
+             heads, heads, seq);
+  std::vector<parallel::memory::CheckpointFn> terms;
+  for (int64_t i = 0; i < heads; ++i) {
+    const double weight = mtp_weights_[static_cast<size_t>(i)];
+    if (weight == 0) continue;
+    // Runs again in backward: holds the targets by value (the model outlives the step).
+    terms.push_back([this, i, weight, targets](const std::vector<at::Tensor>& in) {
+      const int64_t shift = i + 1;
+      const auto logits = unembed(mtp_hidden(i, in[0]));
+      const int64_t t = logits.size(1);
+      return token_loss(logits.narrow(1, 0, t - shift), targets.narrow(1, shift, t - shift)) *
+             weight;
+    });
+  }
+  if (terms.empty()) return at::zeros({}, trunk.options().dtype(at::kFloat));
+  parallel::memory::CheckpointOptions options;
+  if (config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
+  // The heads' parameters and the shared unembedding get their gradients through the node, one
+  // accumulation per backward (the unembedding's summed with the main head's use of it).
+  for (const auto& head : mtp_heads_)
+    for (const auto& p : head->parameters()) options.parameters.push_back(p);
+  const auto params = named_parameters();
+  const auto* unembedding = params.find(unembedding_weight_name());
+  LOOM_CHECK(unembedding != nullptr, "multi-token prediction: the model has no parameter '{}'",
+             unembedding_weight_name());
+  options.parameters.push_back(*unembedding);
+  return parallel::memory::checkpoint_sum(terms, {trunk}, options);
+}
+
+void CausalLM::set_mtp_loss_weights(std::vector<double> weights) {
+  LOOM_CHECK(static_cast<int64_t>(weights.size()) == config_.mtp_heads,
+             "multi-token prediction loss weights: {} given for {} heads (one per head)",
+             weights.size(), config_.mtp_heads);
+  for (size_t i = 0; i < weights.size(); ++i)
+    LOOM_CHECK(std::isfinite(weights[i]) && weights[i] >= 0,
+               "multi-token prediction loss weight {} of head {} must be finite and >= 0",
+               weights[i], i + 1);
+  mtp_weights_ = std::move(weights);
+}
+
+void CausalLM::register_mtp_heads(const std::shared_ptr<torch::nn::Module>& container,
+                                  std::vector<std::shared_ptr<torch::nn::Module>> heads) {
+  LOOM_CHECK(static_cast<int64_t>(heads.size()) == config_.mtp_heads && part_.last,
+             "register_mtp_heads: {} heads for a config of {} on {}", heads.size(),
+             config_.mtp_heads, part_.describe(config_.n_layers));
+  mtp_heads_ = std::move(heads);
+  for (size_t i = 0; i < mtp_heads_.size(); ++i)
+    container->register_module(std::to_string(i), mtp_heads_[i]);
+}
+
+at::Tensor CausalLM::mtp_hidden(int64_t /*index*/, const at::Tensor& /*trunk*/) {
+  fail("this {} model has no multi-token prediction heads", to_string(config_.family));
+}
+
+at::Tensor CausalLM::unembed(const at::Tensor& /*normed*/) {
+  fail("this {} model has no shared unembedding for multi-token heads", to_string(config_.family));
+}
+
+std::string CausalLM::unembedding_weight_name() const {
+  return embedding_weight_name();
+}
+
+at::Tensor CausalLM::whole_logits(const at::Tensor& shard) {
+  auto logits = pt::gather_from_tp_region(shard, *tp_, -1);
+  return logits.size(-1) == config_.vocab_size ? logits : logits.narrow(-1, 0, config_.vocab_size);
+}
+
+std::vector<at::Tensor> CausalLM::forward_heads(const at::Tensor& tokens) {
+  LOOM_CHECK(!mtp_heads_.empty(),
+             "forward_heads: the model has no multi-token prediction heads (mtp_heads is 0)");
+  LOOM_CHECK(context_parallel_size() == 1,
+             "forward_heads returns whole logits; under context parallelism this rank holds part "
+             "of each sequence");
+  LOOM_CHECK(is_whole(), "forward_heads needs the whole model; this one holds {}",
+             part_.describe(config_.n_layers));
+  heads_forward_ = true;
+  at::Tensor shard;
+  try {
+    shard = forward_part(tokens);
+  } catch (...) {
+    heads_forward_ = false;
+    throw;
+  }
+  heads_forward_ = false;
+  const auto trunk = std::exchange(trunk_, at::Tensor());
+  trunk_logits_.reset();
+  std::vector<at::Tensor> out{whole_logits(shard)};
+  for (int64_t i = 0; i < config_.mtp_heads; ++i)
+    out.push_back(whole_logits(unembed(mtp_hidden(i, trunk))));
+  return out;
 }
 
 std::string CausalLM::tied_embedding_copy() const {
@@ -209,6 +351,7 @@ std::string CausalLM::tied_embedding_copy() const {
 }
 
 at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn) {
+  if (keep_trunk_ && part_.first_layer + layer == config_.n_layers - 1) trunk_ = x;
   BlockFn run = fn;
   if (execution_->checkpointing == ActivationCheckpointing::kFull) {
     parallel::memory::CheckpointOptions options;
@@ -239,8 +382,10 @@ at::Tensor CausalLM::forward(const at::Tensor& tokens) {
              "holds 2 of the {} chunks of each sequence: use loss(), or a model at cp 1 (e.g. "
              "loaded from a checkpoint) for logits and generation",
              context_parallel_size(), 2 * context_parallel_size());
-  auto logits = pt::gather_from_tp_region(logits_shard(tokens), *tp_, -1);
-  return logits.size(-1) == config_.vocab_size ? logits : logits.narrow(-1, 0, config_.vocab_size);
+  auto logits = whole_logits(logits_shard(tokens));
+  trunk_ = at::Tensor();  // no loss follows: the heads' trunk is not needed
+  trunk_logits_.reset();
+  return logits;
 }
 
 at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {

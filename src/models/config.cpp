@@ -78,6 +78,13 @@ void ModelConfig::validate() const {
              "model config: ffn_blocks = {} applies to loom's GPT-2 and Llama MLPs, not a custom "
              "model",
              ffn_blocks);
+  LOOM_CHECK(mtp_heads >= 0 && mtp_heads <= kMaxMtpHeads,
+             "model config: mtp_heads = {} must be in [0, {}] (0: next-token prediction only)",
+             mtp_heads, kMaxMtpHeads);
+  LOOM_CHECK(mtp_heads == 0 || family != Family::kCustom,
+             "model config: mtp_heads = {} adds loom's GPT-2 or Llama blocks as heads; a custom "
+             "model has none",
+             mtp_heads);
   LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
@@ -88,18 +95,24 @@ int64_t ModelConfig::mlp_weights() const {
   return (family == Family::kLlama ? 3 : 2) * one;
 }
 
-int64_t ModelConfig::num_parameters() const {
+int64_t ModelConfig::block_parameters() const {
   const int64_t d = d_model, kv = n_kv_heads * head_dim();
-  int64_t per_layer = 0, embed = vocab_size * d, extra = 0;
-  if (family == Family::kGpt2) {
-    // The MLP: its linears' weights (mlp_weights) and two biases.
-    per_layer = (d * 3 * d + 3 * d) + (d * d + d) + mlp_weights() + d_ff + d + 4 * d;
-    extra = max_seq_len * d + 2 * d;
-  } else {
-    per_layer = d * d + 2 * d * kv + d * d + mlp_weights() + 2 * d;
-    extra = d + (tie_embeddings ? 0 : vocab_size * d);
-  }
-  return embed + extra + n_layers * per_layer;
+  // GPT-2's MLP: its linears' weights (mlp_weights) and two biases.
+  if (family == Family::kGpt2)
+    return (d * 3 * d + 3 * d) + (d * d + d) + mlp_weights() + d_ff + d + 4 * d;
+  return d * d + 2 * d * kv + d * d + mlp_weights() + 2 * d;
+}
+
+int64_t ModelConfig::mtp_head_parameters() const {
+  return block_parameters() + (family == Family::kGpt2 ? 2 * d_model : d_model);
+}
+
+int64_t ModelConfig::num_parameters() const {
+  const int64_t d = d_model;
+  const int64_t embed = vocab_size * d;
+  const int64_t extra =
+      family == Family::kGpt2 ? max_seq_len * d + 2 * d : d + (tie_embeddings ? 0 : vocab_size * d);
+  return embed + extra + n_layers * block_parameters() + mtp_heads * mtp_head_parameters();
 }
 
 nlohmann::json ModelConfig::to_json() const {
@@ -112,6 +125,7 @@ nlohmann::json ModelConfig::to_json() const {
   // Written only when structured, so a dense model's config reads as it always did.
   if (ffn_blocks != 1) j["ffn_blocks"] = ffn_blocks;
   if (ffn_rank != 0) j["ffn_rank"] = ffn_rank;
+  if (mtp_heads != 0) j["mtp_heads"] = mtp_heads;
   return j;
 }
 
@@ -121,6 +135,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   auto like = c.to_json();
   like["ffn_blocks"] = c.ffn_blocks;  // optional, but an integer when present
   like["ffn_rank"] = c.ffn_rank;
+  like["mtp_heads"] = c.mtp_heads;
   core::check_json_like(j, like, "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
@@ -136,6 +151,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
     c.dropout = j.at("dropout").get<double>();
     c.ffn_blocks = j.value("ffn_blocks", int64_t{1});
     c.ffn_rank = j.value("ffn_rank", int64_t{0});
+    c.mtp_heads = j.value("mtp_heads", int64_t{0});
     c.tie_embeddings = j.at("tie_embeddings").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     fail("model config JSON is missing a field or has a wrong type: {}", e.what());

@@ -117,9 +117,24 @@ Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
     blocks.push_back(h_.back());
   }
   register_blocks("transformer.h", h, std::move(blocks));
-  if (p.last)
-    ln_f_ = body->register_module(
-        "ln_f", nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps)));
+  auto norm = [&] {
+    return nn::LayerNorm(nn::LayerNormOptions({config.d_model}).eps(config.norm_eps));
+  };
+  if (p.last) ln_f_ = body->register_module("ln_f", norm());
+  if (p.last && config.mtp_heads > 0) {
+    std::vector<std::shared_ptr<nn::Module>> heads;
+    for (int64_t i = 0; i < config.mtp_heads; ++i) {
+      auto head = std::make_shared<nn::Module>();
+      // Keyed (dropout masks) as layers after the last one.
+      mtp_blocks_.push_back(head->register_module(
+          "block",
+          std::make_shared<Gpt2Block>(config, tp_ptr(), config.n_layers + i, mtp_execution())));
+      mtp_norms_.push_back(head->register_module("ln_f", norm()));
+      heads.push_back(std::move(head));
+    }
+    register_mtp_heads(body->register_module("mtp", std::make_shared<nn::Module>()),
+                       std::move(heads));
+  }
 }
 
 at::Tensor Gpt2::embed(const at::Tensor& tokens) {
@@ -145,8 +160,17 @@ at::Tensor Gpt2::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Gpt2::head(const at::Tensor& x) {
+  return unembed(ln_f_->forward(x));
+}
+
+at::Tensor Gpt2::unembed(const at::Tensor& normed) {
   // Tied output head: logits = x · wteᵀ, this rank's vocabulary rows.
-  return at::matmul(pt::enter_tp_region(ln_f_->forward(x), tp(), 1), wte_->weight.t());
+  return at::matmul(pt::enter_tp_region(normed, tp(), 1), wte_->weight.t());
+}
+
+at::Tensor Gpt2::mtp_hidden(int64_t index, const at::Tensor& trunk) {
+  const auto i = static_cast<size_t>(index);
+  return mtp_norms_.at(i)->forward(mtp_blocks_.at(i)->forward(trunk));
 }
 
 ParamInit Gpt2::init_for(const std::string& name) const {

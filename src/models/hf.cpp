@@ -123,11 +123,17 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
              "save_hf: the model is split across tp = {} ranks; gather_parameters() on every rank, "
              "then save a single-process model holding them",
              model.tp().size());
-  core::NamedTensors tensors;
+  core::NamedTensors tensors, mtp_tensors;
   const auto params = gather_parameters(model);
   for (const auto& [key, value] : params) {
     std::string name = key;
     auto t = value.detach();
+    // Multi-token heads have no place in the Hugging Face model: they go beside it, as loom
+    // stores them (names and [out, in] layouts).
+    if (name.find(".mtp.") != std::string::npos) {
+      mtp_tensors.emplace_back(name, t.to(at::kCPU, dtype).contiguous());
+      continue;
+    }
     // Structured MLP weights go out as the dense matrices they stand for, the same function in a
     // format without structure: a block-diagonal [blocks, out / blocks, in / blocks] with zeros
     // off the diagonal; low-rank factors u [out, rank] and v [rank, in] as u v (in the model's
@@ -144,6 +150,11 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
     tensors.emplace_back(name, t);
   }
   core::save_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+  if (!mtp_tensors.empty())
+    core::save_safetensors(dir / kMtpHeadsFile, mtp_tensors,
+                           {{"format", "pt"}, {"mtp_heads", std::to_string(c.mtp_heads)}});
+  else
+    fs::remove(dir / kMtpHeadsFile);  // an earlier export's heads are not this model's
   core::write_file_atomic(dir / "config.json", j.dump(2) + "\n");
 }
 

@@ -56,6 +56,23 @@ parallel::pipeline::LayerCosts layer_costs(const ModelConfig& c, const std::stri
     out.first_time = embed_flops;
     out.last_time = head_flops;
   }
+  // Multi-token heads sit on the last stage: each a block and a norm, run once in forward and
+  // again (recomputed) in backward, and its own pass through the unembedding. Their activations
+  // and logits exist one head at a time, beside the trunk each micro-batch keeps for them.
+  if (c.mtp_heads > 0) {
+    const double heads = static_cast<double>(c.mtp_heads);
+    const double head_norm = c.family == Family::kGpt2 ? 2 * d : d;
+    out.last_bytes += heads * (params + head_norm) * state_per_param +
+                      in_flight * tokens * d * 4 / tp +
+                      2 * tokens * (34 * d + 5 * c.n_heads * t) / tp + tokens * v * 4 * 2 / tp;
+    const double recompute = 4.0 / 3.0;  // forward + backward + one more forward
+    if (kind == "uniform")
+      out.last_time += heads;
+    else if (kind == "params")
+      out.last_time += heads * (params + head_norm);
+    else
+      out.last_time += heads * recompute * (layer_flops + head_flops);
+  }
   return out;
 }
 

@@ -155,6 +155,21 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
               config.d_model, config.vocab_size, tp_ptr(),
               pt::ColumnParallelOptions{.bias = false, .padded_out = padded_vocab()}, "lm_head"));
   }
+  if (p.last && config.mtp_heads > 0) {
+    std::vector<std::shared_ptr<nn::Module>> heads;
+    for (int64_t i = 0; i < config.mtp_heads; ++i) {
+      auto head = std::make_shared<nn::Module>();
+      // Keyed (dropout masks) as layers after the last one.
+      mtp_blocks_.push_back(head->register_module(
+          "block",
+          std::make_shared<LlamaBlock>(config, tp_ptr(), config.n_layers + i, mtp_execution())));
+      mtp_norms_.push_back(head->register_module(
+          "norm", std::make_shared<RmsNorm>(config.d_model, config.norm_eps)));
+      heads.push_back(std::move(head));
+    }
+    register_mtp_heads(body->register_module("mtp", std::make_shared<nn::Module>()),
+                       std::move(heads));
+  }
 
   // Rotary tables: angle(t, i) = t * theta^(-2i / hd), duplicated over both halves.
   const int64_t hd = config.head_dim();
@@ -170,7 +185,7 @@ at::Tensor Llama::embed(const at::Tensor& tokens) {
   return embed_tokens_->forward(tokens);
 }
 
-at::Tensor Llama::run_layers(const at::Tensor& input) {
+std::pair<at::Tensor, at::Tensor> Llama::rope_tables(const at::Tensor& input) {
   const int64_t t = full_seq_len(input);
   const auto dtype = compute_type(input);
   if (!rope_cos_used_.defined() || rope_cos_used_.device() != input.device() ||
@@ -186,6 +201,12 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
                                  : rope_cos_used_.narrow(0, 0, t);
   auto sin = positions.defined() ? rope_sin_used_.index_select(0, positions)
                                  : rope_sin_used_.narrow(0, 0, t);
+  return {cos, sin};
+}
+
+at::Tensor Llama::run_layers(const at::Tensor& input) {
+  const auto tables = rope_tables(input);
+  const auto cos = tables.first, sin = tables.second;
   auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -197,8 +218,18 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Llama::head(const at::Tensor& x) {
-  auto h = pt::enter_tp_region(norm_->forward(x), tp(), 1);
+  return unembed(norm_->forward(x));
+}
+
+at::Tensor Llama::unembed(const at::Tensor& normed) {
+  auto h = pt::enter_tp_region(normed, tp(), 1);
   return lm_head_ ? lm_head_->forward(h) : at::matmul(h, embed_tokens_->weight.t());
+}
+
+at::Tensor Llama::mtp_hidden(int64_t index, const at::Tensor& trunk) {
+  const auto i = static_cast<size_t>(index);
+  const auto [cos, sin] = rope_tables(trunk);
+  return mtp_norms_.at(i)->forward(mtp_blocks_.at(i)->forward(trunk, cos, sin));
 }
 
 ParamInit Llama::init_for(const std::string& name) const {

@@ -12,6 +12,7 @@
 #include "loom/core/preemption.h"
 #include "loom/data/sampler.h"
 #include "loom/dist/backend_plan.h"
+#include "loom/models/config.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
@@ -60,6 +61,18 @@ void TrainConfig::validate() const {
              "--ffn-rank {} must be 0 (a dense MLP) or positive (its linears as products of two "
              "rank-r factors)",
              ffn_rank);
+  LOOM_CHECK(mtp >= 0 && mtp <= models::ModelConfig::kMaxMtpHeads,
+             "--mtp {} must be in [1, {}] (extra heads predicting 2, 3, ... tokens ahead), or "
+             "left out",
+             mtp, models::ModelConfig::kMaxMtpHeads);
+  LOOM_CHECK(mtp_weights.empty() || static_cast<int64_t>(mtp_weights.size()) == mtp,
+             "--mtp-weights gives {} weights for --mtp {}: give one per head (or leave it out: 1 "
+             "each)",
+             mtp_weights.size(), mtp);
+  // A head of weight 0 would get no gradient (and take memory and time for nothing).
+  for (double w : mtp_weights)
+    LOOM_CHECK(std::isfinite(w) && w > 0,
+               "--mtp-weights: {} must be finite and > 0 (for fewer heads, lower --mtp)", w);
   LOOM_CHECK(eval_batches > 0, "--eval-batches {} must be positive", eval_batches);
   LOOM_CHECK(log_every > 0, "--log-every {} must be positive", log_every);
   core::parse_preemption_signals(preempt_signals);  // throws naming a bad name
@@ -193,11 +206,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     TrainConfig, model, preset, init_from_hf, vocab_size, seed, dropout, data, val_data, seq_len,
     steps, batch_size, grad_accum, lr, min_lr, warmup_steps, lr_decay_steps, weight_decay, beta1,
     beta2, grad_clip, precision, metrics_out, save_dir, save_every, resume, export_hf, log_every,
-    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple, cp,
-    zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb, layers,
-    pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device, attention,
-    peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend, prune,
-    freeze_variance_after, ffn_blocks, ffn_rank)
+    eval_every, eval_batches, dp, bucket_mb, comm_hook, tp, sequence_parallel, pad_vocab_multiple,
+    cp, zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb,
+    layers, pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device,
+    attention, peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend,
+    prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -231,6 +244,9 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--dropout", saved.dropout, dropout);
   same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
   same("--ffn-rank", saved.ffn_rank, ffn_rank);
+  same("--mtp", saved.mtp, mtp);
+  same("--mtp-weights", fmt::format("[{}]", fmt::join(saved.mtp_weights, ",")),
+       fmt::format("[{}]", fmt::join(mtp_weights, ",")));
   // A registered strategy may change what is computed (local SGD, compression): the same list.
   same("--strategy", fmt::format("[{}]", fmt::join(saved.strategies, " ")),
        fmt::format("[{}]", fmt::join(strategies, " ")));

@@ -10,8 +10,12 @@ double model_flops_per_token(const models::ModelConfig& config, int64_t seq_len)
   int64_t lookups = 0;  // parameters read by lookups, not multiplied
   if (config.family == models::Family::kGpt2) lookups += config.max_seq_len * d;  // positions
   if (!config.tie_embeddings) lookups += config.vocab_size * d;  // the input embedding
-  const double n = static_cast<double>(config.num_parameters() - lookups);
-  return 6.0 * n + 12.0 * static_cast<double>(config.n_layers * d * seq_len);
+  // Multi-token heads: their parameters are in num_parameters; each also multiplies by the
+  // shared unembedding and attends like one more block (their recompute in backward is not
+  // counted, as no recomputation is).
+  const double n = static_cast<double>(config.num_parameters() - lookups +
+                                       config.mtp_heads * config.vocab_size * d);
+  return 6.0 * n + 12.0 * static_cast<double>((config.n_layers + config.mtp_heads) * d * seq_len);
 }
 
 std::optional<double> peak_flops_for_device(const std::string& name) {

@@ -78,6 +78,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--ffn-blocks {} / --ffn-rank {} apply to loom's GPT-2 and Llama MLPs; a custom "
                "model defines its own layers",
                config_.ffn_blocks, config_.ffn_rank);
+    LOOM_CHECK(config_.mtp == 0,
+               "--mtp {} adds loom's GPT-2 or Llama blocks as heads; a custom model defines its "
+               "own layers",
+               config_.mtp);
   }
   // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).
   if (const auto hook = parallel::data::make_comm_hook(config_.comm_hook);
@@ -151,8 +155,13 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--ffn-rank {} with --init-from-hf: the directory holds a dense MLP, which "
                "low-rank factors cannot take",
                config_.ffn_rank);
+    LOOM_CHECK(config_.mtp == 0 || config_.init_from_hf.empty(),
+               "--mtp {} with --init-from-hf: the directory holds no multi-token heads, and "
+               "starting them from nothing on a trained trunk is not supported yet",
+               config_.mtp);
     model_config.ffn_blocks = config_.ffn_blocks;
     model_config.ffn_rank = config_.ffn_rank;
+    model_config.mtp_heads = config_.mtp;
   }
   if (!custom_model_) model_config.validate();
   return model_config;

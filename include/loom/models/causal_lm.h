@@ -108,8 +108,24 @@ class CausalLM : public torch::nn::Module {
   // context parallelism (a rank holds part of each sequence).
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy of tokens against targets [batch, seq], in fp32, computed
-  // from the vocabulary shards without assembling the whole logits.
+  // from the vocabulary shards without assembling the whole logits. While training a model with
+  // multi-token heads (ModelConfig::mtp_heads), plus each head's weighted loss (below).
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+
+  // Multi-token prediction. While training, loss() and loss_from_logits() add, for each extra
+  // head k = 1..mtp_heads, weight_k x the mean cross-entropy of its logits at position t against
+  // the token k + 1 places ahead (targets[t + k]; the last k positions have none). The heads'
+  // forwards and backwards run one after another (parallel/memory checkpoint_sum): the logits of
+  // only one head exist at a time, for one more forward of each head in backward. In eval mode
+  // the loss is the next-token loss alone. Default weights: 1 each (the paper's plain sum); a
+  // head of weight 0 is not run and gets no gradient. Throws loom::Error unless there is one
+  // finite weight >= 0 per head.
+  void set_mtp_loss_weights(std::vector<double> weights);
+  const std::vector<double>& mtp_loss_weights() const { return mtp_weights_; }
+  // The main head's whole logits [batch, seq, vocab_size] and each extra head's (head k's at
+  // position t predict the token k + 1 places ahead), gathered across tp; what self-speculative
+  // decoding drafts and verifies with. Needs the whole model, heads, and cp 1.
+  std::vector<at::Tensor> forward_heads(const at::Tensor& tokens);
 
   // The rule for the parameter with this fully-qualified name (as named_parameters() spells
   // it). Throws loom::Error for a name the model does not own.
@@ -125,7 +141,10 @@ class CausalLM : public torch::nn::Module {
   ActivationCheckpointing activation_checkpointing() const { return execution_->checkpointing; }
   // Which attention implementation the blocks use in the forwards that follow (default kAuto:
   // loom's fused kernel for CUDA bf16/fp16 without attention dropout, else PyTorch's SDPA).
-  void set_attention_backend(ops::AttentionBackend backend) { execution_->attention = backend; }
+  void set_attention_backend(ops::AttentionBackend backend) {
+    execution_->attention = backend;
+    mtp_execution_->attention = backend;
+  }
   ops::AttentionBackend attention_backend() const { return execution_->attention; }
   // Activation offload: with kFull, each block's saved input goes to host memory in forward and
   // comes back (prefetched one block ahead) for its recompute in backward. Null turns it off;
@@ -170,6 +189,19 @@ class CausalLM : public torch::nn::Module {
   virtual at::Tensor embed(const at::Tensor& tokens) = 0;
   virtual at::Tensor run_layers(const at::Tensor& x) = 0;
   virtual at::Tensor head(const at::Tensor& x) = 0;
+  // Multi-token heads (last part, ModelConfig::mtp_heads > 0). mtp_hidden: head `index`
+  // (0-based) on the trunk, its block and final norm; unembed: the shared unembedding of such
+  // normalized hidden states (this rank's vocabulary shard of the logits); its weight's name.
+  virtual at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk);
+  virtual at::Tensor unembed(const at::Tensor& normed);
+  virtual std::string unembedding_weight_name() const;
+  // The models' constructors register their heads here, under the container at `prefix`,
+  // named by their 0-based index.
+  void register_mtp_heads(const std::shared_ptr<torch::nn::Module>& container,
+                          std::vector<std::shared_ptr<torch::nn::Module>> heads);
+  // What the heads' blocks run with: the model's attention backend, never recomputation (the
+  // heads are recomputed as a whole) and never context parallelism (refused with heads).
+  BlockExecutionPtr mtp_execution() const { return mtp_execution_; }
   // The models' constructors register their blocks here, under the container at `prefix`
   // ("transformer.h"), each named by its layer index in the whole model.
   void register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
@@ -189,6 +221,8 @@ class CausalLM : public torch::nn::Module {
   at::Tensor run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn);
 
   void check_tokens(const at::Tensor& tokens) const;
+  // The mean cross-entropy of a logits shard against targets of its shape (minus the vocabulary).
+  at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets);
   // Ids in [0, vocab_size); `what` names them in the error ("token", "target").
   void check_ids(const at::Tensor& ids, const char* what) const;
   // Heads and widths tp must divide, checked with messages that name them.
@@ -203,6 +237,20 @@ class CausalLM : public torch::nn::Module {
   ModelPart part_;
   std::string blocks_prefix_;
   std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
+  // Gathered across tp, vocabulary padding dropped.
+  at::Tensor whole_logits(const at::Tensor& shard);
+  // Multi-token prediction: the heads' execution settings, modules and loss weights, and the
+  // trunk the last forward_part kept for them (with the logits it returned, to pair them).
+  std::shared_ptr<BlockExecution> mtp_execution_ = std::make_shared<BlockExecution>();
+  std::vector<std::shared_ptr<torch::nn::Module>> mtp_heads_;
+  std::vector<double> mtp_weights_;
+  bool keep_trunk_ = false;
+  bool heads_forward_ = false;  // forward_heads: keep the trunk in eval mode too
+  at::Tensor trunk_;
+  using TensorImplWeak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  TensorImplWeak trunk_logits_{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  // The heads' weighted losses, recomputed one head at a time in backward.
+  at::Tensor mtp_loss(const at::Tensor& trunk, const at::Tensor& targets);
 };
 
 // The attention core of the models' blocks: causal ops::attention of q [B, h, T, hd] with k, v

@@ -33,6 +33,11 @@ struct ModelConfig {
   // The MLP's linears as products of two rank-`ffn_rank` factors (0: dense). Below
   // min(d_model, d_ff); not with ffn_blocks > 1.
   int64_t ffn_rank = 0;
+  // Multi-token prediction: this many extra output heads (0: none). Head k (1..mtp_heads) is one
+  // transformer block on the trunk (the last block's input) with its own final norm and the
+  // shared unembedding, and predicts the token k + 1 places ahead (Gloeckle et al. 2024).
+  int64_t mtp_heads = 0;
+  static constexpr int64_t kMaxMtpHeads = 16;
 
   int64_t head_dim() const { return d_model / n_heads; }
   // Throws loom::Error naming the field, its value and what would be valid.
@@ -40,7 +45,11 @@ struct ModelConfig {
   // The weights of one block's MLP linears (GPT-2: 2, Llama: 3), as ffn_blocks or ffn_rank
   // make them.
   int64_t mlp_weights() const;
-  // Number of parameters (tied embeddings counted once).
+  // Parameters of one transformer block.
+  int64_t block_parameters() const;
+  // Parameters of one multi-token prediction head: a block and its final norm.
+  int64_t mtp_head_parameters() const;
+  // Number of parameters (tied embeddings counted once), the multi-token heads included.
   int64_t num_parameters() const;
 
   nlohmann::json to_json() const;

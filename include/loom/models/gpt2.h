@@ -49,12 +49,17 @@ class Gpt2 : public CausalLM {
   at::Tensor embed(const at::Tensor& tokens) override;
   at::Tensor run_layers(const at::Tensor& x) override;
   at::Tensor head(const at::Tensor& x) override;
+  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk) override;
+  at::Tensor unembed(const at::Tensor& normed) override;
 
  private:
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;  // first and last parts
   torch::nn::Embedding wpe_{nullptr};                              // first part
   std::vector<std::shared_ptr<Gpt2Block>> h_;                      // this part's blocks
   torch::nn::LayerNorm ln_f_{nullptr};                             // last part
+  // Multi-token heads (last part): "transformer.mtp.<i>.block" and "transformer.mtp.<i>.ln_f".
+  std::vector<std::shared_ptr<Gpt2Block>> mtp_blocks_;
+  std::vector<torch::nn::LayerNorm> mtp_norms_;
 };
 
 }  // namespace loom::models

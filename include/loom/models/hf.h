@@ -14,7 +14,13 @@ namespace loom::models {
 // parameter must be present with the right shape; extra tensors are an error too.
 std::shared_ptr<CausalLM> load_hf(const std::filesystem::path& dir);
 
-// Writes config.json and model.safetensors (fp32 unless `dtype` says otherwise). Creates dir.
+// Where save_hf puts a model's multi-token prediction heads (ModelConfig::mtp_heads), which the
+// Hugging Face model has no place for: loom's parameter names and layouts, the head count in
+// the file's metadata ("mtp_heads"). load_hf reads the main model and leaves this file alone.
+inline constexpr const char* kMtpHeadsFile = "mtp_heads.safetensors";
+
+// Writes config.json and model.safetensors (fp32 unless `dtype` says otherwise), and
+// kMtpHeadsFile when the model has multi-token heads. Creates dir.
 void save_hf(const CausalLM& model, const std::filesystem::path& dir,
              at::ScalarType dtype = at::kFloat);
 

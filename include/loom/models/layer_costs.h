@@ -28,8 +28,9 @@ struct CostShape {
 // AdamW moments) / tp + activations of `in_flight` micro-batches (fp32, without recompute:
 // 2 x seq x batch x (34 d + 5 heads seq) / tp, twice Korthikanti et al.'s 16-bit estimate).
 // The first stage also holds the embedding; the last the final norm, the head (with tied
-// embeddings, its own copy of the embedding) and the logits. An unknown kind is a loom::Error
-// listing the valid ones.
+// embeddings, its own copy of the embedding) and the logits, and the multi-token heads (each a
+// block, counted 1 under "uniform", plus a pass through the head; one head's activations at a
+// time). An unknown kind is a loom::Error listing the valid ones.
 parallel::pipeline::LayerCosts layer_costs(const ModelConfig& config, const std::string& kind,
                                            const CostShape& shape);
 

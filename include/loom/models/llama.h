@@ -59,13 +59,24 @@ class Llama : public CausalLM {
   at::Tensor embed(const at::Tensor& tokens) override;
   at::Tensor run_layers(const at::Tensor& x) override;
   at::Tensor head(const at::Tensor& x) override;
+  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk) override;
+  at::Tensor unembed(const at::Tensor& normed) override;
+  std::string unembedding_weight_name() const override {
+    return lm_head_ ? "lm_head.weight" : embedding_weight_name();
+  }
 
  private:
+  // The rotary tables' rows for the positions of `input`'s tokens, in its compute dtype.
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& input);
+
   // First part; also the last when tied.
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> embed_tokens_;
   std::vector<std::shared_ptr<LlamaBlock>> layers_;                  // this part's blocks
   std::shared_ptr<RmsNorm> norm_;                                    // last part
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> lm_head_;  // null when tied
+  // Multi-token heads (last part): "model.mtp.<i>.block" and "model.mtp.<i>.norm".
+  std::vector<std::shared_ptr<LlamaBlock>> mtp_blocks_;
+  std::vector<std::shared_ptr<RmsNorm>> mtp_norms_;
   // Rotary tables [max_seq_len, head_dim], not parameters: computed in fp64 on the host, and
   // their copy in the compute dtype on the input's device (made at the first forward there).
   at::Tensor rope_cos_, rope_sin_, rope_cos_used_, rope_sin_used_;

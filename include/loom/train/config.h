@@ -39,6 +39,8 @@ struct TrainConfig {
   int64_t layers = 0;    // transformer blocks; 0: the preset's
   int64_t ffn_blocks = 1;  // the MLP as this many block-diagonal blocks (ModelConfig::ffn_blocks)
   int64_t ffn_rank = 0;    // the MLP's linears as rank-r factor products (ModelConfig::ffn_rank)
+  int64_t mtp = 0;         // extra multi-token prediction heads (ModelConfig::mtp_heads)
+  std::vector<double> mtp_weights;  // their loss weights, one per head (empty: 1 each)
 
   // Data.
   std::string data;      // training token file (llm.c .bin or *.u16)

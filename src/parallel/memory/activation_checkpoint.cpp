@@ -112,9 +112,12 @@ void restore_position(std::shared_ptr<ops::DropoutStream>& stream,
 // What backward needs besides the saved inputs. It travels in the autograd context as a capsule
 // (the context's saved data holds IValues only), owned by the node.
 struct CheckpointState : torch::CustomClassHolder {
-  CheckpointFn fn;
+  std::vector<CheckpointFn> fns;  // summed
   // fn's argument list: slot i is the tensor the node received at slots[i], or undefined (-1).
   std::vector<int64_t> slots;
+  // The node's inputs are the saved ones (fn's defined inputs, maybe a placeholder), then these
+  // parameters, whose gradients backward returns (CheckpointOptions::parameters).
+  std::vector<at::Tensor> parameters;
   std::vector<at::Generator> generators;
   std::vector<at::Tensor> rng_states;  // the generators' states when forward ran fn
   std::vector<std::shared_ptr<ops::DropoutStream>> dropout_streams;
@@ -144,7 +147,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (const auto& stream : state->dropout_streams)
       state->dropout_positions.push_back(stream->position());
     state->autocast = AutocastState::current();
-    std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    std::vector<at::Tensor> saved(inputs.begin(),
+                                  inputs.end() - static_cast<int64_t>(state->parameters.size()));
     at::Tensor out;
     {
       // Grad mode is off here (Function::apply). Autocast's cast cache stays off around fn: a
@@ -152,7 +156,13 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       auto no_cache = state->autocast;
       no_cache.cache_enabled = false;
       AutocastScope autocast(no_cache);
-      out = state->fn(state->arguments(saved));
+      const auto args = state->arguments(saved);
+      for (const auto& fn : state->fns) {
+        auto term = fn(args);
+        LOOM_CHECK(term.defined(),
+                   "checkpoint: the checkpointed function returned an undefined tensor");
+        out = out.defined() ? out + term : term;
+      }
     }
     if (state->offload) {
       // Floating-point inputs leave the device; the rest (ids, the placeholder) stay saved.
@@ -167,17 +177,18 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     ctx->save_for_backward(saved);
     ctx->saved_data["state"] = at::IValue::make_capsule(state);
-    LOOM_CHECK(out.defined(), "checkpoint: the checkpointed function returned an undefined tensor");
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    LOOM_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+    const auto capsule = ctx->saved_data.at("state").toCapsule();
+    auto& state = dynamic_cast<CheckpointState&>(*capsule);
+    // With listed parameters every gradient comes back through this node (autograd::grad below).
+    LOOM_CHECK(!state.parameters.empty() ||
+                   torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
                "activation checkpointing supports .backward() only: torch::autograd::grad (or "
                "backward with explicit inputs) cannot see the gradients the recompute "
                "accumulates into parameters");
-    const auto capsule = ctx->saved_data.at("state").toCapsule();
-    auto& state = dynamic_cast<CheckpointState&>(*capsule);
     // Fresh leaves for the recompute, so its graph ends here and their .grad is the answer.
     std::vector<at::Tensor> leaves;
     const auto saved = ctx->get_saved_variables();
@@ -197,7 +208,22 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     } else {
       for (const auto& t : saved) leaves.push_back(t.detach().requires_grad_(t.requires_grad()));
     }
-    at::Tensor out;
+    // With listed parameters: the leaves and parameters needing gradients, and their sums.
+    std::vector<at::Tensor> targets;
+    std::vector<size_t> target_slot;  // index into `grads` below
+    variable_list grads(leaves.size() + state.parameters.size());
+    if (!state.parameters.empty()) {
+      for (size_t i = 0; i < leaves.size(); ++i)
+        if (leaves[i].requires_grad()) {
+          targets.push_back(leaves[i]);
+          target_slot.push_back(i);
+        }
+      for (size_t i = 0; i < state.parameters.size(); ++i)
+        if (state.parameters[i].requires_grad()) {
+          targets.push_back(state.parameters[i]);
+          target_slot.push_back(leaves.size() + i);
+        }
+    }
     {
       const auto rng = replay_states(state.generators, state.rng_states, get_rng_state,
                                      set_rng_state);
@@ -208,15 +234,36 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // of weights the optimizer has changed since.
       auto no_cache = state.autocast;
       no_cache.cache_enabled = false;
-      AutocastScope autocast(no_cache);
-      at::AutoGradMode grad_mode(true);
-      out = state.fn(state.arguments(leaves));
+      const auto args = state.arguments(leaves);
+      // One function's graph at a time: recomputed, differentiated, released.
+      for (const auto& fn : state.fns) {
+        at::Tensor out;
+        {
+          // The recompute under the forward's autocast; its differentiation (below) outside it,
+          // as any backward runs: autocast would change the dtypes of backward formulas' ops.
+          AutocastScope autocast(no_cache);
+          at::AutoGradMode grad_mode(true);
+          out = fn(args);
+        }
+        // Nothing in fn needs a gradient (no input or parameter does): nothing to propagate.
+        if (!out.requires_grad()) continue;
+        if (state.parameters.empty()) {
+          torch::autograd::backward({out}, {grad_outputs.at(0)});
+          continue;
+        }
+        const auto got = torch::autograd::grad({out}, targets, {grad_outputs.at(0)},
+                                               /*retain_graph=*/false, /*create_graph=*/false,
+                                               /*allow_unused=*/true);
+        for (size_t t = 0; t < targets.size(); ++t) {
+          if (!got[t].defined()) continue;
+          auto& sum = grads[target_slot[t]];
+          sum = sum.defined() ? sum + got[t] : got[t];
+        }
+      }
     }
-    // Nothing in fn needs a gradient (no input or parameter does): nothing to propagate.
-    if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs.at(0)});
-    variable_list grads;
-    for (const auto& leaf : leaves)
-      grads.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
+    if (state.parameters.empty())
+      for (size_t i = 0; i < leaves.size(); ++i)
+        grads[i] = leaves[i].requires_grad() ? leaves[i].grad() : at::Tensor();
     grads.emplace_back();  // for `state`, not a tensor
     return grads;
   }
@@ -226,10 +273,24 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                       const CheckpointOptions& options) {
+  return checkpoint_sum({fn}, inputs, options);
+}
+
+at::Tensor checkpoint_sum(const std::vector<CheckpointFn>& fns,
+                          const std::vector<at::Tensor>& inputs, const CheckpointOptions& options) {
+  LOOM_CHECK(!fns.empty(), "checkpoint_sum: no functions to sum");
+  for (const auto& fn : fns) LOOM_CHECK(fn, "checkpoint_sum: a function is empty");
   // No graph will be recorded: there is nothing to save or recompute.
-  if (!at::GradMode::is_enabled()) return fn(inputs);
+  if (!at::GradMode::is_enabled()) {
+    at::Tensor out;
+    for (const auto& fn : fns) {
+      auto term = fn(inputs);
+      out = out.defined() ? out + term : term;
+    }
+    return out;
+  }
   auto state = c10::make_intrusive<CheckpointState>();
-  state->fn = fn;
+  state->fns = fns;
   state->generators = options.generators;
   state->dropout_streams = options.dropout_streams;
   state->offload = options.offload;
@@ -247,7 +308,14 @@ at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inp
   // Autograd records a node only when some input needs a gradient; parameters used inside fn
   // still need it (a frozen embedding feeding checkpointed blocks, say), so give it one. Its
   // gradient is never computed.
+  for (const auto& p : options.parameters) {
+    LOOM_CHECK(p.defined() && p.is_leaf(),
+               "checkpoint: CheckpointOptions::parameters holds leaves (parameters) only");
+    any_requires_grad = any_requires_grad || p.requires_grad();
+  }
   if (!any_requires_grad) node_inputs.push_back(at::empty({0}).requires_grad_());
+  state->parameters = options.parameters;
+  node_inputs.insert(node_inputs.end(), options.parameters.begin(), options.parameters.end());
   return CheckpointFunction::apply(at::TensorList(node_inputs), state);
 }
 

@@ -47,6 +47,13 @@ struct CheckpointOptions {
   // the backward of the checkpoint with ticket t prefetches ticket t - 1 (the block backward
   // reaches next when blocks are checkpointed in forward order).
   std::shared_ptr<ActivationOffloader> offload;
+  // Leaves fn uses (parameters) whose gradients this node returns, instead of the recompute
+  // accumulating them into .grad: each then gets one accumulation per backward, summed with its
+  // uses outside fn, which is what data parallelism and ZeRO count on (a weight shared with the
+  // rest of the model, like an output head tied to the embedding). When this is not empty, the
+  // recompute is differentiated for the inputs and these leaves only: every leaf fn needs a
+  // gradient for must be listed, and the rest get none. Never offloaded.
+  std::vector<at::Tensor> parameters;
 };
 
 using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
@@ -57,5 +64,14 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 // node is still recorded (so parameters inside fn get gradients), and the result requires grad.
 at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs,
                       const CheckpointOptions& options = {});
+
+// fns[0](inputs) + fns[1](inputs) + ..., computed one after another without saving their
+// activations; in backward each is recomputed and differentiated in turn, so the activations of
+// only one of them exist at a time (several output heads on one trunk, each with its own
+// vocabulary-wide logits). Generators and dropout streams replay from the state they had before
+// fns[0], so the functions must draw in the same order both times. Empty fns is a loom::Error.
+at::Tensor checkpoint_sum(const std::vector<CheckpointFn>& fns,
+                          const std::vector<at::Tensor>& inputs,
+                          const CheckpointOptions& options = {});
 
 }  // namespace loom::parallel::memory

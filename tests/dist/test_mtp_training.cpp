@@ -1,0 +1,101 @@
+// Multi-token prediction (--mtp) through the Trainer under every parallel layout: the extra heads
+// on the last pipeline stage, their logits vocabulary-parallel under tp, their parameters and the
+// shared unembedding reduced over dp (and sharded by ZeRO) like the rest, one accumulation each.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dist_util.h"
+#include "loom/train/trainer.h"
+#include "train_compare.h"
+
+using loom::testing::world;
+namespace train = loom::train;
+
+namespace {
+
+struct MtpLayout {
+  const char* name;
+  loom::dist::MeshShape shape;
+  int64_t zero = 0;
+  bool sequence_parallel = false;
+};
+
+}  // namespace
+
+// gpt2-tiny (dropout 0.1: the heads' masks replayed in their recompute) and llama-tiny with
+// --mtp 2 --mtp-weights 1,0.5, 3 fp64 steps, on the layouts this world size allows (2 ranks: dp 2,
+// tp 2 with sequence parallelism, pp 2, ZeRO-3 at dp 2; 4 ranks: tp 2 x pp 2, dp 2 x pp 2 with
+// ZeRO-1), equal to one process within the fp64 bounds (losses, gradient norms, validation loss,
+// every parameter, heads included; train_compare.h). The issue asks for 1e-5; fp64 holds them to
+// 1e-9. The pp run's checkpoint resumes in one process with the same parameters, and refuses
+// another --mtp.
+TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 or 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  std::vector<MtpLayout> layouts;
+  if (n == 2) {
+    layouts = {{"dp2", {.dp = 2}},
+               {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
+               {"pp2", {.dp = 1, .pp = 2}},
+               {"dp2 zero3", {.dp = 2}, 3}};
+  } else {
+    layouts = {{"tp2 pp2", {.dp = 1, .tp = 2, .pp = 2}}, {"dp2 pp2 zero1", {.dp = 2, .pp = 2}, 1}};
+  }
+  for (const char* model : {"gpt2", "llama"}) {
+    SCOPED_TRACE(model);
+    auto config = loom::testing::tiny_layout_config(dir.path(), model);
+    config.mtp = 2;
+    config.mtp_weights = {1.0, 0.5};
+    if (std::string(model) == "gpt2") config.dropout = 0.1;
+    loom::testing::RunResult single;
+    {
+      train::Trainer t(config);
+      single = loom::testing::run(t);
+    }
+    for (const auto& layout : layouts) {
+      SCOPED_TRACE(layout.name);
+      auto c = config;
+      c.dp = layout.shape.dp;
+      c.tp = layout.shape.tp;
+      c.pp = layout.shape.pp;
+      c.zero = layout.zero;
+      c.sequence_parallel = layout.sequence_parallel;
+      const bool saves = layout.shape.pp == 2;
+      if (saves) c.save_dir = (dir / fmt::format("ckpt-{}-{}-{}", model, n, layout.zero)).string();
+      loom::testing::RunResult distributed;
+      {
+        train::Trainer t(c, loom::testing::layout_mesh(layout.shape));
+        distributed = loom::testing::run(t);
+        if (saves) t.save_checkpoint();
+      }
+      loom::testing::expect_same_run(distributed, single);
+      if (!saves) continue;
+      // In one process (each rank on its own), from the pipeline's checkpoint: the heads and
+      // every other parameter come back as they were.
+      auto resumed = config;
+      resumed.steps = 4;
+      resumed.lr_decay_steps = 3;
+      resumed.resume =
+          (dir / fmt::format("ckpt-{}-{}-{}", model, n, layout.zero) / "step-00000003").string();
+      train::Trainer again(resumed);
+      int64_t heads = 0;
+      for (const auto& [name, p] : again.gather_parameters()) {
+        heads += name.find(".mtp.") != std::string::npos;
+        EXPECT_TRUE(at::equal(p.to(at::kCPU, at::kDouble), distributed.params.at(name))) << name;
+      }
+      EXPECT_GT(heads, 0);
+      EXPECT_TRUE(std::isfinite(again.train_step().loss));
+      auto other = resumed;
+      other.mtp = 1;
+      other.mtp_weights.clear();
+      const auto msg = loom::testing::error_of([&] { train::Trainer{other}; });
+      EXPECT_TRUE(loom::testing::contains(msg, "--mtp")) << msg;
+    }
+  }
+}
