@@ -50,6 +50,7 @@ mkdir -p "$work/hf2" && cat > "$work/hf2/config.json" << 'JSON'
 {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 48, "n_layer": 1, "n_head": 4}
 JSON
 expect "--ffn-blocks 2 with --init-from-hf" "${run[@]}" --data "$work/data/train.bin" --ffn-blocks 2 --init-from-hf "$work/hf2"
+expect "--d-ff -1 must be >= 0" "${run[@]}" --data "$work/data/train.bin" --d-ff -1
 expect "--mtp 0 must be in [1, 16]" "${run[@]}" --data "$work/data/train.bin" --mtp 0
 expect "--mtp-weights gives 1 weights for --mtp 2" "${run[@]}" --data "$work/data/train.bin" --mtp 2 --mtp-weights 0.5
 expect "--mtp 2 with --init-from-hf" "${run[@]}" --data "$work/data/train.bin" --mtp 2 --init-from-hf "$work/hf2"
@@ -128,9 +129,10 @@ expect "this model has none (train it with --mtp N)" "$TOOLS/loom-generate" --ch
 # Multi-token heads from the command line: trained, saved beside the Hugging Face export, and
 # used by self-speculative decoding, which checks its tokens against greedy decoding's.
 "$TOOLS/loom-pretrain" --steps 3 --batch-size 2 --seq-len 16 --log-level warn --mtp 2 \
-  --mtp-weights 1,0.5 --data "$work/data/train.bin" --save-dir "$work/ckpt-mtp" \
+  --mtp-weights 1,0.5 --d-ff 256 --data "$work/data/train.bin" --save-dir "$work/ckpt-mtp" \
   --export-hf "$work/hf-mtp" > "$work/mtp.log" 2>&1 || { echo "FAIL: --mtp run"; cat "$work/mtp.log"; fail=1; }
 [ -f "$work/hf-mtp/mtp_heads.safetensors" ] || { echo "FAIL: no mtp_heads.safetensors"; fail=1; }
+grep -q '"n_inner": 256' "$work/hf-mtp/config.json" || { echo "FAIL: --d-ff 256 not in the export"; fail=1; }
 spec=$("$TOOLS/loom-generate" --checkpoint "$work/ckpt-mtp" --prompt "hello" --max-tokens 12 \
   --temperature 0 --speculative 2>&1)
 grep -q "output identical" <<< "$spec" || { echo "FAIL: --speculative printed '$spec'"; fail=1; }

@@ -21,6 +21,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
   app.add_option("--init-from-hf", c.init_from_hf,
                  "Start from a Hugging Face directory (config.json + model.safetensors); its "
                  "config gives the model shape");
+  app.add_option("--d-ff", c.d_ff,
+                 "The MLP's width (0: the preset's); with --ffn-blocks, a wider MLP of as many "
+                 "weights as the dense one")
+      ->capture_default_str();
   app.add_option("--layers", c.layers, "Transformer blocks (0: the preset's)")
       ->capture_default_str();
   app.add_option("--vocab-size", c.vocab_size,

@@ -264,10 +264,17 @@ at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets
       const int64_t shift = i + 1;
       const auto logits = unembed(mtp_hidden(i, in[0]));
       const int64_t t = logits.size(1);
-      return token_loss(logits.narrow(1, 0, t - shift), targets.narrow(1, shift, t - shift)) *
-             weight;
+      const auto loss =
+          token_loss(logits.narrow(1, 0, t - shift), targets.narrow(1, shift, t - shift));
+      // Counted where forward runs it (without grad), not again in its recompute.
+      if (!at::GradMode::is_enabled())
+        mtp_loss_sums_.narrow(0, i, 1).add_(loss.detach().to(at::kDouble));
+      return loss * weight;
     });
   }
+  if (!mtp_loss_sums_.defined())
+    mtp_loss_sums_ = at::zeros({heads}, trunk.options().dtype(at::kDouble));
+  ++mtp_loss_forwards_;
   if (terms.empty()) return at::zeros({}, trunk.options().dtype(at::kFloat));
   parallel::memory::CheckpointOptions options;
   if (config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
@@ -281,6 +288,13 @@ at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets
              unembedding_weight_name());
   options.parameters.push_back(*unembedding);
   return parallel::memory::checkpoint_sum(terms, {trunk}, options);
+}
+
+at::Tensor CausalLM::take_mtp_losses() {
+  if (mtp_loss_forwards_ == 0) return at::Tensor();
+  auto means = std::exchange(mtp_loss_sums_, at::Tensor()) /
+               static_cast<double>(std::exchange(mtp_loss_forwards_, 0));
+  return means;
 }
 
 void CausalLM::set_mtp_loss_weights(std::vector<double> weights) {

@@ -105,6 +105,7 @@ void TrainConfig::validate() const {
       cp != 1 ? fmt::format(" (each rank's {} of it at --cp {})", seq_len / cp, cp) : std::string(),
       tp);
   LOOM_CHECK(layers >= 0, "--layers {} must be >= 0 (0: the preset's)", layers);
+  LOOM_CHECK(d_ff >= 0, "--d-ff {} must be >= 0 (0: the preset's MLP width)", d_ff);
   LOOM_CHECK(pp >= 1, "--pp {} must be at least 1", pp);
   LOOM_CHECK(virtual_stages >= 1, "--virtual-stages {} must be at least 1", virtual_stages);
   LOOM_CHECK(virtual_stages == 1 || pp > 1,
@@ -210,7 +211,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     cp, zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb,
     layers, pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device,
     attention, peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend,
-    prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights)
+    prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights, d_ff)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -254,6 +255,10 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
              "--layers {} differs from the checkpoint's {}: the model's shape comes from the "
              "checkpoint",
              layers, saved.layers);
+  LOOM_CHECK(d_ff == 0 || d_ff == saved.d_ff || saved.d_ff == 0,
+             "--d-ff {} differs from the checkpoint's {}: the model's shape comes from the "
+             "checkpoint",
+             d_ff, saved.d_ff);
   // The masks follow the schedule step by step (extending --steps moves a default --prune-end),
   // so a pruned run resumes only with the same schedule.
   if (!saved.prune.enabled() && !prune.enabled()) return;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -209,6 +210,7 @@ StepResult Trainer::train_step() {
     last_peak_activations_ = r.peak_activation_bytes;
   }
   runtime_->finish_gradient_sync(r);
+  const auto heads = mtp_losses();
   if (data_ranks() > 1) {
     // Equal shares: the global mean is the mean of the ranks' means.
     loss = loss.reshape({1}).to(device_);  // an NCCL group reduces device tensors only
@@ -216,10 +218,14 @@ StepResult Trainer::train_step() {
     loss = loss.reshape({});
   }
   const auto norm = runtime_->clip_gradients(config_.grad_clip);
-  // One host read for the loss and the norm together (on a GPU, the step's only sync).
-  const auto both = at::stack({loss.to(norm.device()), norm}).cpu();
+  // One host read for the loss, the norm and the heads' losses together (on a GPU, the step's
+  // only sync).
+  auto read = at::stack({loss.to(norm.device()).to(at::kDouble), norm.to(at::kDouble)});
+  if (heads.defined()) read = at::cat({read, heads.to(read.device())});
+  const auto both = read.cpu();
   r.loss = both[0].item<double>();
   r.grad_norm = both[1].item<double>();
+  for (int64_t i = 2; i < both.size(0); ++i) r.mtp_losses.push_back(both[i].item<double>());
   // A non-finite gradient would poison the weights and moments: stop before the update. (On a
   // GPU the clip already scaled the gradients; they are not applied either.)
   LOOM_CHECK(std::isfinite(r.grad_norm),
@@ -260,9 +266,12 @@ double Trainer::evaluate(int64_t batches) {
 }
 
 void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_s) const {
-  spdlog::info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
-               r.step, config_.steps, r.loss, r.lr, r.grad_norm, tokens_per_s,
-               format_duration(eta_s));
+  spdlog::info(
+      "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
+      r.step, config_.steps, r.loss,
+      r.mtp_losses.empty() ? std::string()
+                           : fmt::format(" (heads {:.4f})", fmt::join(r.mtp_losses, " ")),
+      r.lr, r.grad_norm, tokens_per_s, format_duration(eta_s));
 }
 
 data::Batch Trainer::on_device(data::Batch batch) const {
@@ -311,6 +320,7 @@ StepResult Trainer::fit() {
                    {"memory", memory_report().to_json()},
                    {"elapsed_s", elapsed_s()}};
     if (last.mfu) record["mfu"] = *last.mfu;
+    if (!last.mtp_losses.empty()) record["mtp_losses"] = last.mtp_losses;
     // Once per process, in its first record: what was run (scripts/plot labels curves by it).
     if (step() == first_step + 1)
       record["run"] = {
@@ -345,6 +355,20 @@ StepResult Trainer::fit() {
   }
   if (!config_.export_hf.empty()) export_hf();
   return last;
+}
+
+at::Tensor Trainer::mtp_losses() {
+  const int64_t heads = run().model_config.mtp_heads;
+  if (heads == 0) return at::Tensor();
+  // The part holding the heads (the last, on the last pipeline stage) has them; every rank adds
+  // its share over the world (tp ranks hold copies of one value, dp ranks their samples' means),
+  // so no rank needs to know where the heads are.
+  auto means = run().chunks.back()->take_mtp_losses();
+  auto share = at::zeros({heads}, at::TensorOptions(at::kDouble).device(device_));
+  if (means.defined())
+    share += means.to(device_) / static_cast<double>(data_ranks() * model().tp().size());
+  if (mesh_->world_size() > 1) mesh_->world().all_reduce(share, dist::ReduceOp::Sum);
+  return share;
 }
 
 int Trainer::reduce_over_world(int value, dist::ReduceOp op) {

@@ -82,6 +82,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--mtp {} adds loom's GPT-2 or Llama blocks as heads; a custom model defines its "
                "own layers",
                config_.mtp);
+    LOOM_CHECK(config_.d_ff == 0,
+               "--d-ff {} sets the width of loom's GPT-2 and Llama MLPs; a custom model defines "
+               "its own layers",
+               config_.d_ff);
   }
   // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).
   if (const auto hook = parallel::data::make_comm_hook(config_.comm_hook);
@@ -134,6 +138,9 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
     LOOM_CHECK(config_.layers == 0 || config_.layers == model_config.n_layers,
                "--layers {} with --init-from-hf: the model has the directory's {} layers",
                config_.layers, model_config.n_layers);
+    LOOM_CHECK(config_.d_ff == 0 || config_.d_ff == model_config.d_ff,
+               "--d-ff {} with --init-from-hf: the model has the directory's MLP width {}",
+               config_.d_ff, model_config.d_ff);
   } else if (custom_model_) {
     return model_config;  // known once the factory has built it
   } else {
@@ -142,6 +149,7 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--preset {} is a {} preset but --model is {}", config_.preset,
                models::to_string(model_config.family), config_.model);
     if (config_.layers > 0) model_config.n_layers = config_.layers;
+    if (config_.d_ff > 0) model_config.d_ff = config_.d_ff;
     model_config.vocab_size =
         config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
   }

@@ -122,6 +122,10 @@ class CausalLM : public torch::nn::Module {
   // finite weight >= 0 per head.
   void set_mtp_loss_weights(std::vector<double> weights);
   const std::vector<double>& mtp_loss_weights() const { return mtp_weights_; }
+  // Each extra head's own (unweighted) loss, the mean over the training forwards since the last
+  // call, as a [mtp_heads] fp64 tensor on the model's device (a head of weight 0: 0); undefined
+  // when no such forward ran here (a part without the heads). Resets the means.
+  at::Tensor take_mtp_losses();
   // The main head's whole logits [batch, seq, vocab_size] and each extra head's (head k's at
   // position t predict the token k + 1 places ahead), gathered across tp; what self-speculative
   // decoding drafts and verifies with. Needs the whole model, heads, and cp 1.
@@ -246,6 +250,8 @@ class CausalLM : public torch::nn::Module {
   std::vector<double> mtp_weights_;
   bool keep_trunk_ = false;
   bool heads_forward_ = false;  // forward_heads: keep the trunk in eval mode too
+  at::Tensor mtp_loss_sums_;    // per head, over the forwards counted below
+  int64_t mtp_loss_forwards_ = 0;
   at::Tensor trunk_;
   using TensorImplWeak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   TensorImplWeak trunk_logits_{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};

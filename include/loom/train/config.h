@@ -37,6 +37,7 @@ struct TrainConfig {
   uint64_t seed = 1337;
   double dropout = 0.0;  // overrides the preset's (0 by default)
   int64_t layers = 0;    // transformer blocks; 0: the preset's
+  int64_t d_ff = 0;      // the MLP's width; 0: the preset's
   int64_t ffn_blocks = 1;  // the MLP as this many block-diagonal blocks (ModelConfig::ffn_blocks)
   int64_t ffn_rank = 0;    // the MLP's linears as rank-r factor products (ModelConfig::ffn_rank)
   int64_t mtp = 0;         // extra multi-token prediction heads (ModelConfig::mtp_heads)

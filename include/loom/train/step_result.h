@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace loom::train {
 
@@ -8,6 +9,9 @@ namespace loom::train {
 struct StepResult {
   int64_t step = 0;  // optimizer steps completed, this one included
   double loss = 0;   // mean over the whole batch (all micro-batches)
+  // With multi-token heads (--mtp): each extra head's own loss, the batch's mean (loss above is
+  // the next-token loss plus these, weighted).
+  std::vector<double> mtp_losses;
   double grad_norm = 0;
   double lr = 0;
   double seconds = 0;
