@@ -22,8 +22,8 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "Start from a Hugging Face directory (config.json + model.safetensors); its "
                  "config gives the model shape");
   app.add_option("--d-ff", c.d_ff,
-                 "The MLP's width (0: the preset's); with --ffn-blocks, a wider MLP of as many "
-                 "weights as the dense one")
+                 "The MLP's width (0: the preset's); with --ffn-blocks B, B times the preset's "
+                 "gives as many weights as its dense MLP")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "Transformer blocks (0: the preset's)")
       ->capture_default_str();

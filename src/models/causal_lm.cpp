@@ -272,7 +272,7 @@ at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets
       return loss * weight;
     });
   }
-  if (!mtp_loss_sums_.defined())
+  if (!mtp_loss_sums_.defined() || mtp_loss_sums_.device() != trunk.device())
     mtp_loss_sums_ = at::zeros({heads}, trunk.options().dtype(at::kDouble));
   ++mtp_loss_forwards_;
   if (terms.empty()) return at::zeros({}, trunk.options().dtype(at::kFloat));

@@ -255,10 +255,6 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
              "--layers {} differs from the checkpoint's {}: the model's shape comes from the "
              "checkpoint",
              layers, saved.layers);
-  LOOM_CHECK(d_ff == 0 || d_ff == saved.d_ff || saved.d_ff == 0,
-             "--d-ff {} differs from the checkpoint's {}: the model's shape comes from the "
-             "checkpoint",
-             d_ff, saved.d_ff);
   // The masks follow the schedule step by step (extending --steps moves a default --prune-end),
   // so a pruned run resumes only with the same schedule.
   if (!saved.prune.enabled() && !prune.enabled()) return;

@@ -184,6 +184,8 @@ StepResult Trainer::train_step() {
   if (measure) core::reset_peak_memory(device_);
   StepResult r;
   const double sent_before = mesh_->bytes_sent();
+  // What a failed step may have left in the heads' loss means is not this step's.
+  for (auto& chunk : run().chunks) chunk->take_mtp_losses();
   runtime_->begin_step();
   at::Tensor loss;
   try {
@@ -210,7 +212,6 @@ StepResult Trainer::train_step() {
     last_peak_activations_ = r.peak_activation_bytes;
   }
   runtime_->finish_gradient_sync(r);
-  const auto heads = mtp_losses();
   if (data_ranks() > 1) {
     // Equal shares: the global mean is the mean of the ranks' means.
     loss = loss.reshape({1}).to(device_);  // an NCCL group reduces device tensors only
@@ -218,14 +219,11 @@ StepResult Trainer::train_step() {
     loss = loss.reshape({});
   }
   const auto norm = runtime_->clip_gradients(config_.grad_clip);
-  // One host read for the loss, the norm and the heads' losses together (on a GPU, the step's
-  // only sync).
-  auto read = at::stack({loss.to(norm.device()).to(at::kDouble), norm.to(at::kDouble)});
-  if (heads.defined()) read = at::cat({read, heads.to(read.device())});
-  const auto both = read.cpu();
+  // One host read for the loss and the norm together (on a GPU, the step's only sync).
+  const auto both = at::stack({loss.to(norm.device()), norm}).cpu();
   r.loss = both[0].item<double>();
   r.grad_norm = both[1].item<double>();
-  for (int64_t i = 2; i < both.size(0); ++i) r.mtp_losses.push_back(both[i].item<double>());
+  r.mtp_losses = mtp_losses();  // the stream is in sync now: reading them waits for nothing
   // A non-finite gradient would poison the weights and moments: stop before the update. (On a
   // GPU the clip already scaled the gradients; they are not applied either.)
   LOOM_CHECK(std::isfinite(r.grad_norm),
@@ -357,18 +355,19 @@ StepResult Trainer::fit() {
   return last;
 }
 
-at::Tensor Trainer::mtp_losses() {
+std::vector<double> Trainer::mtp_losses() {
   const int64_t heads = run().model_config.mtp_heads;
-  if (heads == 0) return at::Tensor();
-  // The part holding the heads (the last, on the last pipeline stage) has them; every rank adds
-  // its share over the world (tp ranks hold copies of one value, dp ranks their samples' means),
-  // so no rank needs to know where the heads are.
-  auto means = run().chunks.back()->take_mtp_losses();
-  auto share = at::zeros({heads}, at::TensorOptions(at::kDouble).device(device_));
-  if (means.defined())
-    share += means.to(device_) / static_cast<double>(data_ranks() * model().tp().size());
+  if (heads == 0) return {};
+  // The part holding the heads (on the last pipeline stage) has them; every rank adds its share
+  // over the world (tp ranks hold copies of one value, dp ranks their samples' means), so no
+  // rank needs to know where the heads are. On the host: the world communicator takes host
+  // tensors whatever the devices.
+  auto share = at::zeros({heads}, at::kDouble);
+  for (auto& chunk : run().chunks)
+    if (const auto means = chunk->take_mtp_losses(); means.defined())
+      share += means.cpu() / static_cast<double>(data_ranks() * model().tp().size());
   if (mesh_->world_size() > 1) mesh_->world().all_reduce(share, dist::ReduceOp::Sum);
-  return share;
+  return {share.data_ptr<double>(), share.data_ptr<double>() + heads};
 }
 
 int Trainer::reduce_over_world(int value, dist::ReduceOp op) {

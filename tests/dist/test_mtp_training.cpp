@@ -22,6 +22,7 @@ struct MtpLayout {
   loom::dist::MeshShape shape;
   int64_t zero = 0;
   bool sequence_parallel = false;
+  bool interleaved = false;  // 2 virtual stages per rank, 2 micro-batches
 };
 
 // loom::testing::run, also keeping each step's head losses.
@@ -65,7 +66,8 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
                {"pp2", {.dp = 1, .pp = 2}},
                {"dp2 zero3", {.dp = 2}, 3}};
   } else {
-    layouts = {{"tp2 pp2", {.dp = 1, .tp = 2, .pp = 2}}, {"dp2 pp2 zero1", {.dp = 2, .pp = 2}, 1}};
+    layouts = {{"tp2 pp2 interleaved", {.dp = 1, .tp = 2, .pp = 2}, 0, false, true},
+               {"dp2 pp2 zero1", {.dp = 2, .pp = 2}, 1}};
   }
   for (const char* model : {"gpt2", "llama"}) {
     SCOPED_TRACE(model);
@@ -89,6 +91,13 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
       c.pp = layout.shape.pp;
       c.zero = layout.zero;
       c.sequence_parallel = layout.sequence_parallel;
+      if (layout.interleaved) {
+        c.schedule = "interleaved";
+        c.virtual_stages = 2;
+        c.grad_accum = 2;
+      }
+      // Several micro-batches through the pipeline: the heads' means over them.
+      if (layout.shape.pp == 2 && !layout.interleaved) c.grad_accum = 2;
       const bool saves = layout.shape.pp == 2;
       if (saves) c.save_dir = (dir / fmt::format("ckpt-{}-{}-{}", model, n, layout.zero)).string();
       MtpRun run;
@@ -108,6 +117,7 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
       // In one process (each rank on its own), from the pipeline's checkpoint: the heads and
       // every other parameter come back as they were.
       auto resumed = config;
+      resumed.grad_accum = c.grad_accum;  // the same batches
       resumed.steps = 4;
       resumed.lr_decay_steps = 3;
       resumed.resume =

@@ -125,9 +125,9 @@ class Trainer {
   void share_outcome(const std::string& error, const std::string& what);
   // `value` reduced over every rank of the world (itself at one rank): one all-reduce.
   int reduce_over_world(int value, dist::ReduceOp op);
-  // The multi-token heads' own losses of the step's batch, the same on every rank ([heads] fp64
-  // on the device; undefined without heads). Collective over the world when there are heads.
-  at::Tensor mtp_losses();
+  // The multi-token heads' own losses of the step's batch, the same on every rank (empty without
+  // heads). Reads the device; collective over the world when there are heads.
+  std::vector<double> mtp_losses();
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
   data::Batch on_device(data::Batch batch) const;
   double elapsed_s() const;
