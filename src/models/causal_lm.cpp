@@ -1,6 +1,7 @@
 #include "loom/models/causal_lm.h"
 
 #include <ATen/Context.h>
+#include <c10/util/ScopeExit.h>
 
 #include <ATen/ATen.h>
 #include <torch/torch.h>
@@ -190,13 +191,10 @@ at::Tensor CausalLM::forward_part(const at::Tensor& input) {
   trunk_ = at::Tensor();
   trunk_logits_.reset();
   keep_trunk_ = part_.last && !mtp_heads_.empty() && (is_training() || heads_forward_);
-  try {
+  {
+    const auto stop_keeping = c10::make_scope_exit([this] { keep_trunk_ = false; });
     x = run_layers(x);
-  } catch (...) {
-    keep_trunk_ = false;
-    throw;
   }
-  keep_trunk_ = false;
   if (!part_.last) return x;
   auto logits = head(x);
   if (trunk_.defined()) trunk_logits_ = TensorImplWeak(logits.getIntrusivePtr());
@@ -345,13 +343,10 @@ std::vector<at::Tensor> CausalLM::forward_heads(const at::Tensor& tokens) {
              part_.describe(config_.n_layers));
   heads_forward_ = true;
   at::Tensor shard;
-  try {
+  {
+    const auto done = c10::make_scope_exit([this] { heads_forward_ = false; });
     shard = forward_part(tokens);
-  } catch (...) {
-    heads_forward_ = false;
-    throw;
   }
-  heads_forward_ = false;
   const auto trunk = std::exchange(trunk_, at::Tensor());
   trunk_logits_.reset();
   std::vector<at::Tensor> out{whole_logits(shard)};
