@@ -54,6 +54,9 @@ expect "--d-ff -1 must be >= 0" "${run[@]}" --data "$work/data/train.bin" --d-ff
 expect "--mtp 0 must be in [1, 16]" "${run[@]}" --data "$work/data/train.bin" --mtp 0
 expect "--mtp-weights gives 1 weights for --mtp 2" "${run[@]}" --data "$work/data/train.bin" --mtp 2 --mtp-weights 0.5
 expect "--mtp 2 with --init-from-hf" "${run[@]}" --data "$work/data/train.bin" --mtp 2 --init-from-hf "$work/hf2"
+expect "--share-layers 'cycle:9': K = '9' must be an integer in [1, 4]" "${run[@]}" --data "$work/data/train.bin" --share-layers cycle:9
+expect "entry '7=0' names layer 7, which does not exist" "${run[@]}" --data "$work/data/train.bin" --share-layers 7=0
+expect "--share-layers 'all' with --init-from-hf" "${run[@]}" --data "$work/data/train.bin" --share-layers all --init-from-hf "$work/hf2"
 expect "--precision 'fp16' is not valid: use fp32, bf16 or fp64" "${run[@]}" --data "$work/data/train.bin" --precision fp16
 # fp64 (the correctness instrument) trains from the command line; its Hugging Face export is
 # float32, and the log says it was rounded.
@@ -136,5 +139,10 @@ grep -q '"n_inner": 256' "$work/hf-mtp/config.json" || { echo "FAIL: --d-ff 256 
 spec=$("$TOOLS/loom-generate" --checkpoint "$work/ckpt-mtp" --prompt "hello" --max-tokens 12 \
   --temperature 0 --speculative 2>&1)
 grep -q "output identical" <<< "$spec" || { echo "FAIL: --speculative printed '$spec'"; fail=1; }
+# Shared blocks: trained with one copy each, exported as one copy per layer.
+"$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level info --share-layers cycle:2 \
+  --data "$work/data/train.bin" --export-hf "$work/hf-share" > "$work/share.log" 2>&1 || { echo "FAIL: --share-layers run"; cat "$work/share.log"; fail=1; }
+grep -q "layers 4 (2 distinct blocks, shared 'cycle:2')" "$work/share.log" || { echo "FAIL: the log does not say the blocks are shared"; cat "$work/share.log"; fail=1; }
+grep -q '"loom_share_layers": "cycle:2"' "$work/hf-share/config.json" || { echo "FAIL: the export does not record the sharing"; fail=1; }
 [ $fail -eq 0 ] && echo "all CLI checks passed"
 exit $fail

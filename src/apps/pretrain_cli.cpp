@@ -67,6 +67,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
   app.add_option("--mtp-weights", c.mtp_weights,
                  "Loss weight of each --mtp head, comma-separated (default: 1 each)")
       ->delimiter(',');
+  app.add_option("--share-layers", c.share_layers,
+                 "Cross-layer parameter sharing: none, all (every layer layer 0's weights), "
+                 "cycle:K (layer i uses layer i mod K's), repeat:K (each block K layers in a "
+                 "row), or L=O,... (layer L uses layer O's)")
+      ->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay,
                  "AdamW weight decay (matrices only; not norms, biases, embeddings)")
       ->capture_default_str();

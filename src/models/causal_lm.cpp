@@ -47,20 +47,12 @@ ActivationCheckpointing parse_activation_checkpointing(const std::string& name) 
   fail("activation checkpointing '{}' is not known; valid values: none, full, selective", name);
 }
 
-std::string ModelPart::describe(int64_t n_layers) const {
-  const int64_t end = end_layer < 0 ? n_layers : end_layer;
-  std::string out = end > first_layer ? fmt::format("layers {}-{}", first_layer, end - 1)
-                                      : std::string("no layers");
-  if (first) out = "embedding + " + out;
-  if (last) out += " + head";
-  return out;
-}
-
 CausalLM::CausalLM(ModelConfig config, pt::TpGroupPtr tp, ModelPart part)
     : config_(std::move(config)),
       tp_(tp ? std::move(tp) : std::make_shared<pt::TpGroup>()),
       part_(part) {
   config_.validate();
+  owners_ = config_.layer_owners();
   check_divisible_by_tp();
   if (part_.end_layer < 0) part_.end_layer = config_.n_layers;
   LOOM_CHECK(part_.first_layer >= 0 && part_.first_layer <= part_.end_layer &&
@@ -115,34 +107,6 @@ void CausalLM::set_activation_offload(
 void CausalLM::add_block_wrapper(BlockWrapper wrapper) {
   LOOM_CHECK(wrapper, "add_block_wrapper: the wrapper is empty");
   block_wrappers_.push_back(std::move(wrapper));
-}
-
-void CausalLM::register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
-                               std::vector<std::shared_ptr<torch::nn::Module>> blocks) {
-  LOOM_CHECK(static_cast<int64_t>(blocks.size()) == part_.end_layer - part_.first_layer,
-             "register_blocks: {} blocks for {}", blocks.size(), part_.describe(config_.n_layers));
-  blocks_prefix_ = std::move(prefix);
-  blocks_ = std::move(blocks);
-  for (size_t i = 0; i < blocks_.size(); ++i)
-    container->register_module(std::to_string(part_.first_layer + static_cast<int64_t>(i)),
-                               blocks_[i]);
-}
-
-void CausalLM::adopt_blocks(std::string prefix,
-                            std::vector<std::shared_ptr<torch::nn::Module>> blocks) {
-  LOOM_CHECK(static_cast<int64_t>(blocks.size()) == part_.end_layer - part_.first_layer,
-             "adopt_blocks: {} blocks for {}", blocks.size(), part_.describe(config_.n_layers));
-  blocks_prefix_ = std::move(prefix);
-  blocks_ = std::move(blocks);
-}
-
-std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> CausalLM::blocks() const {
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
-  for (size_t i = 0; i < blocks_.size(); ++i)
-    out.emplace_back(
-        fmt::format("{}.{}", blocks_prefix_, part_.first_layer + static_cast<int64_t>(i)),
-        blocks_[i]);
-  return out;
 }
 
 int64_t CausalLM::full_seq_len(const at::Tensor& x) const {
@@ -355,12 +319,9 @@ std::vector<at::Tensor> CausalLM::forward_heads(const at::Tensor& tokens) {
   return out;
 }
 
-std::string CausalLM::tied_embedding_copy() const {
-  return config_.tie_embeddings && part_.last && !part_.first ? embedding_weight_name() : "";
-}
-
 at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn) {
   if (keep_trunk_ && part_.first_layer + layer == config_.n_layers - 1) trunk_ = x;
+  const size_t block = block_index(layer);
   BlockFn run = fn;
   if (execution_->checkpointing == ActivationCheckpointing::kFull) {
     parallel::memory::CheckpointOptions options;
@@ -373,14 +334,20 @@ at::Tensor CausalLM::run_block(int64_t layer, const at::Tensor& x, const BlockFn
     if (is_training() && config_.family == Family::kCustom)
       options.generators.push_back(at::globalContext().defaultGenerator(x.device()));
     options.offload = execution_->offload;
+    // A block this part runs at several layers: its parameters' gradients come back through the
+    // checkpoint, so that autograd sums them over the uses and accumulates them once (data
+    // parallelism and ZeRO take one gradient per parameter per backward).
+    if (block_uses_[block] > 1)
+      for (const auto& p : blocks_[block]->parameters())
+        if (p.requires_grad()) options.parameters.push_back(p);
     run = [fn, options](const at::Tensor& in) {
       return parallel::memory::checkpoint(
           [fn](const std::vector<at::Tensor>& args) { return fn(args[0]); }, {in}, options);
     };
   }
   for (const auto& wrapper : block_wrappers_)
-    run = [wrapper, layer, inner = std::move(run)](const at::Tensor& in) {
-      return wrapper(layer, in, inner);
+    run = [wrapper, block, inner = std::move(run)](const at::Tensor& in) {
+      return wrapper(static_cast<int64_t>(block), in, inner);
     };
   return run(x);
 }

@@ -8,6 +8,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/json.h"
+#include "loom/models/layer_sharing.h"
 
 namespace loom::models {
 
@@ -85,6 +86,11 @@ void ModelConfig::validate() const {
              "model config: mtp_heads = {} adds loom's GPT-2 or Llama blocks as heads; a custom "
              "model has none",
              mtp_heads);
+  LOOM_CHECK(share_layers.empty() || family != Family::kCustom,
+             "model config: share_layers = '{}' shares loom's GPT-2 or Llama blocks; a custom "
+             "model's blocks are its own",
+             share_layers);
+  parse_layer_sharing(share_layers, n_layers);  // throws on a pattern that does not fit
   LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
@@ -112,7 +118,15 @@ int64_t ModelConfig::num_parameters() const {
   const int64_t embed = vocab_size * d;
   const int64_t extra =
       family == Family::kGpt2 ? max_seq_len * d + 2 * d : d + (tie_embeddings ? 0 : vocab_size * d);
-  return embed + extra + n_layers * block_parameters() + mtp_heads * mtp_head_parameters();
+  return embed + extra + unique_blocks() * block_parameters() + mtp_heads * mtp_head_parameters();
+}
+
+std::vector<int64_t> ModelConfig::layer_owners() const {
+  return parse_layer_sharing(share_layers, n_layers);
+}
+
+int64_t ModelConfig::unique_blocks() const {
+  return static_cast<int64_t>(held_blocks(layer_owners(), 0, n_layers).size());
 }
 
 nlohmann::json ModelConfig::to_json() const {
@@ -126,6 +140,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (ffn_blocks != 1) j["ffn_blocks"] = ffn_blocks;
   if (ffn_rank != 0) j["ffn_rank"] = ffn_rank;
   if (mtp_heads != 0) j["mtp_heads"] = mtp_heads;
+  if (!share_layers.empty()) j["share_layers"] = share_layers;
   return j;
 }
 
@@ -136,6 +151,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   like["ffn_blocks"] = c.ffn_blocks;  // optional, but an integer when present
   like["ffn_rank"] = c.ffn_rank;
   like["mtp_heads"] = c.mtp_heads;
+  like["share_layers"] = c.share_layers;
   core::check_json_like(j, like, "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
@@ -152,6 +168,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
     c.ffn_blocks = j.value("ffn_blocks", int64_t{1});
     c.ffn_rank = j.value("ffn_rank", int64_t{0});
     c.mtp_heads = j.value("mtp_heads", int64_t{0});
+    c.share_layers = j.value("share_layers", std::string());
     c.tie_embeddings = j.at("tie_embeddings").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     fail("model config JSON is missing a field or has a wrong type: {}", e.what());

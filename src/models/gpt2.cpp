@@ -56,6 +56,10 @@ Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer
 }
 
 at::Tensor Gpt2Block::forward(const at::Tensor& x) {
+  return forward(x, layer_);
+}
+
+at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer) {
   auto& tp = *tp_;
   const int64_t h = config_.n_heads / tp.size(), hd = config_.head_dim();
   const double p = is_training() ? config_.dropout : 0.0;
@@ -70,23 +74,23 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   auto qkv = (bias_in_attention ? c_attn_->forward_without_bias(a) : c_attn_->forward(a))
                  .view({b, t, 3, h, hd});
   auto y = causal_attention_packed(qkv, bias_in_attention ? c_attn_->bias : at::Tensor(), p, tp_,
-                                   execution_, layer_);
+                                   execution_, layer);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim,
-                                     ops::dropout_site(layer_, ops::DropoutPlace::kAttention));
+                                     ops::dropout_site(layer, ops::DropoutPlace::kAttention));
   if (fc_blocks_) {
     // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
     auto m = pt::enter_feature_blocks(ln_2_->forward(out), tp, 1);
     m = pt::exit_feature_blocks(proj_blocks_->forward(ops::gelu_tanh(fc_blocks_->forward(m))), tp,
                                 1);
     return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
-                                     ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
+                                     ops::dropout_site(layer, ops::DropoutPlace::kMlp));
   }
   auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
   if (fc_low_) {
     m = proj_low_->forward(ops::gelu_tanh(fc_low_->forward(m)));
     return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
-                                     ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
+                                     ops::dropout_site(layer, ops::DropoutPlace::kMlp));
   }
   // On the CPU the fc bias enters with the activation (one pass fewer); elsewhere the GEMM adds
   // it, as before.
@@ -95,7 +99,7 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
           : ops::gelu_tanh(c_fc_->forward(m));
   m = mlp_c_proj_->forward(m);
   return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
-                                   ops::dropout_site(layer_, ops::DropoutPlace::kMlp));
+                                   ops::dropout_site(layer, ops::DropoutPlace::kMlp));
 }
 
 Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
@@ -112,8 +116,8 @@ Gpt2::Gpt2(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
     wpe_ = body->register_module("wpe", nn::Embedding(config.max_seq_len, config.d_model));
   auto h = body->register_module("h", std::make_shared<nn::Module>());
   std::vector<std::shared_ptr<nn::Module>> blocks;
-  for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
-    h_.push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), i, execution()));
+  for (const int64_t layer : held_blocks()) {
+    h_.push_back(std::make_shared<Gpt2Block>(config, tp_ptr(), layer, execution()));
     blocks.push_back(h_.back());
   }
   register_blocks("transformer.h", h, std::move(blocks));
@@ -151,10 +155,13 @@ at::Tensor Gpt2::embed(const at::Tensor& tokens) {
 
 at::Tensor Gpt2::run_layers(const at::Tensor& input) {
   auto x = input;
-  for (size_t i = 0; i < h_.size(); ++i) {
-    auto block = h_[i];
-    x = run_block(static_cast<int64_t>(i), x,
-                  [block](const at::Tensor& in) { return block->forward(in); });
+  const int64_t first = part().first_layer, layers = part().end_layer - first;
+  for (int64_t i = 0; i < layers; ++i) {
+    auto block = h_[block_index(i)];
+    // Dropout keyed by the layer it runs as, not the block: a shared block's uses differ.
+    x = run_block(i, x, [block, layer = first + i](const at::Tensor& in) {
+      return block->forward(in, layer);
+    });
   }
   return x;
 }

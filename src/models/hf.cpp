@@ -10,6 +10,7 @@
 #include "loom/core/files.h"
 #include "loom/core/format.h"
 #include "loom/core/safetensors.h"
+#include "loom/models/layer_sharing.h"
 
 namespace loom::models {
 
@@ -124,7 +125,10 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
              "then save a single-process model holding them",
              model.tp().size());
   core::NamedTensors tensors, mtp_tensors;
-  const auto params = gather_parameters(model);
+  // Shared blocks go out as one copy per layer: Hugging Face's models have no sharing.
+  const auto params = expand_shared_layers(
+      gather_parameters(model), c.family == Family::kGpt2 ? "transformer.h" : "model.layers",
+      model.layer_owners());
   for (const auto& [key, value] : params) {
     std::string name = key;
     auto t = value.detach();
@@ -155,6 +159,8 @@ void save_hf(const CausalLM& model, const fs::path& dir, at::ScalarType dtype) {
                            {{"format", "pt"}, {"mtp_heads", std::to_string(c.mtp_heads)}});
   else
     fs::remove(dir / kMtpHeadsFile);  // an earlier export's heads are not this model's
+  // Where it came from (transformers keeps unknown keys as attributes, and ignores them).
+  if (!c.share_layers.empty()) j["loom_share_layers"] = c.share_layers;
   core::write_file_atomic(dir / "config.json", j.dump(2) + "\n");
 }
 

@@ -99,6 +99,11 @@ LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, int64_t lay
 }
 
 at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return forward(x, cos, sin, layer_);
+}
+
+at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               int64_t layer) {
   auto& tp = *tp_;
   const int64_t hd = config_.head_dim();
   const int64_t heads = config_.n_heads / tp.size();
@@ -109,9 +114,8 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   auto q = q_proj_->forward(hn).view({b, t, heads, hd}).transpose(1, 2);
   auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto v = v_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
-  auto y =
-      causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_,
-                       layer_);
+  auto y = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_,
+                            layer);
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   auto out = x + o_proj_->forward(y);
@@ -140,8 +144,8 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
         std::make_shared<pt::VocabParallelEmbedding>(config.vocab_size, config.d_model, tp_ptr()));
   auto layers = body->register_module("layers", std::make_shared<nn::Module>());
   std::vector<std::shared_ptr<nn::Module>> blocks;
-  for (int64_t i = p.first_layer; i < p.end_layer; ++i) {
-    layers_.push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), i, execution()));
+  for (const int64_t layer : held_blocks()) {
+    layers_.push_back(std::make_shared<LlamaBlock>(config, tp_ptr(), layer, execution()));
     blocks.push_back(layers_.back());
   }
   register_blocks("model.layers", layers, std::move(blocks));
@@ -209,10 +213,13 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
   const auto cos = tables.first, sin = tables.second;
   auto x = input;
   // The rotary tables need no gradient: the blocks may hold them (see CausalLM::BlockFn).
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    auto block = layers_[i];
-    x = run_block(static_cast<int64_t>(i), x,
-                  [block, cos, sin](const at::Tensor& in) { return block->forward(in, cos, sin); });
+  const int64_t first = part().first_layer, layers = part().end_layer - first;
+  for (int64_t i = 0; i < layers; ++i) {
+    auto block = layers_[block_index(i)];
+    // Dropout keyed by the layer it runs as, not the block: a shared block's uses differ.
+    x = run_block(i, x, [block, cos, sin, layer = first + i](const at::Tensor& in) {
+      return block->forward(in, cos, sin, layer);
+    });
   }
   return x;
 }

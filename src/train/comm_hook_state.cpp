@@ -43,11 +43,12 @@ HookValueLayout CommHookState::value_layout(const RunContext& run, const Buckets
       for (const auto& name : bucket.names) {
         HookValueLayout::Param p;
         p.spec = chunk.shard_spec(name);
-        // A tied embedding's copies on the first and last stages have their gradients summed.
-        p.stages = run.model_config.tie_embeddings && out.pp_size > 1 &&
-                           name == chunk.embedding_weight_name()
-                       ? 2
-                       : 1;
+        // Copies on several stages (a tied embedding, shared blocks) have their gradients
+        // summed.
+        p.stages =
+            out.pp_size > 1
+                ? static_cast<int64_t>(chunk.stages_holding(name, run.plan.stage_bounds).size())
+                : 1;
         out.params.emplace(name, p);
       }
   }

@@ -211,7 +211,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     cp, zero, activation_checkpointing, offload_optimizer, offload_activations, memory_cap_mb,
     layers, pp, schedule, virtual_stages, pp_partition, pp_devices, compress_activations, device,
     attention, peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend,
-    prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights, d_ff)
+    prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights, d_ff, share_layers)
 
 nlohmann::json TrainConfig::to_json() const {
   return *this;
@@ -246,6 +246,10 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
   same("--ffn-rank", saved.ffn_rank, ffn_rank);
   same("--mtp", saved.mtp, mtp);
+  // "none" is no sharing, as the empty default is.
+  auto sharing = [](const std::string& s) { return s == "none" ? std::string() : s; };
+  same("--share-layers", fmt::format("'{}'", sharing(saved.share_layers)),
+       fmt::format("'{}'", sharing(share_layers)));
   same("--mtp-weights", fmt::format("[{}]", fmt::join(saved.mtp_weights, ",")),
        fmt::format("[{}]", fmt::join(mtp_weights, ",")));
   // A registered strategy may change what is computed (local SGD, compression): the same list.

@@ -58,7 +58,7 @@ double clip_grad_norm(const models::CausalLM& model, double max_norm) {
 }
 
 double grad_norm_weight(const models::CausalLM& part, const std::string& name) {
-  if (name == part.tied_embedding_copy()) return 0.0;
+  if (part.is_copy(name)) return 0.0;
   const int64_t tp = part.tp().size();
   if (tp == 1) return 1.0;
   const auto& spec = part.shard_spec(name);

@@ -160,8 +160,10 @@ std::string Trainer::write_stage3_parameters(const fs::path& file, const std::st
   if (writes) {
     try {
       std::vector<core::SafetensorsWriter::Entry> entries;
+      std::set<std::string> listed;  // a rank's chunks may hold equal copies: listed once
       for (const auto& chunk : run().chunks)
         for (const auto& item : chunk->named_parameters()) {
+          if (!listed.insert(item.key()).second) continue;
           auto shape = item.value().sizes().vec();
           if (whole) shape = chunk->shard_spec(item.key()).full_shape(shape);
           entries.push_back({prefix + item.key(), item.value().scalar_type(), shape});
@@ -175,11 +177,12 @@ std::string Trainer::write_stage3_parameters(const fs::path& file, const std::st
   // Each chunk's engine gathers its units in turn. A failed write stops the writing, not the
   // gathers the other ranks wait in.
   const auto zero = run().optimizer->sharded_state();
+  std::set<std::string> written;
   for (size_t c = 0; c < zero.size(); ++c) {
     const auto& chunk = *run().chunks[c];
     zero[c]->for_each_gathered_parameter(
         /*only_rank=*/0, [&](const std::string& name, const at::Tensor& value) {
-          if (!error.empty()) return;
+          if (!error.empty() || !writes || !written.insert(name).second) return;
           try {
             writer->write(prefix + name, whole ? models::gather_shard(chunk, name, value) : value);
           } catch (const std::exception& e) {
@@ -308,8 +311,12 @@ fs::path Trainer::save_checkpoint() {
           my_specs[key] = fmt::format("{},{},{},{},{}", spec.dim, spec.full, spec.padded,
                                       spec.parts, spec.units);
       };
+      std::set<std::string> added;
       auto add = [&](const std::string& key, const models::CausalLM& part, const std::string& param,
                      const at::Tensor& t) {
+        // A rank's chunks may hold equal copies of one parameter (a block shared by layers on
+        // two of its stages): written once.
+        if (!added.insert(key).second) return;
         my_shard.emplace_back(key, t.detach());
         add_spec(key, part, param);
       };

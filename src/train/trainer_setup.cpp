@@ -86,6 +86,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--d-ff {} sets the width of loom's GPT-2 and Llama MLPs; a custom model defines "
                "its own layers",
                config_.d_ff);
+    LOOM_CHECK(config_.share_layers.empty() || config_.share_layers == "none",
+               "--share-layers '{}' shares loom's GPT-2 and Llama blocks; a custom model defines "
+               "its own layers (share a module between them in its code)",
+               config_.share_layers);
   }
   // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).
   if (const auto hook = parallel::data::make_comm_hook(config_.comm_hook);
@@ -172,9 +176,15 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "--mtp {} with --init-from-hf: the directory holds no multi-token heads, and "
                "starting them from nothing on a trained trunk is not supported yet",
                config_.mtp);
+    const bool shares = !config_.share_layers.empty() && config_.share_layers != "none";
+    LOOM_CHECK(!shares || config_.init_from_hf.empty(),
+               "--share-layers '{}' with --init-from-hf: the directory holds a weight set per "
+               "layer, which shared blocks cannot take",
+               config_.share_layers);
     model_config.ffn_blocks = config_.ffn_blocks;
     model_config.ffn_rank = config_.ffn_rank;
     model_config.mtp_heads = config_.mtp;
+    model_config.share_layers = shares ? config_.share_layers : std::string();
   }
   if (!custom_model_) model_config.validate();
   return model_config;
@@ -233,9 +243,12 @@ void Trainer::log_setup() const {
                  run().chunks.front()->blocks().size(), m.vocab_size);
   } else {
     spdlog::info(
-        "model: {} | {:.2f}M parameters | d_model {} | layers {} | heads {}/{} kv | vocab {}",
-        models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers, m.n_heads,
-        m.n_kv_heads, m.vocab_size);
+        "model: {} | {:.2f}M parameters | d_model {} | layers {}{} | heads {}/{} kv | vocab {}",
+        models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers,
+        m.share_layers.empty()
+            ? std::string()
+            : fmt::format(" ({} distinct blocks, shared '{}')", m.unique_blocks(), m.share_layers),
+        m.n_heads, m.n_kv_heads, m.vocab_size);
   }
   spdlog::info(
       "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "

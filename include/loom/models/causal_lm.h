@@ -102,6 +102,17 @@ class CausalLM : public torch::nn::Module {
   // The parameter a last part holds as its own copy of the first part's tied embedding (its
   // gradient must be summed with the first part's), or "" when there is none.
   std::string tied_embedding_copy() const;
+  // Parameters other parts of the model hold too (a tied embedding on the first and last
+  // stages, a shared block used on several stages): their gradients are summed over the parts
+  // holding them every step, and their copies stay equal. Empty for a whole model.
+  std::vector<std::string> shared_across_parts() const;
+  // Of those, the ones another part counts (the tied embedding's copy on the last part, a shared
+  // block whose first use lies on an earlier part): left out of gradient norms here.
+  bool is_copy(const std::string& name) const;
+  // The pipeline stages that hold parameter `name` (one this part holds), for a model split at
+  // `bounds` (stage s holds layers [bounds[s], bounds[s + 1])).
+  std::vector<int64_t> stages_holding(const std::string& name,
+                                      const std::vector<int64_t>& bounds) const;
   // The name of the token embedding's weight (which the head reuses when embeddings are tied).
   virtual std::string embedding_weight_name() const = 0;
   // The whole logits [batch, seq, vocab_size] (gathered across tp, padding dropped). Refused under
@@ -179,12 +190,16 @@ class CausalLM : public torch::nn::Module {
   using BlockWrapper =
       std::function<at::Tensor(int64_t layer, const at::Tensor& x, const BlockFn& run)>;
   // Wrappers nest in the order added: the first added is innermost, activation checkpointing
-  // (kFull) is inside all of them.
+  // (kFull) is inside all of them. A block shared by several layers (ModelConfig::share_layers)
+  // is wrapped at each of its uses, with the same index.
   void add_block_wrapper(BlockWrapper wrapper);
 
-  // The transformer blocks, in order, each with its fully-qualified name prefix as
-  // named_parameters() spells it ("transformer.h.0", "model.layers.0").
+  // The transformer blocks this part holds, each once however many layers use it, in order of
+  // their first use, each with its fully-qualified name prefix as named_parameters() spells it
+  // ("transformer.h.0", "model.layers.0": the number is the first layer that uses it).
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks() const;
+  // Per layer of the model, the layer whose block it runs (ModelConfig::layer_owners).
+  const std::vector<int64_t>& layer_owners() const { return owners_; }
 
  protected:
   // The part's pieces, run by forward_part. embed: token ids -> hidden states (first part);
@@ -207,9 +222,13 @@ class CausalLM : public torch::nn::Module {
   // heads are recomputed as a whole) and never context parallelism (refused with heads).
   BlockExecutionPtr mtp_execution() const { return mtp_execution_; }
   // The models' constructors register their blocks here, under the container at `prefix`
-  // ("transformer.h"), each named by its layer index in the whole model.
+  // ("transformer.h"): one per entry of held_blocks(), named by that layer index.
   void register_blocks(std::string prefix, std::shared_ptr<torch::nn::Module> container,
                        std::vector<std::shared_ptr<torch::nn::Module>> blocks);
+  // The layers whose blocks this part holds: the distinct owners of its layers, ascending.
+  std::vector<int64_t> held_blocks() const;
+  // The index into blocks() of the block that runs layer first_layer + `layer` of this part.
+  size_t block_index(int64_t layer) const { return block_of_layer_.at(static_cast<size_t>(layer)); }
   // The same for blocks already registered (a custom model's), named "<prefix>.<index>".
   void adopt_blocks(std::string prefix, std::vector<std::shared_ptr<torch::nn::Module>> blocks);
   // Sequence length of the whole sequence from hidden states x [batch, seq, d] of this rank
@@ -221,7 +240,8 @@ class CausalLM : public torch::nn::Module {
                              at::Device device) const;
   // Blocks receive this at construction and read the checkpointing mode from it.
   BlockExecutionPtr execution() const { return execution_; }
-  // Runs block `layer` as fn(x), with kFull checkpointing and the wrappers around it.
+  // Runs this part's layer `layer` (0-based within the part) as fn(x), with kFull checkpointing
+  // and the wrappers (given its block_index) around it.
   at::Tensor run_block(int64_t layer, const at::Tensor& x, const BlockFn& fn);
 
   void check_tokens(const at::Tensor& tokens) const;
@@ -240,7 +260,13 @@ class CausalLM : public torch::nn::Module {
   std::vector<BlockWrapper> block_wrappers_;
   ModelPart part_;
   std::string blocks_prefix_;
+  std::vector<int64_t> owners_;  // per layer of the whole model
   std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
+  std::vector<int64_t> block_layers_;   // per entry of blocks_: the layer it is named by
+  std::vector<size_t> block_of_layer_;  // per layer of the part: its index into blocks_
+  std::vector<int64_t> block_uses_;     // per entry of blocks_: the part's layers that run it
+  // The owner layer of a block parameter's name ("transformer.h.3.attn..." -> 3), or -1.
+  int64_t owner_of(const std::string& name) const;
   // Gathered across tp, vocabulary padding dropped.
   at::Tensor whole_logits(const at::Tensor& shard);
   // Multi-token prediction: the heads' execution settings, modules and loss weights, and the

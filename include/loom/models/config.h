@@ -38,6 +38,10 @@ struct ModelConfig {
   // shared unembedding, and predicts the token k + 1 places ahead (Gloeckle et al. 2024).
   int64_t mtp_heads = 0;
   static constexpr int64_t kMaxMtpHeads = 16;
+  // Cross-layer parameter sharing (layer_sharing.h: "", "all", "cycle:K", "repeat:K" or
+  // "L=O,..."): the layers that share a block use one set of weights, stored once under the name
+  // of the first of them.
+  std::string share_layers;
 
   int64_t head_dim() const { return d_model / n_heads; }
   // Throws loom::Error naming the field, its value and what would be valid.
@@ -49,8 +53,13 @@ struct ModelConfig {
   int64_t block_parameters() const;
   // Parameters of one multi-token prediction head: a block and its final norm.
   int64_t mtp_head_parameters() const;
-  // Number of parameters (tied embeddings counted once), the multi-token heads included.
+  // Number of parameters (tied embeddings and shared blocks counted once), the multi-token heads
+  // included.
   int64_t num_parameters() const;
+  // Per layer, the layer whose block it runs (parse_layer_sharing of share_layers).
+  std::vector<int64_t> layer_owners() const;
+  // Distinct transformer blocks (n_layers without sharing).
+  int64_t unique_blocks() const;
 
   nlohmann::json to_json() const;
   static ModelConfig from_json(const nlohmann::json& j);

@@ -22,6 +22,9 @@ class Gpt2Block : public torch::nn::Module {
             BlockExecutionPtr execution = nullptr);
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence).
   at::Tensor forward(const at::Tensor& x);
+  // The same, with dropout masks keyed as layer `layer` (a block shared across layers runs at
+  // each of them).
+  at::Tensor forward(const at::Tensor& x, int64_t layer);
 
  private:
   const ModelConfig config_;
@@ -55,7 +58,7 @@ class Gpt2 : public CausalLM {
  private:
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;  // first and last parts
   torch::nn::Embedding wpe_{nullptr};                              // first part
-  std::vector<std::shared_ptr<Gpt2Block>> h_;                      // this part's blocks
+  std::vector<std::shared_ptr<Gpt2Block>> h_;                      // as CausalLM::blocks()
   torch::nn::LayerNorm ln_f_{nullptr};                             // last part
   // Multi-token heads (last part): "transformer.mtp.<i>.block" and "transformer.mtp.<i>.ln_f".
   std::vector<std::shared_ptr<Gpt2Block>> mtp_blocks_;

@@ -31,6 +31,10 @@ class LlamaBlock : public torch::nn::Module {
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence);
   // cos, sin: [seq, head_dim] rotary tables for the whole sequence.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  // The same, with dropout masks keyed as layer `layer` (a block shared across layers runs at
+  // each of them).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     int64_t layer);
 
  private:
   const ModelConfig config_;
@@ -71,7 +75,7 @@ class Llama : public CausalLM {
 
   // First part; also the last when tied.
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> embed_tokens_;
-  std::vector<std::shared_ptr<LlamaBlock>> layers_;                  // this part's blocks
+  std::vector<std::shared_ptr<LlamaBlock>> layers_;                  // as CausalLM::blocks()
   std::shared_ptr<RmsNorm> norm_;                                    // last part
   std::shared_ptr<parallel::tensor::ColumnParallelLinear> lm_head_;  // null when tied
   // Multi-token heads (last part): "model.mtp.<i>.block" and "model.mtp.<i>.norm".

@@ -42,6 +42,8 @@ struct TrainConfig {
   int64_t ffn_rank = 0;    // the MLP's linears as rank-r factor products (ModelConfig::ffn_rank)
   int64_t mtp = 0;         // extra multi-token prediction heads (ModelConfig::mtp_heads)
   std::vector<double> mtp_weights;  // their loss weights, one per head (empty: 1 each)
+  // Cross-layer parameter sharing (ModelConfig::share_layers; "" or "none": none).
+  std::string share_layers;
 
   // Data.
   std::string data;      // training token file (llm.c .bin or *.u16)

@@ -32,8 +32,9 @@ double clip_grad_norm(const models::CausalLM& model, double max_norm);
 
 // How much parameter `name` of `part` counts in a sum of squared gradients that is then summed
 // over the tp group (and over the pipeline): 1 / (tp ranks holding the same values) — 1 / replicas
-// for a sharded parameter, 1 / tp for a replicated one, 1 at tp 1 — and 0 for a last part's copy
-// of the tied embedding (the first part's is counted). ZeRO's engines weight their shards by it.
+// for a sharded parameter, 1 / tp for a replicated one, 1 at tp 1 — and 0 for a copy another
+// part counts (CausalLM::is_copy: a last part's copy of the tied embedding, a shared block first
+// used on an earlier part). ZeRO's engines weight their shards by it.
 double grad_norm_weight(const models::CausalLM& part, const std::string& name);
 
 // This rank's weighted sum of squared gradients over `parts` (accumulation dtype: a 0-dim
@@ -42,9 +43,9 @@ at::Tensor local_grad_squares(const std::vector<const models::CausalLM*>& parts)
 
 // The same over the model parts (pipeline chunks) one rank holds, with the squares also summed
 // across the pipeline group `pipeline` (null or size 1: none): the norm of the whole model's
-// gradient. A last part's copy of the tied embedding is not counted (the first part's is; the
-// two gradients are equal once summed) but is scaled like everything else. Collective over the
-// tp and pipeline groups.
+// gradient. Copies another part counts (the tied embedding's on the last part, shared blocks') are
+// not counted (the gradients are equal once summed) but are scaled like everything else. Collective
+// over the tp and pipeline groups.
 double clip_grad_norm(const std::vector<const models::CausalLM*>& parts, double max_norm,
                       dist::Communicator* pipeline);
 

@@ -9,7 +9,7 @@
 //
 // The total of "owed" (or of a momentum) is what the whole run owes that parameter's gradient:
 // copies whose gradients are summed after the reduction (tensor-parallel partial sums and shared
-// key/value heads, context-parallel ranks, a tied embedding's two pipeline stages) add up,
+// key/value heads, context-parallel ranks, copies on several pipeline stages) add up,
 // replicas that compute the same gradient count once, and a tensor-parallel shard goes to its
 // place in the single-process parameter. Each copy in the new layout takes an equal share, so
 // the copies add up to the total again. A kRms entry (a variance) does the same with its square

@@ -8,11 +8,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <set>
+
+#include <fmt/ranges.h>
 
 #include "builtin.h"
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
+#include "loom/dist/coalesced.h"
 #include "loom/models/layer_costs.h"
+#include "loom/models/layer_sharing.h"
 #include "loom/parallel/pipeline/executor.h"
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/train/run_context.h"
@@ -238,26 +244,35 @@ class PipelineStrategy final : public Strategy {
         pl::parse_activation_codec(run.config.compress_activations));
     run.runner = std::make_unique<PipelineRunner>(executor_, last_);
     run.publish("pipeline.executor", executor_.get());
-    // The first and last stages hold the two copies of a tied embedding; their gradients are
-    // summed between them every step. Collective over the pipeline group.
-    if (run.model_config.tie_embeddings) {
-      const int64_t pp = run.size(dist::Dim::pp), rank = run.coord(dist::Dim::pp);
-      const bool holds_copy = rank == 0 || rank == pp - 1;
-      tied_group_ = run.mesh->comm(dist::Dim::pp)
-                        .split(holds_copy ? 0 : -1, static_cast<int>(rank), "tied-embedding");
-    }
+    make_shared_groups(run);
   }
 
-  // The tied embedding's two copies (first and last stage) each got part of its gradient: sum
-  // them where the engine keeps them (whole, or alike-laid-out ZeRO shards).
+  // Parameters several stages hold (a tied embedding on the first and last, a block shared by
+  // layers on several) got part of their gradient on each: sum them where the engine keeps them
+  // (whole, or alike-laid-out ZeRO shards), so every copy takes the same update.
   void finish_gradient_sync(RunContext& run, StepResult& /*result*/) override {
-    if (!tied_group_) return;
     torch::NoGradGuard no_grad;
-    for (size_t c = 0; c < run.chunks.size(); ++c) {
-      const auto& chunk = run.chunks[c];
-      if (!chunk->part().first && chunk->tied_embedding_copy().empty()) continue;
-      auto piece = run.optimizer->grad_piece(c, chunk->embedding_weight_name()).values;
-      tied_group_->all_reduce(piece, dist::ReduceOp::Sum);
+    for (auto& group : shared_) {
+      std::vector<at::Tensor> sums;
+      std::vector<std::vector<at::Tensor>> copies;  // per name, the other local chunks' pieces
+      for (const auto& [name, chunks] : group.names) {
+        auto sum = run.optimizer->grad_piece(chunks.front(), name).values;
+        copies.emplace_back();
+        for (size_t k = 1; k < chunks.size(); ++k) {
+          auto piece = run.optimizer->grad_piece(chunks[k], name).values;
+          sum.add_(piece);
+          copies.back().push_back(piece);
+        }
+        sums.push_back(sum);
+      }
+      if (group.comm) {
+        // One all-reduce per dtype (the pieces of one dtype laid end to end).
+        std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+        for (const auto& t : sums) by_dtype[t.scalar_type()].push_back(t);
+        for (const auto& [dtype, parts] : by_dtype) dist::all_reduce_coalesced(*group.comm, parts);
+      }
+      for (size_t i = 0; i < sums.size(); ++i)
+        for (auto& piece : copies[i]) piece.copy_(sums[i]);
     }
   }
 
@@ -298,7 +313,61 @@ class PipelineStrategy final : public Strategy {
   std::optional<pl::Partition> partition_;
   std::shared_ptr<pl::PipelineExecutor> executor_;
   std::shared_ptr<pl::PipelineStats> last_ = std::make_shared<pl::PipelineStats>();
-  dist::CommunicatorPtr tied_group_;  // pp ranks 0 and pp - 1, when embeddings are tied
+  // Parameters held by several stages, grouped by the pipeline ranks holding them.
+  struct SharedGroup {
+    std::vector<int64_t> ranks;
+    dist::CommunicatorPtr comm;  // over `ranks`; null when they are this rank alone
+    // Sorted by name (the same order on every rank of the group): the local chunks holding it.
+    std::map<std::string, std::vector<size_t>> names;
+  };
+  std::vector<SharedGroup> shared_;
+
+  // Every pipeline rank derives the same groups from the model config and the partition, and
+  // splits the pipeline communicator once per group of two or more ranks, in one order
+  // (collective over the pipeline group).
+  void make_shared_groups(RunContext& run) {
+    const auto sh = shape(run);
+    const auto& bounds = partition_->bounds;
+    const int64_t stages = sh.stages();
+    auto ranks_of = [&](const std::vector<int64_t>& held) {
+      std::set<int64_t> ranks;
+      for (const int64_t stage : held) ranks.insert(sh.rank_of(stage));
+      return std::vector<int64_t>(ranks.begin(), ranks.end());
+    };
+    // Every shared parameter's holders: the tied embedding's, each block's.
+    std::set<std::vector<int64_t>> all;
+    if (run.model_config.tie_embeddings) all.insert(ranks_of({0, stages - 1}));
+    const auto owners = run.model_config.layer_owners();
+    for (const int64_t block : models::held_blocks(owners, 0, run.model_config.n_layers)) {
+      std::vector<int64_t> held;
+      for (int64_t s = 0; s < stages; ++s) {
+        const auto in_stage = models::held_blocks(owners, bounds[static_cast<size_t>(s)],
+                                                  bounds[static_cast<size_t>(s) + 1]);
+        if (std::find(in_stage.begin(), in_stage.end(), block) != in_stage.end()) held.push_back(s);
+      }
+      if (held.size() > 1) all.insert(ranks_of(held));
+    }
+    // This rank's shared parameters, by the ranks holding them.
+    std::map<std::vector<int64_t>, std::map<std::string, std::vector<size_t>>> mine;
+    for (size_t c = 0; c < run.chunks.size(); ++c)
+      for (const auto& name : run.chunks[c]->shared_across_parts()) {
+        const auto ranks = ranks_of(run.chunks[c]->stages_holding(name, bounds));
+        LOOM_CHECK(all.count(ranks) == 1,
+                   "pipeline: parameter '{}' is held by pipeline ranks [{}], which no shared "
+                   "group derived from the model config has",
+                   name, fmt::join(ranks, ", "));
+        mine[ranks][name].push_back(c);
+      }
+    const int64_t me = run.coord(dist::Dim::pp);
+    for (const auto& ranks : all) {
+      const bool member = std::find(ranks.begin(), ranks.end(), me) != ranks.end();
+      dist::CommunicatorPtr comm;
+      if (ranks.size() > 1)
+        comm = run.mesh->comm(dist::Dim::pp)
+                   .split(member ? 0 : -1, static_cast<int>(me), "shared-parameters");
+      if (member && mine.count(ranks) == 1) shared_.push_back({ranks, comm, mine.at(ranks)});
+    }
+  }
 };
 
 }  // namespace

@@ -4,6 +4,8 @@
 // forward and backward. See docs/zero.md.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "builtin.h"
 #include "loom/core/error.h"
 #include "loom/parallel/zero/zero_optimizer.h"
@@ -141,13 +143,13 @@ class ZeroStrategy final : public Strategy {
       // One hook per engine: a hook keeps its error feedback by bucket index.
       options.hook = parallel::data::make_comm_hook(run.config.comm_hook, run.adamw);
       hooks_.push_back(options.hook);
-      const auto tied_copy = chunk->tied_embedding_copy();
-      const bool tied_first =
-          run.size(dist::Dim::pp) > 1 && run.model_config.tie_embeddings && chunk->part().first;
-      // The tied embedding's two copies get their own buckets, laid out alike on both stages,
-      // whose shards are summed; the copy is left out of the norm (its first is counted).
-      if (tied_first || !tied_copy.empty()) options.own_bucket = {chunk->embedding_weight_name()};
-      if (run.size(dist::Dim::tp) > 1 || !tied_copy.empty())
+      // Parameters other stages hold too (a tied embedding, shared blocks) get buckets laid out
+      // alike on every stage (stage 3: their blocks' units), whose shards the pipeline sums;
+      // the copies are left out of the norm (the first stage's is counted).
+      options.own_bucket = chunk->shared_across_parts();
+      const bool has_copy = std::any_of(options.own_bucket.begin(), options.own_bucket.end(),
+                                        [&](const auto& name) { return chunk->is_copy(name); });
+      if (run.size(dist::Dim::tp) > 1 || has_copy)
         options.norm_weight = [part = chunk.get()](const std::string& name) {
           return grad_norm_weight(*part, name);
         };

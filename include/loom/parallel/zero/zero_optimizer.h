@@ -60,7 +60,8 @@ struct ZeroOptions {
   // Parameters that get a flat bucket of their own, so that their gradient shard has the same
   // layout on every engine that holds them (a tied embedding's two copies on the first and last
   // pipeline stages, whose shards are summed; see own_bucket_grad_shard). At stage 3 each is a
-  // unit of its own, gathered with the root (outside any block).
+  // unit of its own, gathered with the root (outside any block); a name a unit already holds
+  // stays in that unit (its layout is the same wherever the unit is).
   std::vector<std::string> own_bucket;
   // Stage 3: release each unit's gathered parameters after its forward and after its backward
   // (true: the least memory), or keep them gathered until the step's last backward (false: one

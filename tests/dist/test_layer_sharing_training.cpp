@@ -1,0 +1,115 @@
+// Cross-layer parameter sharing (--share-layers) through the Trainer under every parallel layout:
+// a shared block's gradient summed over its uses within a stage (one accumulation, so data
+// parallelism and ZeRO reduce it once), over the pipeline stages holding a copy of it (and over
+// a rank's interleaved chunks), and sharded by ZeRO like any parameter.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dist_util.h"
+#include "loom/train/trainer.h"
+#include "train_compare.h"
+
+using loom::testing::world;
+namespace train = loom::train;
+
+namespace {
+
+struct SharingLayout {
+  const char* name;
+  loom::dist::MeshShape shape;
+  int64_t zero = 0;
+  bool sequence_parallel = false;
+  bool interleaved = false;            // 2 virtual stages per rank, 2 micro-batches
+  const char* checkpointing = "none";  // "full": a shared block's recompute at each use
+};
+
+}  // namespace
+
+// gpt2-tiny with --share-layers cycle:2 (dropout 0.1, masks keyed by the layer) and llama-tiny
+// with "all" (4 layers, 1 block), 3 fp64 steps, on the layouts this world size allows (2 ranks:
+// dp 2 with full recompute, tp 2 with sequence parallelism, pp 2 (both stages use both blocks),
+// ZeRO-3 at dp 2 with full recompute; 4 ranks: tp 2 x pp 2 interleaved (a rank's two chunks hold
+// the same block), dp 2 x pp 2 with ZeRO-1, and interleaved with ZeRO-3), equal to one process
+// within the fp64 bounds of train_compare.h (losses, gradient norms, validation loss, every
+// parameter). The pp runs' checkpoints hold one copy of each block and resume in one process with
+// the same parameters; another --share-layers is refused.
+TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
+  const int64_t n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 or 4 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  std::vector<SharingLayout> layouts;
+  if (n == 2) {
+    layouts = {{"dp2 full recompute", {.dp = 2}, 0, false, false, "full"},
+               {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
+               {"pp2", {.dp = 1, .pp = 2}},
+               {"dp2 zero3 full recompute", {.dp = 2}, 3, false, false, "full"}};
+  } else {
+    layouts = {{"tp2 pp2 interleaved", {.dp = 1, .tp = 2, .pp = 2}, 0, false, true},
+               {"dp2 pp2 zero1", {.dp = 2, .pp = 2}, 1},
+               {"dp2 pp2 interleaved zero3", {.dp = 2, .pp = 2}, 3, false, true}};
+  }
+  for (const char* model : {"gpt2", "llama"}) {
+    SCOPED_TRACE(model);
+    const bool gpt2 = std::string(model) == "gpt2";
+    auto config = loom::testing::tiny_layout_config(dir.path(), model);
+    config.share_layers = gpt2 ? "cycle:2" : "all";
+    if (gpt2) config.dropout = 0.1;
+    loom::testing::RunResult single;
+    {
+      train::Trainer t(config);
+      single = loom::testing::run(t);
+    }
+    const std::string prefix = gpt2 ? "transformer.h." : "model.layers.";
+    for (const auto& layout : layouts) {
+      SCOPED_TRACE(layout.name);
+      auto c = config;
+      c.dp = layout.shape.dp;
+      c.tp = layout.shape.tp;
+      c.pp = layout.shape.pp;
+      c.zero = layout.zero;
+      c.sequence_parallel = layout.sequence_parallel;
+      c.activation_checkpointing = layout.checkpointing;
+      if (layout.interleaved) {
+        c.schedule = "interleaved";
+        c.virtual_stages = 2;
+        c.grad_accum = 2;
+      }
+      if (layout.shape.pp == 2 && !layout.interleaved) c.grad_accum = 2;
+      const bool saves = layout.shape.pp == 2;
+      const auto save_dir = dir / fmt::format("share-{}-{}-{}", model, n, layout.zero);
+      if (saves) c.save_dir = save_dir.string();
+      loom::testing::RunResult distributed;
+      {
+        train::Trainer t(c, loom::testing::layout_mesh(layout.shape));
+        distributed = loom::testing::run(t);
+        if (saves) t.save_checkpoint();
+      }
+      loom::testing::expect_same_run(distributed, single);
+      // One copy of each distinct block: layers 0 and 1 (cycle:2) or layer 0 (all).
+      for (const auto& [name, p] : distributed.params) {
+        if (!name.starts_with(prefix)) continue;
+        EXPECT_TRUE(name.starts_with(prefix + "0.") || (gpt2 && name.starts_with(prefix + "1.")))
+            << name;
+      }
+      if (!saves) continue;
+      auto resumed = config;
+      resumed.grad_accum = c.grad_accum;
+      resumed.steps = 4;
+      resumed.lr_decay_steps = 3;
+      resumed.resume = (save_dir / "step-00000003").string();
+      train::Trainer again(resumed);
+      for (const auto& [name, p] : again.gather_parameters())
+        EXPECT_TRUE(at::equal(p.to(at::kCPU, at::kDouble), distributed.params.at(name))) << name;
+      EXPECT_TRUE(std::isfinite(again.train_step().loss));
+      auto other = resumed;
+      other.share_layers = "none";
+      const auto msg = loom::testing::error_of([&] { train::Trainer{other}; });
+      EXPECT_TRUE(loom::testing::contains(msg, "--share-layers")) << msg;
+    }
+  }
+}
