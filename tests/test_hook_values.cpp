@@ -201,6 +201,10 @@ TEST(HookValues, AnIncompleteOrMalformedLayoutIsAnError) {
   EXPECT_EQ(back.to_json(), text);
   EXPECT_EQ(back.params.at("kv").spec.units, 1);
   EXPECT_TRUE(back.params.at("ln").spec.grad_partial);
+  // A block shared by layers on several pipeline stages: held by more than two of them.
+  auto shared = l;
+  shared.params.at("w").stages = 4;
+  EXPECT_EQ(train::HookValueLayout::from_json(shared.to_json(), "s").params.at("w").stages, 4);
 
   auto wrong = text;
   wrong.replace(wrong.find("\"cp\":0"), 6, "\"cp\":5");

@@ -21,6 +21,7 @@
 #include "loom/models/hf.h"
 #include "loom/models/layer_sharing.h"
 #include "loom/parallel/grad_ready_hooks.h"
+#include "loom/train/mfu.h"
 #include "test_util.h"
 
 using loom::testing::contains;
@@ -120,6 +121,10 @@ TEST(LayerSharing, ModelHoldsEachBlockOnceAndCountsItOnce) {
     EXPECT_EQ(shared_config.num_parameters(), held);
     EXPECT_EQ(plain->config().num_parameters() - shared_config.num_parameters(),
               4 * shared_config.block_parameters());
+    // Every layer still multiplies by its block's weights: the FLOPs (and MFU) are the unshared
+    // model's.
+    EXPECT_EQ(loom::train::model_flops_per_token(shared_config, 32),
+              loom::train::model_flops_per_token(plain->config(), 32));
     ASSERT_EQ(shared->blocks().size(), 2u);
     EXPECT_EQ(shared->blocks()[1].first, prefix + ".1");
     // The config round-trips with its pattern (and without one, writes none).

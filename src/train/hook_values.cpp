@@ -137,7 +137,8 @@ HookValueLayout HookValueLayout::from_json(const std::string& text, const std::s
       p.spec.units = core::json_int64(s[4], where("spec units"), 0);
       if (!s[5].is_boolean()) fail(fmt::format("gives '{}' a partial flag {}", name, s[5].dump()));
       p.spec.grad_partial = s[5].get<bool>();
-      p.stages = core::json_int64(s[6], where("stages"), 1, 2);
+      // A tied embedding is on 2 stages; a shared block on up to every one.
+      p.stages = core::json_int64(s[6], where("stages"), 1, kMaxRanks);
       p.spec.check(out.tp_size, fmt::format("'{}': parameter '{}'", source, name));
       out.params.emplace(name, p);
     }

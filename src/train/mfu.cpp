@@ -12,8 +12,9 @@ double model_flops_per_token(const models::ModelConfig& config, int64_t seq_len)
   if (!config.tie_embeddings) lookups += config.vocab_size * d;  // the input embedding
   // Multi-token heads: their parameters are in num_parameters; each also multiplies by the
   // shared unembedding and attends like one more block (their recompute in backward is not
-  // counted, as no recomputation is).
-  const double n = static_cast<double>(config.num_parameters() - lookups +
+  // counted, as no recomputation is). A block shared by several layers multiplies at each.
+  const int64_t reused = (config.n_layers - config.unique_blocks()) * config.block_parameters();
+  const double n = static_cast<double>(config.num_parameters() + reused - lookups +
                                        config.mtp_heads * config.vocab_size * d);
   return 6.0 * n + 12.0 * static_cast<double>((config.n_layers + config.mtp_heads) * d * seq_len);
 }

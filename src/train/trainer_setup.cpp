@@ -88,7 +88,7 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                config_.d_ff);
     LOOM_CHECK(config_.share_layers.empty() || config_.share_layers == "none",
                "--share-layers '{}' shares loom's GPT-2 and Llama blocks; a custom model defines "
-               "its own layers (share a module between them in its code)",
+               "its own layers",
                config_.share_layers);
   }
   // 1-bit Adam steps with the variance frozen where the exact warm-up ends (comm_hook.h).

@@ -25,13 +25,15 @@ struct SharingLayout {
   bool sequence_parallel = false;
   bool interleaved = false;            // 2 virtual stages per rank, 2 micro-batches
   const char* checkpointing = "none";  // "full": a shared block's recompute at each use
+  const char* partition = "flops";     // --pp-partition ("measured" times one block alone)
 };
 
 }  // namespace
 
 // gpt2-tiny with --share-layers cycle:2 (dropout 0.1, masks keyed by the layer) and llama-tiny
 // with "all" (4 layers, 1 block), 3 fp64 steps, on the layouts this world size allows (2 ranks:
-// dp 2 with full recompute, tp 2 with sequence parallelism, pp 2 (both stages use both blocks),
+// dp 2 with full recompute, tp 2 with sequence parallelism, pp 2 partitioned by measured block
+// times (both stages use both blocks),
 // ZeRO-3 at dp 2 with full recompute; 4 ranks: tp 2 x pp 2 interleaved (a rank's two chunks hold
 // the same block), dp 2 x pp 2 with ZeRO-1, and interleaved with ZeRO-3), equal to one process
 // within the fp64 bounds of train_compare.h (losses, gradient norms, validation loss, every
@@ -46,7 +48,7 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
   if (n == 2) {
     layouts = {{"dp2 full recompute", {.dp = 2}, 0, false, false, "full"},
                {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
-               {"pp2", {.dp = 1, .pp = 2}},
+               {"pp2 measured partition", {.dp = 1, .pp = 2}, 0, false, false, "none", "measured"},
                {"dp2 zero3 full recompute", {.dp = 2}, 3, false, false, "full"}};
   } else {
     layouts = {{"tp2 pp2 interleaved", {.dp = 1, .tp = 2, .pp = 2}, 0, false, true},
@@ -74,6 +76,7 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
       c.zero = layout.zero;
       c.sequence_parallel = layout.sequence_parallel;
       c.activation_checkpointing = layout.checkpointing;
+      c.pp_partition = layout.partition;
       if (layout.interleaved) {
         c.schedule = "interleaved";
         c.virtual_stages = 2;
@@ -112,4 +115,34 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
       EXPECT_TRUE(loom::testing::contains(msg, "--share-layers")) << msg;
     }
   }
+}
+
+// Global magnitude pruning over a pipeline whose stages hold copies of the same blocks: the
+// threshold counts each shared weight once (as one process does), and every copy gets the same
+// mask. gpt2-tiny with layer 3 using layer 0's block, pruned to 50% over steps 1-3, pp 2 against
+// one process.
+TEST(TrainerSharing, GlobalPruningCountsSharedWeightsOnce) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
+  // Layer 3 uses layer 0's block: stage 1 holds a copy of it beside its own block 2, so counting
+  // the copy would weigh block 0 twice against the others (and move the threshold).
+  config.share_layers = "3=0";
+  config.prune.to = 0.5;
+  config.prune.scope = "global";
+  config.prune.start = 1;
+  config.prune.end = 3;
+  config.prune.every = 1;
+  loom::testing::RunResult single;
+  {
+    train::Trainer t(config);
+    single = loom::testing::run(t);
+  }
+  auto c = config;
+  c.pp = 2;
+  c.dp = 1;
+  c.grad_accum = 2;
+  train::Trainer t(c, loom::testing::layout_mesh({.dp = 1, .pp = 2}));
+  loom::testing::expect_same_run(loom::testing::run(t), single);
 }

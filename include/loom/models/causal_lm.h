@@ -194,9 +194,10 @@ class CausalLM : public torch::nn::Module {
   // is wrapped at each of its uses, with the same index.
   void add_block_wrapper(BlockWrapper wrapper);
 
-  // The transformer blocks this part holds, each once however many layers use it, in order of
-  // their first use, each with its fully-qualified name prefix as named_parameters() spells it
-  // ("transformer.h.0", "model.layers.0": the number is the first layer that uses it).
+  // The transformer blocks this part holds, each once however many layers use it, each with its
+  // fully-qualified name prefix as named_parameters() spells it ("transformer.h.0",
+  // "model.layers.0": the number is the first layer of the model that uses it), ascending by
+  // that number.
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks() const;
   // Per layer of the model, the layer whose block it runs (ModelConfig::layer_owners).
   const std::vector<int64_t>& layer_owners() const { return owners_; }

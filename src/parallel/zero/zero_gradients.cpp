@@ -50,16 +50,20 @@ void ZeroOptimizer::on_grad_ready(size_t bucket, size_t slot) {
 }
 
 void ZeroOptimizer::compute_launch_order() {
-  // Stage 3: units in reverse forward order (the order backward completes them), then the rest
-  // (the root, whose tied embedding completes last, and units that did not run). Stages 1-2:
-  // bucket order, which assign_buckets made reverse registration order.
+  // Stage 3: units in reverse order of their first forward use (the order backward completes
+  // them: a unit run several times, a block shared by layers, completes at its first use), then
+  // the rest (the root, whose tied embedding completes last, and units that did not run).
+  // Stages 1-2: bucket order, which assign_buckets made reverse registration order.
   std::vector<bool> placed(buckets_.size(), false);
-  if (options_.stage == 3)
-    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
-      if (!placed[*it]) {
-        placed[*it] = true;
-        launch_order_.push_back(*it);
+  if (options_.stage == 3) {
+    std::vector<size_t> first_uses;
+    for (const size_t unit : forward_order_)
+      if (!placed[unit]) {
+        placed[unit] = true;
+        first_uses.push_back(unit);
       }
+    launch_order_.assign(first_uses.rbegin(), first_uses.rend());
+  }
   for (size_t bi = 0; bi < buckets_.size(); ++bi)
     if (!placed[bi]) launch_order_.push_back(bi);
 }

@@ -296,11 +296,9 @@ void ZeroOptimizer::release(size_t bucket) {
   b.gathered = Gathered::kNo;
 }
 
-void ZeroOptimizer::prefetch_after(size_t bucket, int direction) {
-  if (!options_.prefetch || order_broken_ || !order_recorded_) return;
-  auto it = std::find(forward_order_.begin(), forward_order_.end(), bucket);
-  if (it == forward_order_.end()) return;
-  const auto pos = static_cast<int64_t>(it - forward_order_.begin()) + direction;
+void ZeroOptimizer::prefetch_after(int64_t position, int direction) {
+  if (!options_.prefetch || order_broken_ || !order_recorded_ || position < 0) return;
+  const auto pos = position + direction;
   if (pos < 0 || pos >= static_cast<int64_t>(forward_order_.size())) return;
   gather(forward_order_[static_cast<size_t>(pos)], true);
 }
@@ -332,10 +330,10 @@ at::Tensor ZeroOptimizer::run_unit(size_t unit, const std::function<at::Tensor()
         "{}); prefetching is off from now on",
         buckets_[bucket].name, forward_pos_);
   }
-  ++forward_pos_;
+  const auto position = static_cast<int64_t>(forward_pos_++);
   gather(bucket, false);
   wait_gathered(bucket);
-  prefetch_after(bucket, +1);
+  prefetch_after(position, +1);
   auto out = fn();
   if (!is_root(bucket) && options_.reshard_after_forward) release(bucket);
   if (torch::GradMode::is_enabled() && out.requires_grad())
@@ -348,7 +346,11 @@ void ZeroOptimizer::pre_backward(size_t bucket) {
   if (!order_recorded_ && !forward_order_.empty()) order_recorded_ = true;
   gather(bucket, false);
   wait_gathered(bucket);
-  prefetch_after(bucket, -1);
+  // Backward meets a unit run several times (a block shared by layers) first at its last use.
+  const auto last = std::find(forward_order_.rbegin(), forward_order_.rend(), bucket);
+  prefetch_after(
+      last == forward_order_.rend() ? -1 : static_cast<int64_t>(forward_order_.rend() - last) - 1,
+      -1);
 }
 
 void ZeroOptimizer::release_parameters() {

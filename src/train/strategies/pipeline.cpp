@@ -177,6 +177,7 @@ class PipelineStrategy final : public Strategy {
     pl::LayerCosts costs;
     auto one = model_config;
     one.n_layers = 1;
+    one.share_layers.clear();  // one block, timed alone
     if (config.pp_partition == "measured") {
       // One block, the embedding and the head timed on this rank, averaged over all ranks so
       // every rank computes the same split.

@@ -51,6 +51,9 @@ struct Target {
   // whole weight, flattened, or its ZeRO-3 shard), bool; undefined until the first update.
   at::Tensor mask;
   bool two_four = false;  // the whole weight's zeros are 2:4 (checked where a 2:4 format is set)
+  // A copy of a weight another stage (or chunk) counts (a block shared across layers): pruned
+  // like it, left out of global counts.
+  bool copy = false;
   parallel::tensor::PrunableLinear* layer = nullptr;  // the layer whose weight this is
 };
 
@@ -102,7 +105,8 @@ class Pruning final : public Strategy {
         Target t{.name = name,
                  .chunk = chunk,
                  .shape = p.sizes().vec(),
-                 .replicas = spec.sharded() ? spec.replicas(tp) : tp};
+                 .replicas = spec.sharded() ? spec.replicas(tp) : tp,
+                 .copy = run.chunks[chunk]->is_copy(name)};
         const auto layer = layers.find(name.substr(0, name.size() - std::string(".weight").size()));
         if (layer != layers.end()) t.layer = layer->second;
         targets_.push_back(std::move(t));
@@ -299,7 +303,8 @@ class Pruning final : public Strategy {
     }
     if (!global) return local;
     int64_t sum = 0;
-    for (const auto v : local) sum += v;
+    for (size_t i = 0; i < local.size(); ++i)
+      if (!targets_[i].copy) sum += local[i];
     if (run.size(dist::Dim::pp) > 1) {
       auto& pp = run.mesh->comm(dist::Dim::pp);
       auto t = dist::on_comm_device(pp, at::full({1}, sum, at::kLong));

@@ -145,7 +145,7 @@ class ZeroStrategy final : public Strategy {
       hooks_.push_back(options.hook);
       // Parameters other stages hold too (a tied embedding, shared blocks) get buckets laid out
       // alike on every stage (stage 3: their blocks' units), whose shards the pipeline sums;
-      // the copies are left out of the norm (the first stage's is counted).
+      // the copies are left out of the norm (the stage holding the first use counts it).
       options.own_bucket = chunk->shared_across_parts();
       const bool has_copy = std::any_of(options.own_bucket.begin(), options.own_bucket.end(),
                                         [&](const auto& name) { return chunk->is_copy(name); });

@@ -269,7 +269,8 @@ class ZeroOptimizer {
   void gather(size_t bucket, bool prefetch);
   void wait_gathered(size_t bucket);
   void release(size_t bucket);
-  void prefetch_after(size_t bucket, int direction);
+  // Starts gathering the unit at `position` + direction of the recorded forward order.
+  void prefetch_after(int64_t position, int direction);
   // Gathered with the root unit and kept until the step's last backward (the root itself and
   // stage 3's own buckets).
   bool is_root(size_t bucket) const {
