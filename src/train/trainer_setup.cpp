@@ -247,7 +247,8 @@ void Trainer::log_setup() const {
         models::to_string(m.family), m.num_parameters() / 1e6, m.d_model, m.n_layers,
         m.share_layers.empty()
             ? std::string()
-            : fmt::format(" ({} distinct blocks, shared '{}')", m.unique_blocks(), m.share_layers),
+            : fmt::format(" ({} distinct block{}, shared '{}')", m.unique_blocks(),
+                          m.unique_blocks() == 1 ? "" : "s", m.share_layers),
         m.n_heads, m.n_kv_heads, m.vocab_size);
   }
   spdlog::info(

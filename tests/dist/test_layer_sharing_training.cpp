@@ -26,6 +26,7 @@ struct SharingLayout {
   bool interleaved = false;            // 2 virtual stages per rank, 2 micro-batches
   const char* checkpointing = "none";  // "full": a shared block's recompute at each use
   const char* partition = "flops";     // --pp-partition ("measured" times one block alone)
+  bool without_dropout = false;        // context parallelism refuses dropout: llama only
 };
 
 }  // namespace
@@ -34,11 +35,11 @@ struct SharingLayout {
 // with "all" (4 layers, 1 block), 3 fp64 steps, on the layouts this world size allows (2 ranks:
 // dp 2 with full recompute, tp 2 with sequence parallelism, pp 2 partitioned by measured block
 // times (both stages use both blocks),
-// ZeRO-3 at dp 2 with full recompute; 4 ranks: tp 2 x pp 2 interleaved (a rank's two chunks hold
-// the same block), dp 2 x pp 2 with ZeRO-1, and interleaved with ZeRO-3), equal to one process
-// within the fp64 bounds of train_compare.h (losses, gradient norms, validation loss, every
-// parameter). The pp runs' checkpoints hold one copy of each block and resume in one process with
-// the same parameters; another --share-layers is refused.
+// ZeRO-3 at dp 2 with full recompute, cp 2 (llama: context parallelism refuses dropout); 4 ranks:
+// tp 2 x pp 2 interleaved (a rank's two chunks hold the same block), dp 2 x pp 2 with ZeRO-1, and
+// interleaved with ZeRO-3), equal to one process within the fp64 bounds of train_compare.h (losses,
+// gradient norms, validation loss, every parameter). The pp runs' checkpoints hold one copy of each
+// block and resume in one process with the same parameters; another --share-layers is refused.
 TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
   const int64_t n = world().size();
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 or 4 ranks";
@@ -49,7 +50,8 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
     layouts = {{"dp2 full recompute", {.dp = 2}, 0, false, false, "full"},
                {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
                {"pp2 measured partition", {.dp = 1, .pp = 2}, 0, false, false, "none", "measured"},
-               {"dp2 zero3 full recompute", {.dp = 2}, 3, false, false, "full"}};
+               {"dp2 zero3 full recompute", {.dp = 2}, 3, false, false, "full"},
+               {"cp2", {.dp = 1, .cp = 2}, 0, false, false, "none", "flops", true}};
   } else {
     layouts = {{"tp2 pp2 interleaved", {.dp = 1, .tp = 2, .pp = 2}, 0, false, true},
                {"dp2 pp2 zero1", {.dp = 2, .pp = 2}, 1},
@@ -69,10 +71,12 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
     const std::string prefix = gpt2 ? "transformer.h." : "model.layers.";
     for (const auto& layout : layouts) {
       SCOPED_TRACE(layout.name);
+      if (layout.without_dropout && config.dropout > 0) continue;
       auto c = config;
       c.dp = layout.shape.dp;
       c.tp = layout.shape.tp;
       c.pp = layout.shape.pp;
+      c.cp = layout.shape.cp;
       c.zero = layout.zero;
       c.sequence_parallel = layout.sequence_parallel;
       c.activation_checkpointing = layout.checkpointing;
@@ -145,4 +149,42 @@ TEST(TrainerSharing, GlobalPruningCountsSharedWeightsOnce) {
   c.grad_accum = 2;
   train::Trainer t(c, loom::testing::layout_mesh({.dp = 1, .pp = 2}));
   loom::testing::expect_same_run(loom::testing::run(t), single);
+}
+
+// A shared model's checkpoint resumes bit for bit: 2 steps, save, 2 more from the checkpoint
+// equal 4 steps straight (losses, gradient norms and every parameter exactly), with Adam's
+// moments of the shared blocks restored. One process, gpt2-tiny with "all".
+TEST(TrainerSharing, ResumeContinuesBitForBit) {
+  if (world().size() != 1) GTEST_SKIP() << "runs at 1 rank";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
+  config.share_layers = "all";
+  config.steps = 4;
+  loom::testing::RunResult straight;
+  {
+    train::Trainer t(config);
+    straight = loom::testing::run(t);
+  }
+  auto first = config;
+  first.steps = 2;
+  first.lr_decay_steps = 4;
+  first.save_dir = (dir / "share-resume").string();
+  {
+    train::Trainer t(first);
+    loom::testing::run(t);
+    t.save_checkpoint();
+  }
+  auto second = config;
+  second.lr_decay_steps = 4;
+  second.resume = (dir / "share-resume" / "step-00000002").string();
+  train::Trainer t(second);
+  const auto resumed = loom::testing::run(t);
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(resumed.losses[i], straight.losses[i + 2]) << "step " << i + 3;
+    EXPECT_EQ(resumed.grad_norms[i], straight.grad_norms[i + 2]) << "step " << i + 3;
+  }
+  for (const auto& [name, p] : resumed.params)
+    EXPECT_TRUE(at::equal(p, straight.params.at(name))) << name;
 }
