@@ -24,7 +24,7 @@ for flag in --model --preset --data --val-data --steps --batch-size --seq-len --
   --device --attention --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
-for tool in loom-prepare loom-eval loom-generate; do
+for tool in loom-prepare loom-eval loom-generate loom-plan; do
   "$TOOLS/$tool" --help > /dev/null || { echo "FAIL: $tool --help"; fail=1; }
 done
 printf 'hello world, this is a small corpus for the loom tools. %.0s' {1..50} > "$work/a.txt"
@@ -144,5 +144,25 @@ grep -q "output identical" <<< "$spec" || { echo "FAIL: --speculative printed '$
   --data "$work/data/train.bin" --export-hf "$work/hf-share" > "$work/share.log" 2>&1 || { echo "FAIL: --share-layers run"; cat "$work/share.log"; fail=1; }
 grep -q "layers 4 (2 distinct blocks, shared 'cycle:2')" "$work/share.log" || { echo "FAIL: the log does not say the blocks are shared"; cat "$work/share.log"; fail=1; }
 grep -q '"loom_share_layers": "cycle:2"' "$work/hf-share/config.json" || { echo "FAIL: the export does not record the sharing"; fail=1; }
+# loom-plan: layouts ranked by the cost model, as a table or JSON; bad profiles and worlds that
+# nothing fits are refused with the reason.
+plan=$("$TOOLS/loom-plan" --model gpt2 --preset gpt2-mini --world 8 --batch-size 32 --seq-len 256 --json --top 3)
+for key in '"dp"' '"tp"' '"pp"' '"zero"' '"micro_batches"' '"schedule"' '"step_s"' '"memory_bytes"'; do
+  grep -qF "$key" <<< "$plan" || { echo "FAIL: loom-plan --json lacks $key"; fail=1; }
+done
+"$TOOLS/loom-plan" --model llama --preset llama-tiny --world 4 --batch-size 8 | grep -q "layouts fit" || { echo "FAIL: loom-plan table"; fail=1; }
+printf '{"devices": [' > "$work/bad-profile.json"
+expect "is not valid JSON" "$TOOLS/loom-plan" --world 2 --profile "$work/bad-profile.json"
+cat > "$work/profile.json" << 'JSON'
+{"devices": [{"name": "gpu", "matmul_flops": 1e14, "attention_flops": 5e13, "memory_bytes": 1e6,
+              "adamw_params_per_s": 1e10}],
+ "stage_devices": ["gpu", "tpu"],
+ "links": {"intra_node": {"bandwidth": 1e11, "latency": 1e-5},
+           "inter_node": {"bandwidth": 1e10, "latency": 1e-5}}}
+JSON
+expect "stage_devices names 'tpu', an unknown device (defined: gpu)" "$TOOLS/loom-plan" --world 2 --profile "$work/profile.json"
+sed -i 's/"stage_devices": \["gpu", "tpu"\],//' "$work/profile.json"
+expect "no layout of 4 ranks fits in 0.00 GiB per rank; the least memory any needs is" "$TOOLS/loom-plan" --world 4 --profile "$work/profile.json"
+expect "machine profile 'tpu-pod' is not built in" "$TOOLS/loom-plan" --world 4 --profile tpu-pod
 [ $fail -eq 0 ] && echo "all CLI checks passed"
 exit $fail

@@ -52,6 +52,13 @@ class CustomModel final : public CausalLM {
         LOOM_CHECK(named.contains(path) && named[path].get() == spec_.blocks[i].get(),
                    "custom model '{}': block {} is not the module registered at '{}'", spec_.name,
                    i, path);
+        // One module under two names would give its tensors two names: two optimizer updates,
+        // two gradient hooks, two ZeRO units.
+        for (size_t j = 0; j < i; ++j)
+          LOOM_CHECK(spec_.blocks[j].get() != spec_.blocks[i].get(),
+                     "custom model '{}': blocks {} and {} are the same module; each block must "
+                     "be a module of its own",
+                     spec_.name, j, i);
       }
       adopt_blocks(spec_.name + "." + spec_.blocks_path, spec_.blocks);
     }

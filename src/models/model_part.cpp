@@ -61,11 +61,7 @@ void CausalLM::adopt_blocks(std::string prefix,
     block_layers_.push_back(part_.first_layer + static_cast<int64_t>(i));
     block_of_layer_.push_back(i);
   }
-  // A module the model's code runs at several indices is used that many times (its gradients
-  // then come back through the recompute, see run_block).
-  block_uses_.clear();
-  for (const auto& block : blocks_)
-    block_uses_.push_back(std::count(blocks_.begin(), blocks_.end(), block));
+  block_uses_.assign(blocks_.size(), 1);  // distinct modules (make_custom_model checks)
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> CausalLM::blocks() const {

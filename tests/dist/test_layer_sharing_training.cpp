@@ -34,7 +34,7 @@ struct SharingLayout {
 // gpt2-tiny with --share-layers cycle:2 (dropout 0.1, masks keyed by the layer) and llama-tiny
 // with "all" (4 layers, 1 block), 3 fp64 steps, on the layouts this world size allows (2 ranks:
 // dp 2 with full recompute, tp 2 with sequence parallelism, pp 2 partitioned by measured block
-// times (both stages use both blocks),
+// times (a block is held by both stages),
 // ZeRO-3 at dp 2 with full recompute, cp 2 (llama: context parallelism refuses dropout); 4 ranks:
 // tp 2 x pp 2 interleaved (a rank's two chunks hold the same block), dp 2 x pp 2 with ZeRO-1, and
 // interleaved with ZeRO-3), equal to one process within the fp64 bounds of train_compare.h (losses,

@@ -300,7 +300,14 @@ void ZeroOptimizer::prefetch_after(int64_t position, int direction) {
   if (!options_.prefetch || order_broken_ || !order_recorded_ || position < 0) return;
   const auto pos = position + direction;
   if (pos < 0 || pos >= static_cast<int64_t>(forward_order_.size())) return;
-  gather(forward_order_[static_cast<size_t>(pos)], true);
+  const size_t bucket = forward_order_[static_cast<size_t>(pos)];
+  // In backward, a unit whose reduction has launched is done (a unit run several times
+  // finishes at its first use, before backward reaches its earlier positions).
+  if (direction < 0 &&
+      std::find(launch_order_.begin(), launch_order_.begin() + static_cast<int64_t>(next_launch_),
+                bucket) != launch_order_.begin() + static_cast<int64_t>(next_launch_))
+    return;
+  gather(bucket, true);
 }
 
 void ZeroOptimizer::prepare_forward() {

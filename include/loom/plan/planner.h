@@ -1,0 +1,42 @@
+#pragma once
+// The planner: every layout of a world of ranks that can run a workload and fits each rank's
+// memory, ranked by the cost model's predicted tokens per second (loom-plan prints them).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/plan/cost_model.h"
+#include "loom/plan/machine_profile.h"
+
+namespace loom::plan {
+
+struct PlanRequest {
+  Workload workload;
+  int64_t world = 1;
+  MachineProfile machine;
+  // The search: ZeRO stages (with dp > 1), checkpointing modes, micro-batches per step up to
+  // this many, context parallelism (where the model allows it).
+  std::vector<int> zero_stages{0, 1, 2, 3};
+  std::vector<std::string> checkpointing{"none", "full"};
+  int64_t max_micro_batches = 64;
+  bool context_parallel = true;
+};
+
+struct PlannedLayout {
+  Layout layout;
+  Prediction prediction;
+};
+
+// The layouts of request.world ranks that check_layout accepts and whose every rank fits its
+// device's memory, most predicted tokens/s first (ties: less memory first). When none fits,
+// a loom::Error says the least memory per rank any layout would need and which layout that is;
+// a world of fewer than 1 rank, or one no layout divides, is a loom::Error too.
+std::vector<PlannedLayout> plan_layouts(const PlanRequest& request);
+
+// One line per layout for a terminal, or a JSON array of objects (best first) with dp, tp, pp,
+// cp, zero, micro_batches, virtual_stages, schedule, checkpointing, sequence_parallel, step_s,
+// tokens_per_s, memory_bytes and the prediction's parts.
+std::string format_plan(const std::vector<PlannedLayout>& plans, size_t top);
+std::string plan_json(const std::vector<PlannedLayout>& plans, size_t top);
+
+}  // namespace loom::plan

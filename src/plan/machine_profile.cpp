@@ -1,0 +1,213 @@
+#include "loom/plan/machine_profile.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "loom/core/error.h"
+#include "loom/core/files.h"
+#include "loom/core/json.h"
+
+namespace loom::plan {
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kDims[] = {"dp", "tp", "pp", "cp"};
+
+double positive_number(const json& j, const char* key, const std::string& where) {
+  LOOM_CHECK(j.contains(key), "{}: has no '{}'", where, key);
+  const auto& v = j.at(key);
+  LOOM_CHECK(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() > 0,
+             "{}: '{}' is {}; it must be a positive number", where, key, v.dump());
+  return v.get<double>();
+}
+
+}  // namespace
+
+const DeviceProfile& MachineProfile::device_of_stage(int64_t stage, int64_t stages) const {
+  LOOM_CHECK(!devices.empty(), "machine profile '{}' has no devices", name);
+  if (stage_devices.empty()) return devices.front();
+  LOOM_CHECK(static_cast<int64_t>(stage_devices.size()) == stages,
+             "machine profile '{}' names devices for {} pipeline ranks; this layout has {}", name,
+             stage_devices.size(), stages);
+  const auto& wanted = stage_devices.at(static_cast<size_t>(stage));
+  for (const auto& d : devices)
+    if (d.name == wanted) return d;
+  fail("machine profile '{}': stage {} runs on device '{}', which it does not define", name, stage,
+       wanted);
+}
+
+const Link& MachineProfile::link(const std::string& dim, int64_t span) const {
+  const auto it = links.find(dim);
+  if (it != links.end()) return it->second;
+  return span <= devices_per_node ? intra_node : inter_node;
+}
+
+void MachineProfile::validate(const std::string& source) const {
+  LOOM_CHECK(!devices.empty(), "machine profile '{}': 'devices' is empty", source);
+  for (const auto& d : devices) {
+    LOOM_CHECK(!d.name.empty(), "machine profile '{}': a device has no name", source);
+    for (const auto& [what, v] : {std::pair{"matmul_flops", d.matmul_flops},
+                                  {"attention_flops", d.attention_flops},
+                                  {"memory_bytes", d.memory_bytes},
+                                  {"adamw_params_per_s", d.adamw_params_per_s}})
+      LOOM_CHECK(std::isfinite(v) && v > 0,
+                 "machine profile '{}': device '{}' has {} = {}; it must be positive", source,
+                 d.name, what, v);
+    LOOM_CHECK(std::count_if(devices.begin(), devices.end(),
+                             [&](const DeviceProfile& o) { return o.name == d.name; }) == 1,
+               "machine profile '{}': device '{}' is defined twice", source, d.name);
+  }
+  std::vector<std::string> names;
+  for (const auto& d : devices) names.push_back(d.name);
+  for (const auto& s : stage_devices)
+    LOOM_CHECK(std::find(names.begin(), names.end(), s) != names.end(),
+               "machine profile '{}': stage_devices names '{}', an unknown device (defined: {})",
+               source, s, fmt::join(names, ", "));
+  LOOM_CHECK(devices_per_node >= 1, "machine profile '{}': devices_per_node {} must be >= 1",
+             source, devices_per_node);
+  auto check_link = [&](const std::string& what, const Link& l) {
+    LOOM_CHECK(
+        std::isfinite(l.bandwidth) && l.bandwidth > 0 && std::isfinite(l.latency) && l.latency >= 0,
+        "machine profile '{}': link '{}' has bandwidth {} and latency {}; bandwidth must "
+        "be positive and latency >= 0",
+        source, what, l.bandwidth, l.latency);
+  };
+  check_link("intra_node", intra_node);
+  check_link("inter_node", inter_node);
+  for (const auto& [dim, l] : links) {
+    LOOM_CHECK(std::find(std::begin(kDims), std::end(kDims), dim) != std::end(kDims),
+               "machine profile '{}': link '{}' is not a mesh dimension (dp, tp, pp, cp)", source,
+               dim);
+    check_link(dim, l);
+  }
+}
+
+std::string MachineProfile::to_json() const {
+  json j;
+  j["devices"] = json::array();
+  for (const auto& d : devices)
+    j["devices"].push_back({{"name", d.name},
+                            {"matmul_flops", d.matmul_flops},
+                            {"attention_flops", d.attention_flops},
+                            {"memory_bytes", d.memory_bytes},
+                            {"adamw_params_per_s", d.adamw_params_per_s}});
+  if (!stage_devices.empty()) j["stage_devices"] = stage_devices;
+  j["devices_per_node"] = devices_per_node;
+  j["links"]["intra_node"] = {{"bandwidth", intra_node.bandwidth}, {"latency", intra_node.latency}};
+  j["links"]["inter_node"] = {{"bandwidth", inter_node.bandwidth}, {"latency", inter_node.latency}};
+  for (const auto& [dim, l] : links)
+    j["links"][dim] = {{"bandwidth", l.bandwidth}, {"latency", l.latency}};
+  return j.dump(2);
+}
+
+MachineProfile MachineProfile::from_json(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    fail("machine profile '{}' is not valid JSON: {}", source, e.what());
+  }
+  LOOM_CHECK(j.is_object(), "machine profile '{}' must be a JSON object", source);
+  MachineProfile out;
+  out.name = source;
+  LOOM_CHECK(j.contains("devices") && j["devices"].is_array(),
+             "machine profile '{}' has no 'devices' list", source);
+  for (const auto& d : j["devices"]) {
+    LOOM_CHECK(d.is_object() && d.contains("name") && d["name"].is_string(),
+               "machine profile '{}': each device is an object with a 'name'; got {}", source,
+               d.dump());
+    DeviceProfile p;
+    p.name = d["name"].get<std::string>();
+    const auto where = fmt::format("machine profile '{}', device '{}'", source, p.name);
+    p.matmul_flops = positive_number(d, "matmul_flops", where);
+    p.attention_flops = positive_number(d, "attention_flops", where);
+    p.memory_bytes = positive_number(d, "memory_bytes", where);
+    p.adamw_params_per_s = positive_number(d, "adamw_params_per_s", where);
+    out.devices.push_back(p);
+  }
+  if (j.contains("stage_devices")) {
+    LOOM_CHECK(j["stage_devices"].is_array(),
+               "machine profile '{}': 'stage_devices' must be a list of device names", source);
+    for (const auto& s : j["stage_devices"]) {
+      LOOM_CHECK(s.is_string(), "machine profile '{}': stage_devices holds {}, not a name", source,
+                 s.dump());
+      out.stage_devices.push_back(s.get<std::string>());
+    }
+  }
+  if (j.contains("devices_per_node"))
+    out.devices_per_node = core::json_int64(
+        j["devices_per_node"], fmt::format("machine profile '{}': devices_per_node", source), 1);
+  LOOM_CHECK(j.contains("links") && j["links"].is_object(),
+             "machine profile '{}' has no 'links' object (intra_node, inter_node)", source);
+  for (const char* needed : {"intra_node", "inter_node"})
+    LOOM_CHECK(j["links"].contains(needed), "machine profile '{}': 'links' has no '{}'", source,
+               needed);
+  for (const auto& [key, l] : j["links"].items()) {
+    const bool node = key == "intra_node" || key == "inter_node";
+    LOOM_CHECK(node || std::find(std::begin(kDims), std::end(kDims), key) != std::end(kDims),
+               "machine profile '{}': link '{}' is neither intra_node, inter_node nor a mesh "
+               "dimension (dp, tp, pp, cp)",
+               source, key);
+    const auto where = fmt::format("machine profile '{}', link '{}'", source, key);
+    LOOM_CHECK(l.is_object(), "{}: must be an object with bandwidth and latency", where);
+    Link link;
+    link.bandwidth = positive_number(l, "bandwidth", where);
+    LOOM_CHECK(l.contains("latency") && l["latency"].is_number(), "{}: has no numeric 'latency'",
+               where);
+    link.latency = l["latency"].get<double>();
+    if (key == "intra_node")
+      out.intra_node = link;
+    else if (key == "inter_node")
+      out.inter_node = link;
+    else
+      out.links[key] = link;
+  }
+  out.validate(source);
+  return out;
+}
+
+MachineProfile MachineProfile::load(const std::string& path) {
+  return from_json(core::read_file(path), path);
+}
+
+std::vector<std::string> builtin_profile_names() {
+  return {"h100-node", "h200-node"};
+}
+
+MachineProfile builtin_profile(const std::string& name) {
+  // Datasheet rates discounted to what dense training reaches: 989 TFLOP/s bf16 dense -> 60 % in
+  // matmuls, 40 % in attention; AdamW is memory-bound (28 bytes read and written per fp32
+  // parameter) at about 80 % of HBM bandwidth. NVLink 4: 450 GB/s per direction, 80 % of it in
+  // ring collectives; one 400 Gb/s InfiniBand NIC per GPU: 50 GB/s, 80 % of it.
+  MachineProfile p;
+  p.name = name;
+  DeviceProfile d;
+  d.matmul_flops = 0.60 * 989e12;
+  d.attention_flops = 0.40 * 989e12;
+  if (name == "h100-node") {
+    d.name = "h100";
+    d.memory_bytes = 80e9;
+    d.adamw_params_per_s = 0.8 * 3.35e12 / 28;
+  } else if (name == "h200-node") {
+    d.name = "h200";
+    d.memory_bytes = 141e9;
+    d.adamw_params_per_s = 0.8 * 4.8e12 / 28;
+  } else {
+    fail("machine profile '{}' is not built in; built-in: {} (or pass a JSON file)", name,
+         fmt::join(builtin_profile_names(), ", "));
+  }
+  p.devices.push_back(d);
+  p.devices_per_node = 8;
+  p.intra_node = {0.8 * 450e9, 5e-6};  // NVLink
+  p.inter_node = {0.8 * 50e9, 1e-5};   // InfiniBand
+  p.validate(name);
+  return p;
+}
+
+}  // namespace loom::plan

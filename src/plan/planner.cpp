@@ -1,0 +1,150 @@
+#include "loom/plan/planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "loom/core/error.h"
+
+namespace loom::plan {
+
+namespace {
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) out.push_back(k);
+  return out;
+}
+
+// The layouts to try: every (tp, pp, cp, dp) splitting the world, then micro-batches,
+// schedules, ZeRO stages and checkpointing modes.
+std::vector<Layout> candidates(const PlanRequest& r) {
+  const auto& w = r.workload;
+  const auto& m = w.model;
+  std::vector<Layout> out;
+  for (const int64_t tp : divisors(r.world))
+    for (const int64_t pp : divisors(r.world / tp))
+      for (const int64_t cp : divisors(r.world / tp / pp)) {
+        if (cp > 1 && !r.context_parallel) continue;
+        const int64_t dp = r.world / tp / pp / cp;
+        if (w.batch_size % dp != 0 || pp > m.n_layers) continue;
+        for (const int64_t micro : divisors(w.batch_size / dp)) {
+          if (micro > r.max_micro_batches) continue;
+          std::vector<std::pair<std::string, int64_t>> schedules{{"1f1b", 1}};
+          if (pp > 1) {
+            schedules.emplace_back("gpipe", 1);
+            if (micro % pp == 0 && 2 * pp <= m.n_layers) schedules.emplace_back("interleaved", 2);
+          }
+          for (const auto& [schedule, virtual_stages] : schedules)
+            for (const int zero : r.zero_stages) {
+              if (zero > 0 && dp == 1) continue;
+              for (const auto& checkpointing : r.checkpointing) {
+                Layout l;
+                l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp;
+                l.zero = zero;
+                l.micro_batches = micro;
+                l.virtual_stages = virtual_stages;
+                l.schedule = schedule;
+                l.checkpointing = checkpointing;
+                // Sequence parallelism only saves memory: on wherever it can be.
+                l.sequence_parallel = tp > 1 && (w.seq_len / cp) % tp == 0;
+                out.push_back(l);
+              }
+            }
+        }
+      }
+  return out;
+}
+
+}  // namespace
+
+std::vector<PlannedLayout> plan_layouts(const PlanRequest& r) {
+  LOOM_CHECK(r.world >= 1, "plan: the world of {} ranks must have at least 1", r.world);
+  r.machine.validate(r.machine.name);
+  double capacity = std::numeric_limits<double>::infinity();
+  std::vector<PlannedLayout> fit;
+  PlannedLayout least;
+  least.prediction.memory_bytes = std::numeric_limits<double>::infinity();
+  int64_t runnable = 0;
+  for (const auto& l : candidates(r)) {
+    try {
+      check_layout(r.workload, l);
+    } catch (const Error&) {
+      continue;  // this split cannot run the model (heads, sequence, schedule)
+    }
+    ++runnable;
+    const auto p = predict(r.workload, l, r.machine);
+    double memory = std::numeric_limits<double>::infinity();
+    for (int64_t rank = 0; rank < l.pp; ++rank)
+      memory = std::min(memory, r.machine.device_of_stage(rank, l.pp).memory_bytes);
+    capacity = std::min(capacity, memory);
+    if (p.memory_bytes < least.prediction.memory_bytes) least = {l, p};
+    if (p.memory_bytes <= memory) fit.push_back({l, p});
+  }
+  LOOM_CHECK(runnable > 0,
+             "plan: no layout of {} ranks can run this model (tp must divide its {} heads, pp "
+             "at most its {} layers, dp the batch of {})",
+             r.world, r.workload.model.n_heads, r.workload.model.n_layers, r.workload.batch_size);
+  LOOM_CHECK(!fit.empty(),
+             "plan: no layout of {} ranks fits in {:.2f} GiB per rank; the least memory any "
+             "needs is {:.2f} GiB ({}): use devices with that much memory, more ranks, or a "
+             "smaller batch",
+             r.world, capacity / (1 << 30), least.prediction.memory_bytes / (1 << 30),
+             least.layout.describe());
+  std::stable_sort(fit.begin(), fit.end(), [](const PlannedLayout& a, const PlannedLayout& b) {
+    if (a.prediction.tokens_per_s != b.prediction.tokens_per_s)
+      return a.prediction.tokens_per_s > b.prediction.tokens_per_s;
+    return a.prediction.memory_bytes < b.prediction.memory_bytes;
+  });
+  return fit;
+}
+
+std::string format_plan(const std::vector<PlannedLayout>& plans, size_t top) {
+  std::string out = fmt::format("{:>3}  {:<58} {:>10} {:>12} {:>9} {:>7}\n", "#", "layout",
+                                "step s", "tokens/s", "GiB/rank", "bubble");
+  for (size_t i = 0; i < std::min(top, plans.size()); ++i) {
+    const auto& p = plans[i].prediction;
+    out += fmt::format("{:>3}  {:<58} {:>10.4g} {:>12.0f} {:>9.2f} {:>6.1f}%\n", i + 1,
+                       plans[i].layout.describe(), p.step_s, p.tokens_per_s,
+                       p.memory_bytes / (1 << 30), 100 * p.bubble_fraction);
+  }
+  return out;
+}
+
+std::string plan_json(const std::vector<PlannedLayout>& plans, size_t top) {
+  auto out = nlohmann::json::array();
+  for (size_t i = 0; i < std::min(top, plans.size()); ++i) {
+    const auto& l = plans[i].layout;
+    const auto& p = plans[i].prediction;
+    out.push_back({{"dp", l.dp},
+                   {"tp", l.tp},
+                   {"pp", l.pp},
+                   {"cp", l.cp},
+                   {"zero", l.zero},
+                   {"micro_batches", l.micro_batches},
+                   {"virtual_stages", l.virtual_stages},
+                   {"schedule", l.pp > 1 ? l.schedule : "none"},
+                   {"checkpointing", l.checkpointing},
+                   {"sequence_parallel", l.sequence_parallel},
+                   {"step_s", p.step_s},
+                   {"tokens_per_s", p.tokens_per_s},
+                   {"memory_bytes", p.memory_bytes},
+                   {"parameter_bytes", p.parameter_bytes},
+                   {"gradient_bytes", p.gradient_bytes},
+                   {"optimizer_bytes", p.optimizer_bytes},
+                   {"activation_bytes", p.activation_bytes},
+                   {"compute_s", p.compute_s},
+                   {"tp_comm_s", p.tp_comm_s},
+                   {"cp_comm_s", p.cp_comm_s},
+                   {"pp_comm_s", p.pp_comm_s},
+                   {"dp_comm_s", p.dp_comm_s},
+                   {"optimizer_s", p.optimizer_s},
+                   {"bubble_fraction", p.bubble_fraction}});
+  }
+  return out.dump(2);
+}
+
+}  // namespace loom::plan

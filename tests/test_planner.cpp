@@ -1,0 +1,232 @@
+// The cost model and the planner: ZeRO's per-parameter bytes as the paper counts them, ring
+// collective formulas, the pipeline bubble the schedule simulator predicts, how memory and time
+// move with the layout, the planner's ranking and its errors, machine profiles and theirs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "loom/models/config.h"
+#include "loom/parallel/pipeline/schedule.h"
+#include "loom/plan/cost_model.h"
+#include "loom/plan/machine_profile.h"
+#include "loom/plan/planner.h"
+#include "test_util.h"
+
+using loom::testing::contains;
+using loom::testing::error_of;
+namespace plan = loom::plan;
+namespace models = loom::models;
+
+namespace {
+
+// A machine whose links cost nothing: only compute remains.
+plan::MachineProfile free_links(double matmul = 1e12, double attention = 1e12) {
+  auto p = plan::builtin_profile("h100-node");
+  p.devices.front().matmul_flops = matmul;
+  p.devices.front().attention_flops = attention;
+  p.intra_node = p.inter_node = {1e30, 0};
+  return p;
+}
+
+plan::Workload mini(int64_t batch = 32, int64_t seq = 256) {
+  return {models::ModelConfig::preset("gpt2-mini"), batch, seq, "bf16"};
+}
+
+}  // namespace
+
+// The ZeRO paper's Figure 1: 7.5 B parameters, mixed-precision Adam (2 + 2 + 12 bytes), dp 64:
+// 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per device.
+TEST(CostModel, ZeroStateBytesAreThePapers) {
+  const plan::StateBytes mixed{2, 2, 12};
+  const double psi = 7.5e9;
+  EXPECT_DOUBLE_EQ(plan::zero_state_bytes(psi, mixed, 0, 64), 120e9);
+  EXPECT_NEAR(plan::zero_state_bytes(psi, mixed, 1, 64) / 1e9, 31.4, 0.05);
+  EXPECT_NEAR(plan::zero_state_bytes(psi, mixed, 2, 64) / 1e9, 16.6, 0.05);
+  EXPECT_NEAR(plan::zero_state_bytes(psi, mixed, 3, 64) / 1e9, 1.9, 0.05);
+  // loom keeps fp32 parameters, gradients and both moments: 16 bytes, fp64 32.
+  const auto fp32 = plan::loom_state_bytes("bf16");
+  EXPECT_DOUBLE_EQ(fp32.param + fp32.grad + fp32.optimizer, 16);
+  const auto fp64 = plan::loom_state_bytes("fp64");
+  EXPECT_DOUBLE_EQ(fp64.param + fp64.grad + fp64.optimizer, 32);
+  EXPECT_TRUE(contains(error_of([] { plan::loom_state_bytes("fp16"); }), "fp32, bf16 or fp64"));
+  EXPECT_TRUE(contains(error_of([&] { plan::zero_state_bytes(psi, mixed, 4, 2); }), "0 (none)"));
+}
+
+TEST(CostModel, RingCollectivesMoveTheirBytesOnce) {
+  const plan::Link link{100e9, 1e-5};
+  // 1 GB over 8 ranks: each rank sends 7/8 of it twice in an all-reduce, once in the others.
+  EXPECT_NEAR(plan::all_reduce_seconds(1e9, 8, link), 2 * 7.0 / 8 * 1e-2 + 14 * 1e-5, 1e-15);
+  EXPECT_NEAR(plan::reduce_scatter_seconds(1e9, 8, link), 7.0 / 8 * 1e-2 + 7 * 1e-5, 1e-15);
+  EXPECT_NEAR(plan::all_gather_seconds(1e9, 8, link), 7.0 / 8 * 1e-2 + 7 * 1e-5, 1e-15);
+  EXPECT_NEAR(plan::send_seconds(1e9, link), 1e-2 + 1e-5, 1e-15);
+  EXPECT_EQ(plan::all_reduce_seconds(1e9, 1, link), 0);
+  EXPECT_EQ(plan::reduce_scatter_seconds(1e9, 1, link), 0);
+}
+
+// With free links and balanced stages, the predicted bubble is the simulator's (backward twice
+// a forward), and 1F1B's in-flight micro-batches are the simulator's too.
+TEST(CostModel, PipelineBubbleIsTheSimulators) {
+  const auto machine = free_links();
+  for (const char* schedule : {"1f1b", "gpipe"}) {
+    for (const int64_t pp : {2, 3}) {
+      plan::Layout l;
+      l.pp = pp;
+      l.micro_batches = 8;
+      l.schedule = schedule;
+      const auto w = mini();
+      const auto p = plan::predict(w, l, machine);
+      const auto sim = loom::parallel::pipeline::simulate(
+          *loom::parallel::pipeline::make_schedule(schedule), {pp, 1, 8}, 1.0, 2.0);
+      // The stages' FLOPs differ a little (the head), so the bubble does too: within 0.05.
+      EXPECT_NEAR(p.bubble_fraction, sim.bubble_fraction(), 0.05) << schedule << " pp " << pp;
+      const int64_t most = *std::max_element(sim.max_in_flight.begin(), sim.max_in_flight.end());
+      EXPECT_EQ(p.in_flight, most) << schedule << " pp " << pp;
+    }
+  }
+}
+
+TEST(CostModel, MemoryAndTimeMoveWithTheLayout) {
+  const auto machine = plan::builtin_profile("h100-node");
+  const auto w = mini();
+  plan::Layout base;
+  base.dp = 8;
+  // Each ZeRO stage holds less model state than the one before.
+  double previous = 1e300;
+  for (int zero = 0; zero <= 3; ++zero) {
+    auto l = base;
+    l.zero = zero;
+    const auto p = plan::predict(w, l, machine);
+    const double state = p.parameter_bytes + p.gradient_bytes + p.optimizer_bytes;
+    EXPECT_LT(state, previous) << "zero " << zero;
+    previous = state;
+  }
+  // Recomputing every block keeps less (each block's input and one block's activations, against
+  // every block's; a small vocabulary, so that the logits do not dominate) and takes longer.
+  auto full = base;
+  full.checkpointing = "full";
+  auto small_vocab = w;
+  small_vocab.model.vocab_size = 256;
+  EXPECT_LT(plan::predict(small_vocab, full, machine).activation_bytes,
+            plan::predict(small_vocab, base, machine).activation_bytes / 3);
+  const auto kept = plan::predict(w, base, machine), recomputed = plan::predict(w, full, machine);
+  EXPECT_NEAR(recomputed.compute_s / kept.compute_s, 4.0 / 3.0, 0.02);
+  // Compute scales with the device's rate; tp's exchanges with its link.
+  auto slow = machine;
+  slow.devices.front().matmul_flops /= 2;
+  slow.devices.front().attention_flops /= 2;
+  EXPECT_NEAR(plan::predict(w, base, slow).compute_s, 2 * kept.compute_s, 1e-12);
+  plan::Layout tp2;
+  tp2.tp = 2;
+  tp2.dp = 4;
+  auto narrow = machine;
+  narrow.links["tp"] = {machine.intra_node.bandwidth / 10, 0};
+  auto wide = machine;
+  wide.links["tp"] = {machine.intra_node.bandwidth, 0};
+  EXPECT_NEAR(plan::predict(w, tp2, narrow).tp_comm_s, 10 * plan::predict(w, tp2, wide).tp_comm_s,
+              1e-9);
+  // Shared blocks: fewer parameters held, the same compute.
+  auto shared = w;
+  shared.model.share_layers = "all";
+  const auto s = plan::predict(shared, base, machine);
+  EXPECT_DOUBLE_EQ(kept.parameter_bytes - s.parameter_bytes,
+                   4.0 * 5 * static_cast<double>(w.model.block_parameters()));
+  EXPECT_NEAR(s.compute_s, kept.compute_s, 1e-12);
+  // A layout that cannot run this workload says why.
+  auto bad = base;
+  bad.tp = 3;
+  bad.dp = 1;
+  EXPECT_TRUE(contains(error_of([&] { plan::predict(w, bad, machine); }), "tp 3 must divide"));
+  bad = base;
+  bad.micro_batches = 3;
+  EXPECT_TRUE(contains(error_of([&] { plan::predict(w, bad, machine); }),
+                       "does not split into dp 8 x 3 micro-batches"));
+}
+
+TEST(Planner, RanksTheLayoutsThatFit) {
+  plan::PlanRequest r;
+  r.workload = mini();
+  r.world = 8;
+  r.machine = plan::builtin_profile("h100-node");
+  const auto plans = plan::plan_layouts(r);
+  ASSERT_GT(plans.size(), 10u);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    EXPECT_EQ(plans[i].layout.world(), 8);
+    EXPECT_LE(plans[i].prediction.memory_bytes, 80e9);
+    if (i > 0) {
+      EXPECT_LE(plans[i].prediction.tokens_per_s, plans[i - 1].prediction.tokens_per_s);
+    }
+  }
+  const auto j = nlohmann::json::parse(plan::plan_json(plans, 3));
+  ASSERT_EQ(j.size(), 3u);
+  for (const char* key : {"dp", "tp", "pp", "zero", "micro_batches", "schedule", "step_s",
+                          "memory_bytes", "tokens_per_s"})
+    EXPECT_TRUE(j[0].contains(key)) << key;
+  EXPECT_EQ(j[0]["dp"].get<int64_t>() * j[0]["tp"].get<int64_t>() * j[0]["pp"].get<int64_t>() *
+                j[0]["cp"].get<int64_t>(),
+            8);
+  EXPECT_TRUE(contains(plan::format_plan(plans, 2), "tokens/s"));
+  // Too little memory anywhere: the error names the least any layout needs.
+  r.machine.devices.front().memory_bytes = 1e6;
+  const auto msg = error_of([&] { plan::plan_layouts(r); });
+  EXPECT_TRUE(contains(msg,
+                       "no layout of 8 ranks fits in 0.00 GiB per rank; the least memory "
+                       "any needs is"))
+      << msg;
+  // A world no layout divides the model into.
+  r.machine = plan::builtin_profile("h100-node");
+  r.world = 7;
+  r.workload.batch_size = 6;
+  EXPECT_TRUE(contains(error_of([&] { plan::plan_layouts(r); }), "no layout of 7 ranks"));
+}
+
+TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
+  const auto h100 = plan::builtin_profile("h100-node");
+  const auto back = plan::MachineProfile::from_json(h100.to_json(), "back");
+  EXPECT_EQ(back.devices.front().matmul_flops, h100.devices.front().matmul_flops);
+  EXPECT_EQ(back.link("tp", 2).bandwidth, h100.intra_node.bandwidth);
+  // A group within a node of 8 takes the node's link; one across nodes the link between them;
+  // a dimension's own (measured) link wins.
+  EXPECT_EQ(h100.link("dp", 8).bandwidth, h100.intra_node.bandwidth);
+  EXPECT_EQ(h100.link("dp", 16).bandwidth, h100.inter_node.bandwidth);
+  auto measured = h100;
+  measured.links["dp"] = {1e9, 0};
+  EXPECT_EQ(measured.link("dp", 8).bandwidth, 1e9);
+  EXPECT_TRUE(contains(error_of([] { plan::builtin_profile("tpu"); }), "h100-node, h200-node"));
+  auto refused = [](const std::string& text, const std::string& says) {
+    const auto msg = error_of([&] { plan::MachineProfile::from_json(text, "p.json"); });
+    EXPECT_TRUE(contains(msg, says) && contains(msg, "p.json")) << msg;
+  };
+  refused("{\"devices\": [", "not valid JSON");
+  auto j = nlohmann::json::parse(h100.to_json());
+  j["stage_devices"] = {"h100", "a100"};
+  refused(j.dump(), "stage_devices names 'a100', an unknown device (defined: h100)");
+  j = nlohmann::json::parse(h100.to_json());
+  j["devices"][0]["matmul_flops"] = -1;
+  refused(j.dump(), "'matmul_flops' is -1");
+  j = nlohmann::json::parse(h100.to_json());
+  j["links"].erase("inter_node");
+  refused(j.dump(), "'links' has no 'inter_node'");
+  j = nlohmann::json::parse(h100.to_json());
+  j["links"]["xx"] = {{"bandwidth", 1}, {"latency", 0}};
+  refused(j.dump(), "link 'xx' is neither intra_node, inter_node nor a mesh dimension");
+  // Heterogeneous stages: a slower second pipeline rank gets fewer layers, and the step is
+  // slower than on two fast ones.
+  auto mixed = nlohmann::json::parse(h100.to_json());
+  auto slow = mixed["devices"][0];
+  slow["name"] = "slow";
+  slow["matmul_flops"] = slow["matmul_flops"].get<double>() / 4;
+  slow["attention_flops"] = slow["attention_flops"].get<double>() / 4;
+  mixed["devices"].push_back(slow);
+  mixed["stage_devices"] = {"h100", "slow"};
+  const auto hetero = plan::MachineProfile::from_json(mixed.dump(), "mixed");
+  plan::Layout l;
+  l.pp = 2;
+  l.micro_batches = 8;
+  const auto w = mini();
+  EXPECT_GT(plan::predict(w, l, hetero).step_s, plan::predict(w, l, h100).step_s);
+  l.pp = 4;
+  EXPECT_TRUE(contains(error_of([&] { plan::predict(w, l, hetero); }),
+                       "names devices for 2 pipeline ranks; this layout has 4"));
+}
