@@ -7,10 +7,12 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "loom/dist/local_communicator.h"
 #include "loom/models/config.h"
 #include "loom/parallel/pipeline/schedule.h"
 #include "loom/plan/cost_model.h"
 #include "loom/plan/machine_profile.h"
+#include "loom/plan/measure.h"
 #include "loom/plan/planner.h"
 #include "test_util.h"
 
@@ -229,4 +231,31 @@ TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   l.pp = 4;
   EXPECT_TRUE(contains(error_of([&] { plan::predict(w, l, hetero); }),
                        "names devices for 2 pipeline ranks; this layout has 4"));
+}
+
+// Measuring one process: positive rates that make a valid profile, one device per node, the node
+// link a memory copy's and the link between nodes the same (nothing to measure). Small sizes:
+// what is checked is the plumbing, not the machine.
+TEST(MachineProfile, MeasuresThisProcess) {
+  loom::dist::LocalCommunicator one;
+  plan::MeasureOptions options;
+  options.matmul_size = 64;
+  options.attention_seq = 64;
+  options.adamw_params = 4096;
+  options.repeats = 2;
+  options.large_bytes = 1 << 20;
+  const auto p = plan::measure_machine(one, options);
+  ASSERT_EQ(p.devices.size(), 1u);
+  EXPECT_GT(p.devices[0].matmul_flops, 1e6);
+  EXPECT_GT(p.devices[0].attention_flops, 1e6);
+  EXPECT_GT(p.devices[0].adamw_params_per_s, 1e3);
+  EXPECT_GT(p.devices[0].memory_bytes, 1e6);
+  EXPECT_EQ(p.devices_per_node, 1);
+  EXPECT_EQ(p.inter_node.bandwidth, p.intra_node.bandwidth);
+  // What it wrote reads back, and plans.
+  const auto back = plan::MachineProfile::from_json(p.to_json(), "measured.json");
+  plan::Layout l;
+  EXPECT_GT(plan::predict(mini(8, 64), l, back).tokens_per_s, 0);
+  options.repeats = 0;
+  EXPECT_TRUE(contains(error_of([&] { plan::measure_machine(one, options); }), "repeats 0"));
 }

@@ -2,6 +2,7 @@
 // cost model's predicted tokens per second (docs/planner.md).
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 
 #include "loom/apps/cli.h"
 #include "loom/loom.h"
@@ -14,7 +15,8 @@ int main(int argc, char** argv) {
   std::string model = "gpt2", preset = "gpt2-mini", profile = "h100-node", precision = "bf16";
   std::string share_layers;
   int64_t world = 1, batch_size = 8, seq_len = 128, layers = 0, vocab_size = 0, top = 10;
-  bool as_json = false;
+  bool as_json = false, measure = false;
+  std::string out, device = "cpu";
   app.add_option("--model", model, "Model family: gpt2 | llama")->capture_default_str();
   app.add_option("--preset", preset,
                  "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b")
@@ -34,8 +36,41 @@ int main(int argc, char** argv) {
   app.add_flag("--json", as_json,
                "Print a JSON array (best first) of objects with dp, tp, pp, zero, micro_batches, "
                "schedule, step_s, memory_bytes, ...");
+  app.add_flag("--measure", measure,
+               "Measure this machine instead (run under mpirun with one rank per device): "
+               "matmul, attention and AdamW rates, and all-reduces within and between nodes; "
+               "rank 0 writes the profile to --out");
+  app.add_option("--out", out, "Where --measure writes the profile (JSON)");
+  app.add_option("--device", device, "What --measure times: cpu | cuda (this rank's GPU)")
+      ->capture_default_str();
+  std::optional<loom::dist::Runtime> runtime;
   return loom::apps::run_app(app, argc, argv, [&] {
     LOOM_CHECK(top >= 1, "--top {} must be at least 1", top);
+    if (measure) {
+      LOOM_CHECK(!out.empty(), "--measure writes a profile: give it --out FILE");
+      LOOM_CHECK(device == "cpu" || device == "cuda", "--device '{}' is not valid: cpu or cuda",
+                 device);
+      LOOM_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp64",
+                 "--precision '{}' is not valid: use fp32, bf16 or fp64", precision);
+      runtime.emplace();
+      loom::plan::MeasureOptions options;
+      if (device == "cuda") {
+        const int gpu = runtime->local_rank() % std::max(1, loom::ops::cuda_device_count());
+        loom::ops::set_current_cuda_device(gpu);
+        options.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
+        options.matmul_size = 4096;
+        options.attention_seq = 2048;
+      }
+      options.dtype = precision == "bf16"   ? at::kBFloat16
+                      : precision == "fp64" ? at::kDouble
+                                            : at::kFloat;
+      const auto profile = loom::plan::measure_machine(*runtime->world(), options);
+      if (runtime->rank() == 0) {
+        loom::core::write_file_atomic(out, profile.to_json() + "\n");
+        std::printf("%s\nwrote %s\n", profile.to_json().c_str(), out.c_str());
+      }
+      return;
+    }
     loom::plan::PlanRequest request;
     auto config = loom::models::ModelConfig::preset(preset);
     LOOM_CHECK(loom::models::to_string(config.family) == model,

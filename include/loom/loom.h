@@ -61,6 +61,7 @@
 #include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/plan/cost_model.h"
 #include "loom/plan/machine_profile.h"
+#include "loom/plan/measure.h"
 #include "loom/plan/planner.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"

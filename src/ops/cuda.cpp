@@ -34,14 +34,17 @@ void set_current_cuda_device(int device) {
              "CUDA device {} does not exist ({} visible)", device, cuda_device_count());
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
 }
-void set_cuda_memory_cap(int device, int64_t bytes) {
+int64_t cuda_total_memory(int device) {
   LOOM_CHECK(device >= 0 && device < cuda_device_count(),
              "CUDA device {} does not exist ({} visible)", device, cuda_device_count());
-  LOOM_CHECK(bytes >= 0, "CUDA memory cap: {} bytes is negative (0 means no cap)", bytes);
   cudaDeviceProp prop{};
   LOOM_CHECK(cudaGetDeviceProperties(&prop, device) == cudaSuccess,
              "cannot read the properties of CUDA device {}", device);
-  const auto total = static_cast<int64_t>(prop.totalGlobalMem);
+  return static_cast<int64_t>(prop.totalGlobalMem);
+}
+void set_cuda_memory_cap(int device, int64_t bytes) {
+  LOOM_CHECK(bytes >= 0, "CUDA memory cap: {} bytes is negative (0 means no cap)", bytes);
+  const auto total = cuda_total_memory(device);
   LOOM_CHECK(bytes <= total, "CUDA memory cap {} is more than device {} has ({})",
              core::format_bytes(bytes), device, core::format_bytes(total));
   const double fraction =
@@ -66,6 +69,9 @@ bool cuda_smoke_test(int) {
   return false;
 }
 void set_current_cuda_device(int device) {
+  fail("CUDA device {}: this loom was built without CUDA", device);
+}
+int64_t cuda_total_memory(int device) {
   fail("CUDA device {}: this loom was built without CUDA", device);
 }
 void set_cuda_memory_cap(int device, int64_t) {

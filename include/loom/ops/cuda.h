@@ -30,6 +30,9 @@ void set_current_cuda_device(int device);
 // `bytes` is more than the device has.
 void set_cuda_memory_cap(int device, int64_t bytes);
 
+// Bytes of memory CUDA device `device` has in all; loom::Error when there is no such device.
+int64_t cuda_total_memory(int device);
+
 // Launches one of loom's own kernels on `device` and checks its result: the CUDA build works.
 bool cuda_smoke_test(int device = 0);
 
