@@ -140,6 +140,10 @@ TEST(CostModel, MemoryAndTimeMoveWithTheLayout) {
   bad.tp = 3;
   bad.dp = 1;
   EXPECT_TRUE(contains(error_of([&] { plan::predict(w, bad, machine); }), "tp 3 must divide"));
+  auto empty = w;
+  empty.seq_len = 0;
+  EXPECT_TRUE(contains(error_of([&] { plan::predict(empty, base, machine); }),
+                       "sequence length 0 must be at least 1"));
   bad = base;
   bad.micro_batches = 3;
   EXPECT_TRUE(contains(error_of([&] { plan::predict(w, bad, machine); }),
@@ -227,7 +231,20 @@ TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   l.pp = 2;
   l.micro_batches = 8;
   const auto w = mini();
-  EXPECT_GT(plan::predict(w, l, hetero).step_s, plan::predict(w, l, h100).step_s);
+  const auto on_mixed = plan::predict(w, l, hetero);
+  EXPECT_GT(on_mixed.step_s, plan::predict(w, l, h100).step_s);
+  ASSERT_EQ(on_mixed.stage_bounds.size(), 3u);
+  EXPECT_GT(on_mixed.stage_bounds[1], w.model.n_layers / 2);  // the slow rank: fewer layers
+  ASSERT_EQ(on_mixed.rank_memory_bytes.size(), 2u);
+  // Planning on it: every layout has its 2 pipeline ranks; a world they do not divide is refused.
+  plan::PlanRequest r;
+  r.workload = w;
+  r.world = 4;
+  r.machine = hetero;
+  for (const auto& planned : plan::plan_layouts(r)) EXPECT_EQ(planned.layout.pp, 2);
+  r.world = 3;
+  EXPECT_TRUE(contains(error_of([&] { plan::plan_layouts(r); }),
+                       "names devices for 2 pipeline ranks, which do not divide the world of 3"));
   l.pp = 4;
   EXPECT_TRUE(contains(error_of([&] { plan::predict(w, l, hetero); }),
                        "names devices for 2 pipeline ranks; this layout has 4"));

@@ -82,6 +82,9 @@ void check_layout(const Workload& w, const Layout& l) {
                                 {"virtual_stages", l.virtual_stages}})
     LOOM_CHECK(v >= 1, "layout: {} = {} must be at least 1", what, v);
   LOOM_CHECK(l.zero >= 0 && l.zero <= 3, "layout: ZeRO stage {} is not valid (0-3)", l.zero);
+  LOOM_CHECK(w.batch_size >= 1 && w.seq_len >= 1,
+             "workload: batch size {} and sequence length {} must be at least 1", w.batch_size,
+             w.seq_len);
   loom_state_bytes(w.precision);
   models::parse_activation_checkpointing(l.checkpointing);
   LOOM_CHECK(m.n_heads % l.tp == 0 && m.d_ff % l.tp == 0 &&
@@ -154,6 +157,8 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const pl::PipelineShape shape{l.pp, l.virtual_stages, l.micro_batches};
   const auto bounds = l.pp > 1 ? pl::partition_layers(costs, shape, devices).bounds
                                : std::vector<int64_t>{0, m.n_layers};
+  Prediction out;
+  out.stage_bounds = bounds;
 
   // Per stage: parameters and forward FLOPs. Attention's two [T, T] products per token attend
   // over the whole sequence (ring attention brings the other ranks' keys).
@@ -193,7 +198,6 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const double boundary = l.sequence_parallel ? act_bytes / tp : act_bytes;
   const double kv_bytes = 2.0 * tokens * static_cast<double>(m.n_kv_heads * m.head_dim()) * e /
                           std::min(tp, static_cast<double>(m.n_kv_heads));
-  Prediction out;
   double worst_f = 0, worst_b = 0;
   std::vector<double> f_of(static_cast<size_t>(stages)), b_of(static_cast<size_t>(stages));
   for (int64_t s = 0; s < stages; ++s) {
@@ -237,12 +241,16 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   // A rank runs its chunks one after another; the simulator takes one time per stage: the
   // slowest stage's (the schedule balances nothing else).
   double makespan = 0;
+  // Per pipeline rank: micro-batches whose activations each of its chunks holds at once.
+  std::vector<int64_t> in_flight(static_cast<size_t>(l.pp), 1);
   if (l.pp > 1) {
     const auto run = pl::simulate(*pl::make_schedule(l.schedule), shape, worst_f, worst_b);
     makespan = run.makespan;
     out.bubble_fraction = run.bubble_fraction();
-    const int64_t most = *std::max_element(run.max_in_flight.begin(), run.max_in_flight.end());
-    out.in_flight = (most + l.virtual_stages - 1) / l.virtual_stages;
+    for (int64_t r = 0; r < l.pp; ++r)
+      in_flight[static_cast<size_t>(r)] =
+          (run.max_in_flight[static_cast<size_t>(r)] + l.virtual_stages - 1) / l.virtual_stages;
+    out.in_flight = *std::max_element(in_flight.begin(), in_flight.end());
   } else {
     makespan = static_cast<double>(l.micro_batches) * (worst_f + worst_b);
   }
@@ -252,15 +260,20 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const double layer_input = l.sequence_parallel ? act_bytes / tp : act_bytes;
   double worst_memory = -1;
   double worst_grad_bytes = 0, worst_params = 0;
+  double update_s = 0;  // the slowest rank's AdamW pass
+  const double tied_copy = m.tie_embeddings && stages > 1 ? v * d : 0.0;
   for (int64_t r = 0; r < l.pp; ++r) {
-    double params = 0, activations = 0;
+    double params = 0, activations = 0, root = 0;
     for (int64_t chunk = 0; chunk < l.virtual_stages; ++chunk) {
       const auto& c = stage[static_cast<size_t>(chunk * l.pp + r)];
       params += c.params;
+      // What ZeRO-3 keeps gathered for the whole step: the parameters outside every block.
+      if (c.first) root += embed_params / tp;
+      if (c.last) root += (head_params + tied_copy) / tp;
       const double layers = static_cast<double>(c.layers);
       const double kept = mode == models::ActivationCheckpointing::kFull ? layers * layer_input
                                                                          : layers * layer_full;
-      activations += static_cast<double>(out.in_flight) * kept;
+      activations += static_cast<double>(in_flight[static_cast<size_t>(r)]) * kept;
       // The logits (fp32) and their gradient on the last stage.
       if (c.last) activations += 2 * tokens * v / tp * 4;
     }
@@ -278,11 +291,14 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
         p = state.param * params, g = state.grad * params / n, o = state.optimizer * params / n;
         break;
       default:
-        // The shard, plus the unit being run and the one prefetched, gathered whole.
-        p = state.param * (params / n + 2 * block_params / tp);
+        // The shard, plus the root unit, the block being run and the one prefetched, gathered.
+        p = state.param * (params / n + root + 2 * block_params / tp);
         g = state.grad * params / n, o = state.optimizer * params / n;
     }
     const double total = p + g + o + activations;
+    out.rank_memory_bytes.push_back(total);
+    update_s = std::max(update_s, params / (l.zero > 0 ? static_cast<double>(l.dp) : 1.0) /
+                                      machine.device_of_stage(r, l.pp).adamw_params_per_s);
     if (total > worst_memory) {
       worst_memory = total;
       out.parameter_bytes = p, out.gradient_bytes = g, out.optimizer_bytes = o;
@@ -304,6 +320,10 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const double tail = l.zero == 0 ? all_reduce_seconds(tail_bytes, l.dp, dp_link)
                                   : reduce_scatter_seconds(tail_bytes, l.dp, dp_link);
   double dp_exposed = std::max(reduce - worst_b, std::min(reduce, tail));
+  // ZeRO-2 and -3 reduce-scatter after every micro-batch's backward (stage 3 over a pipeline
+  // once per step: its gradients accumulate whole), each behind that backward.
+  if ((l.zero == 2 || (l.zero == 3 && l.pp == 1)) && l.micro_batches > 1)
+    dp_exposed *= static_cast<double>(l.micro_batches);
   const double param_bytes = state.param * worst_params;
   if (l.zero == 1 || l.zero == 2) dp_exposed += all_gather_seconds(param_bytes, l.dp, dp_link);
   if (l.zero == 3) {
@@ -311,10 +331,8 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
     dp_exposed += static_cast<double>(l.micro_batches) * std::max(0.0, gathers - worst_f - worst_b);
   }
   out.dp_comm_s = l.dp > 1 ? dp_exposed : 0;
-  // The update: this rank's parameters (its ZeRO shard) through AdamW.
-  const auto& dev = machine.device_of_stage(0, l.pp);
-  out.optimizer_s =
-      worst_params / (l.zero > 0 ? static_cast<double>(l.dp) : 1.0) / dev.adamw_params_per_s;
+  // The update: each rank's parameters (its ZeRO shard) through AdamW; the slowest rank's.
+  out.optimizer_s = update_s;
   out.step_s = makespan + out.dp_comm_s + out.optimizer_s;
   out.tokens_per_s = static_cast<double>(w.batch_size * w.seq_len) / out.step_s;
   return out;

@@ -45,7 +45,8 @@ const DeviceProfile& MachineProfile::device_of_stage(int64_t stage, int64_t stag
 const Link& MachineProfile::link(const std::string& dim, int64_t span) const {
   const auto it = links.find(dim);
   if (it != links.end()) return it->second;
-  return span <= devices_per_node ? intra_node : inter_node;
+  // Groups of `span` consecutive ranks fall inside nodes when they tile a node exactly.
+  return span <= devices_per_node && devices_per_node % span == 0 ? intra_node : inter_node;
 }
 
 void MachineProfile::validate(const std::string& source) const {

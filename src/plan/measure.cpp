@@ -57,10 +57,17 @@ Link measure_link(dist::Communicator& comm, const MeasureOptions& o) {
   const double ring = 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
   auto timed = [&](int64_t bytes) {
     auto buffer = at::ones({std::max<int64_t>(1, bytes / 4)}, at::kFloat);
-    const double t = median_seconds(o.repeats, at::kCPU, [&] {
-      comm.barrier();
+    comm.all_reduce(buffer, dist::ReduceOp::Sum);  // warm-up
+    std::vector<double> times;
+    for (int64_t i = 0; i < o.repeats; ++i) {
+      comm.barrier();  // every rank starts together, outside the timed region
+      const auto start = std::chrono::steady_clock::now();
       comm.all_reduce(buffer, dist::ReduceOp::Sum);
-    });
+      times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(times.begin(), times.end());
+    const double t = times[times.size() / 2];
     // Every rank takes the slowest's time: the ring runs at its pace.
     auto slowest = at::full({1}, t, at::kDouble);
     comm.all_reduce(slowest, dist::ReduceOp::Max);

@@ -25,9 +25,12 @@ std::vector<Layout> candidates(const PlanRequest& r) {
   const auto& w = r.workload;
   const auto& m = w.model;
   std::vector<Layout> out;
+  // A profile that names a device per pipeline rank fixes pp.
+  const auto fixed_pp = static_cast<int64_t>(r.machine.stage_devices.size());
   for (const int64_t tp : divisors(r.world))
     for (const int64_t pp : divisors(r.world / tp))
       for (const int64_t cp : divisors(r.world / tp / pp)) {
+        if (fixed_pp > 0 && pp != fixed_pp) continue;
         if (cp > 1 && !r.context_parallel) continue;
         const int64_t dp = r.world / tp / pp / cp;
         if (w.batch_size % dp != 0 || pp > m.n_layers) continue;
@@ -63,7 +66,15 @@ std::vector<Layout> candidates(const PlanRequest& r) {
 
 std::vector<PlannedLayout> plan_layouts(const PlanRequest& r) {
   LOOM_CHECK(r.world >= 1, "plan: the world of {} ranks must have at least 1", r.world);
+  LOOM_CHECK(r.workload.batch_size >= 1 && r.workload.seq_len >= 1,
+             "plan: batch size {} and sequence length {} must be at least 1", r.workload.batch_size,
+             r.workload.seq_len);
   r.machine.validate(r.machine.name);
+  const auto fixed_pp = static_cast<int64_t>(r.machine.stage_devices.size());
+  LOOM_CHECK(fixed_pp == 0 || r.world % fixed_pp == 0,
+             "plan: machine profile '{}' names devices for {} pipeline ranks, which do not "
+             "divide the world of {} ranks",
+             r.machine.name, fixed_pp, r.world);
   double capacity = std::numeric_limits<double>::infinity();
   std::vector<PlannedLayout> fit;
   PlannedLayout least;
@@ -77,12 +88,15 @@ std::vector<PlannedLayout> plan_layouts(const PlanRequest& r) {
     }
     ++runnable;
     const auto p = predict(r.workload, l, r.machine);
-    double memory = std::numeric_limits<double>::infinity();
-    for (int64_t rank = 0; rank < l.pp; ++rank)
-      memory = std::min(memory, r.machine.device_of_stage(rank, l.pp).memory_bytes);
-    capacity = std::min(capacity, memory);
+    // Each pipeline rank against its own device.
+    bool fits = true;
+    for (int64_t rank = 0; rank < l.pp; ++rank) {
+      const double memory = r.machine.device_of_stage(rank, l.pp).memory_bytes;
+      capacity = std::min(capacity, memory);
+      fits = fits && p.rank_memory_bytes[static_cast<size_t>(rank)] <= memory;
+    }
     if (p.memory_bytes < least.prediction.memory_bytes) least = {l, p};
-    if (p.memory_bytes <= memory) fit.push_back({l, p});
+    if (fits) fit.push_back({l, p});
   }
   LOOM_CHECK(runnable > 0,
              "plan: no layout of {} ranks can run this model (tp must divide its {} heads, pp "

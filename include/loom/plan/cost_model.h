@@ -85,14 +85,17 @@ void check_layout(const Workload& workload, const Layout& layout);
 struct Prediction {
   // Per rank, on the pipeline stage that needs the most.
   double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
-  double memory_bytes = 0;  // their sum
+  double memory_bytes = 0;                // their sum
+  std::vector<double> rank_memory_bytes;  // per pipeline rank, the same sum
+  std::vector<int64_t> stage_bounds;      // the partition: stage s holds [b[s], b[s + 1])
   // Per step, seconds. compute: the busiest stage's forwards and backwards (recompute
-  // included); tp / cp / pp: the exchanges on its critical path; dp: the reduction (and ZeRO-3's
-  // gathers) not hidden behind compute; optimizer: the update.
+  // included; with virtual stages, one chunk's); tp / cp / pp: the exchanges on its critical
+  // path; dp: the reduction (and ZeRO-3's gathers) not hidden behind compute; optimizer: the
+  // slowest rank's update.
   double compute_s = 0, tp_comm_s = 0, cp_comm_s = 0, pp_comm_s = 0, dp_comm_s = 0;
   double optimizer_s = 0;
   double bubble_fraction = 0;  // the schedule simulator's idle fraction with these stage times
-  int64_t in_flight = 1;       // micro-batches whose activations a stage holds at once
+  int64_t in_flight = 1;       // most micro-batches whose activations a stage holds at once
   double step_s = 0;
   double tokens_per_s = 0;
 };

@@ -28,7 +28,9 @@ struct MeasureOptions {
 // memory divided among the ranks on it). Links: all-reduces among the ranks of a node
 // (intra_node) and among one rank per node (inter_node); bandwidth and latency fitted from
 // the two sizes by the ring formula. With one rank on a node, the node link is a host memory
-// copy's bandwidth; with one node, inter_node is set to intra_node (nothing to measure).
+// copy's bandwidth; with one node, inter_node is set to intra_node (nothing to measure). The
+// all-reduces are of host buffers over the world's communicator (MPI): on GPUs they measure MPI
+// between hosts, not NVLink or NCCL; write a GPU node's links into the file by hand.
 MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& options = {});
 
 }  // namespace loom::plan
