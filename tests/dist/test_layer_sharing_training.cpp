@@ -16,20 +16,7 @@
 using loom::testing::world;
 namespace train = loom::train;
 
-namespace {
-
-struct SharingLayout {
-  const char* name;
-  loom::dist::MeshShape shape;
-  int64_t zero = 0;
-  bool sequence_parallel = false;
-  bool interleaved = false;            // 2 virtual stages per rank, 2 micro-batches
-  const char* checkpointing = "none";  // "full": a shared block's recompute at each use
-  const char* partition = "flops";     // --pp-partition ("measured" times one block alone)
-  bool without_dropout = false;        // context parallelism refuses dropout: llama only
-};
-
-}  // namespace
+namespace {}  // namespace
 
 // gpt2-tiny with --share-layers cycle:2 (dropout 0.1, masks keyed by the layer) and llama-tiny
 // with "all" (4 layers, 1 block), 3 fp64 steps, on the layouts this world size allows (2 ranks:
@@ -45,7 +32,7 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 or 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  std::vector<SharingLayout> layouts;
+  std::vector<loom::testing::TrainLayout> layouts;
   if (n == 2) {
     layouts = {{"dp2 full recompute", {.dp = 2}, 0, false, false, "full"},
                {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
@@ -63,30 +50,12 @@ TEST(TrainerSharing, LayoutsTrainLikeOneProcess) {
     auto config = loom::testing::tiny_layout_config(dir.path(), model);
     config.share_layers = gpt2 ? "cycle:2" : "all";
     if (gpt2) config.dropout = 0.1;
-    loom::testing::RunResult single;
-    {
-      train::Trainer t(config);
-      single = loom::testing::run(t);
-    }
+    const auto single = loom::testing::run_alone(config);
     const std::string prefix = gpt2 ? "transformer.h." : "model.layers.";
     for (const auto& layout : layouts) {
       SCOPED_TRACE(layout.name);
       if (layout.without_dropout && config.dropout > 0) continue;
-      auto c = config;
-      c.dp = layout.shape.dp;
-      c.tp = layout.shape.tp;
-      c.pp = layout.shape.pp;
-      c.cp = layout.shape.cp;
-      c.zero = layout.zero;
-      c.sequence_parallel = layout.sequence_parallel;
-      c.activation_checkpointing = layout.checkpointing;
-      c.pp_partition = layout.partition;
-      if (layout.interleaved) {
-        c.schedule = "interleaved";
-        c.virtual_stages = 2;
-        c.grad_accum = 2;
-      }
-      if (layout.shape.pp == 2 && !layout.interleaved) c.grad_accum = 2;
+      auto c = loom::testing::with_layout(config, layout);
       const bool saves = layout.shape.pp == 2;
       const auto save_dir = dir / fmt::format("share-{}-{}-{}", model, n, layout.zero);
       if (saves) c.save_dir = save_dir.string();
@@ -138,16 +107,9 @@ TEST(TrainerSharing, GlobalPruningCountsSharedWeightsOnce) {
   config.prune.start = 1;
   config.prune.end = 3;
   config.prune.every = 1;
-  loom::testing::RunResult single;
-  {
-    train::Trainer t(config);
-    single = loom::testing::run(t);
-  }
-  auto c = config;
-  c.pp = 2;
-  c.dp = 1;
-  c.grad_accum = 2;
-  train::Trainer t(c, loom::testing::layout_mesh({.dp = 1, .pp = 2}));
+  const auto single = loom::testing::run_alone(config);
+  const loom::testing::TrainLayout pp2{"pp2", {.dp = 1, .pp = 2}};
+  train::Trainer t(loom::testing::with_layout(config, pp2), loom::testing::layout_mesh(pp2.shape));
   loom::testing::expect_same_run(loom::testing::run(t), single);
 }
 
@@ -161,11 +123,7 @@ TEST(TrainerSharing, ResumeContinuesBitForBit) {
   auto config = loom::testing::tiny_layout_config(dir.path(), "gpt2");
   config.share_layers = "all";
   config.steps = 4;
-  loom::testing::RunResult straight;
-  {
-    train::Trainer t(config);
-    straight = loom::testing::run(t);
-  }
+  const auto straight = loom::testing::run_alone(config);
   auto first = config;
   first.steps = 2;
   first.lr_decay_steps = 4;

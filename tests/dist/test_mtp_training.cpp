@@ -17,14 +17,6 @@ namespace train = loom::train;
 
 namespace {
 
-struct MtpLayout {
-  const char* name;
-  loom::dist::MeshShape shape;
-  int64_t zero = 0;
-  bool sequence_parallel = false;
-  bool interleaved = false;  // 2 virtual stages per rank, 2 micro-batches
-};
-
 // loom::testing::run, also keeping each step's head losses.
 struct MtpRun {
   loom::testing::RunResult result;
@@ -59,7 +51,7 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
   if (n != 2 && n != 4) GTEST_SKIP() << "runs at 2 or 4 ranks";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 30000, 4000);
-  std::vector<MtpLayout> layouts;
+  std::vector<loom::testing::TrainLayout> layouts;
   if (n == 2) {
     layouts = {{"dp2", {.dp = 2}},
                {"tp2 sp", {.dp = 1, .tp = 2}, 0, true},
@@ -85,19 +77,8 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
     for (double l : single.head_losses) EXPECT_TRUE(l > 3 && l < 8) << l;
     for (const auto& layout : layouts) {
       SCOPED_TRACE(layout.name);
-      auto c = config;
-      c.dp = layout.shape.dp;
-      c.tp = layout.shape.tp;
-      c.pp = layout.shape.pp;
-      c.zero = layout.zero;
-      c.sequence_parallel = layout.sequence_parallel;
-      if (layout.interleaved) {
-        c.schedule = "interleaved";
-        c.virtual_stages = 2;
-        c.grad_accum = 2;
-      }
-      // Several micro-batches through the pipeline: the heads' means over them.
-      if (layout.shape.pp == 2 && !layout.interleaved) c.grad_accum = 2;
+      // Several micro-batches through a pipeline: the heads' means over them.
+      auto c = loom::testing::with_layout(config, layout);
       const bool saves = layout.shape.pp == 2;
       if (saves) c.save_dir = (dir / fmt::format("ckpt-{}-{}-{}", model, n, layout.zero)).string();
       MtpRun run;

@@ -94,6 +94,37 @@ inline loom::train::TrainConfig tiny_layout_config(const std::filesystem::path& 
   return c;
 }
 
+// A layout a test trains under and compares with one process.
+struct TrainLayout {
+  const char* name;
+  dist::MeshShape shape;
+  int64_t zero = 0;
+  bool sequence_parallel = false;
+  bool interleaved = false;            // 2 virtual stages per rank
+  const char* checkpointing = "none";  // --activation-checkpointing
+  const char* partition = "flops";     // --pp-partition
+  bool without_dropout = false;        // only for configs without dropout (context parallelism)
+};
+
+// `config` set to run as `layout`: its mesh sizes, ZeRO stage and settings; a pipeline gets
+// 2 micro-batches (interleaved: 2 virtual stages).
+inline loom::train::TrainConfig with_layout(loom::train::TrainConfig c, const TrainLayout& l) {
+  c.dp = l.shape.dp;
+  c.tp = l.shape.tp;
+  c.pp = l.shape.pp;
+  c.cp = l.shape.cp;
+  c.zero = l.zero;
+  c.sequence_parallel = l.sequence_parallel;
+  c.activation_checkpointing = l.checkpointing;
+  c.pp_partition = l.partition;
+  if (l.interleaved) {
+    c.schedule = "interleaved";
+    c.virtual_stages = 2;
+  }
+  if (l.shape.pp > 1) c.grad_accum = 2;
+  return c;
+}
+
 inline RunResult run(loom::train::Trainer& t) {
   RunResult r;
   while (t.step() < t.config().steps) {
@@ -108,6 +139,12 @@ inline RunResult run(loom::train::Trainer& t) {
   for (const auto& [name, p] : t.gather_parameters())
     r.params[name] = p.to(at::kCPU, at::kDouble).clone();
   return r;
+}
+
+// `config` trained in this process alone (a Trainer on a mesh of one rank).
+inline RunResult run_alone(const loom::train::TrainConfig& config) {
+  loom::train::Trainer t(config);
+  return run(t);
 }
 
 // How far one run is from another: the worst relative difference of each kind.
