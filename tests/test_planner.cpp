@@ -23,9 +23,20 @@ namespace models = loom::models;
 
 namespace {
 
+// A built-in profile without elementwise and per-op costs (ops adding to the kernels, not
+// overlapping them): compute is FLOPs over rates alone.
+plan::MachineProfile flops_only(const std::string& name = "h100-node") {
+  auto p = plan::builtin_profile(name);
+  for (auto& d : p.devices) {
+    d.pointwise_s = d.activation_s = d.norm_s = d.op_s = 0;
+    d.ops_overlap_kernels = false;
+  }
+  return p;
+}
+
 // A machine whose links cost nothing: only compute remains.
 plan::MachineProfile free_links(double matmul = 1e12, double attention = 1e12) {
-  auto p = plan::builtin_profile("h100-node");
+  auto p = flops_only();
   p.devices.front().matmul_flops = matmul;
   p.devices.front().attention_flops = attention;
   p.intra_node = p.inter_node = {1e30, 0};
@@ -90,7 +101,7 @@ TEST(CostModel, PipelineBubbleIsTheSimulators) {
 }
 
 TEST(CostModel, MemoryAndTimeMoveWithTheLayout) {
-  const auto machine = plan::builtin_profile("h100-node");
+  const auto machine = flops_only();
   const auto w = mini();
   plan::Layout base;
   base.dp = 8;
@@ -187,6 +198,72 @@ TEST(Planner, RanksTheLayoutsThatFit) {
   EXPECT_TRUE(contains(error_of([&] { plan::plan_layouts(r); }), "no layout of 7 ranks"));
 }
 
+// What the FLOPs leave out, as docs/planner.md counts it for GPT-2 (tp 1, no dropout), per
+// token: each block's LayerNorms (2 d), GELU (d_ff) and elementwise products (residual adds,
+// the attention output's copy, the projections' biases: 4 d); the embedding's 2 d; the head's
+// LayerNorm (d), log-softmax (vocab) and loss gradient (vocab). Ops: 14 per block, 4 for the
+// embedding, 6 for the head. One micro-batch on one rank: forward and backward together add
+// exactly these, at the profile's seconds per element and per op.
+TEST(CostModel, ElementwiseOpsAndTheMeasuredScaleAddToCompute) {
+  const auto w = mini(8, 128);
+  const plan::Layout one;
+  const auto base = free_links();
+  const double t0 = plan::predict(w, one, base).compute_s;
+  const double tokens = 8 * 128, d = 256, ff = 1024, v = static_cast<double>(w.model.vocab_size);
+  const double layers = static_cast<double>(w.model.n_layers);
+  auto with = [&](auto set) {
+    auto p = base;
+    set(p.devices.front());
+    return plan::predict(w, one, p).compute_s - t0;
+  };
+  EXPECT_NEAR(with([](auto& dv) { dv.pointwise_s = 1e-9; }),
+              tokens * (layers * 4 * d + 2 * d + v) * 1e-9, 1e-12);
+  EXPECT_NEAR(with([](auto& dv) { dv.activation_s = 1e-9; }), tokens * (layers * ff + v) * 1e-9,
+              1e-12);
+  EXPECT_NEAR(with([](auto& dv) { dv.norm_s = 1e-9; }), tokens * (layers * 2 * d + d) * 1e-9,
+              1e-12);
+  EXPECT_NEAR(with([](auto& dv) { dv.op_s = 1e-5; }), (layers * 14 + 4 + 6) * 1e-5, 1e-12);
+  // Where ops overlap the kernels (a GPU), a step takes the longer of the two.
+  EXPECT_NEAR(with([](auto& dv) {
+                dv.op_s = 1.0;
+                dv.ops_overlap_kernels = true;
+              }),
+              layers * 14 + 4 + 6 - t0, 1e-9);
+  EXPECT_NEAR(with([](auto& dv) {
+                dv.op_s = 1e-30;
+                dv.ops_overlap_kernels = true;
+              }),
+              0, 1e-15);
+  // The measured scale multiplies compute; a curve below the flat rate at this width slows it.
+  EXPECT_NEAR(with([](auto& dv) { dv.compute_scale = 1.5; }), 0.5 * t0, 1e-12);
+  EXPECT_GT(with([](auto& dv) { dv.matmul_curve = {{128, 1e11}, {4096, 1e12}}; }), t0);
+  // Llama counts differently, and RMSNorm is elementwise products, not a fused norm.
+  plan::Workload llama{models::ModelConfig::preset("llama-tiny"), 8, 128, "fp32"};
+  auto p = base;
+  p.devices.front().norm_s = 1e-9;
+  EXPECT_NEAR(plan::predict(llama, one, p).compute_s, plan::predict(llama, one, base).compute_s,
+              1e-15);
+}
+
+// The rate curves: log-linear between points, flat beyond the ends; attention takes the
+// nearest measured head_dim.
+TEST(MachineProfile, RateCurvesInterpolate) {
+  plan::DeviceProfile d;
+  d.matmul_flops = 7e12;
+  d.attention_flops = 5e12;
+  EXPECT_EQ(d.matmul_rate(100), 7e12);  // no curve: the flat rates
+  EXPECT_EQ(d.attention_rate(100, 64), 5e12);
+  d.matmul_curve = {{128, 1e12}, {512, 4e12}};
+  EXPECT_DOUBLE_EQ(d.matmul_rate(64), 1e12);
+  EXPECT_DOUBLE_EQ(d.matmul_rate(256), 2.5e12);  // halfway in log width
+  EXPECT_DOUBLE_EQ(d.matmul_rate(4096), 4e12);
+  d.attention_curve = {{128, 32, 1e12}, {512, 32, 3e12}, {128, 128, 2e12}, {512, 128, 8e12}};
+  EXPECT_DOUBLE_EQ(d.attention_rate(256, 32), 2e12);
+  EXPECT_DOUBLE_EQ(d.attention_rate(256, 40), 2e12);  // 32 is nearer than 128 in log
+  EXPECT_DOUBLE_EQ(d.attention_rate(256, 100), 5e12);
+  EXPECT_DOUBLE_EQ(d.attention_rate(1024, 128), 8e12);
+}
+
 TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   const auto h100 = plan::builtin_profile("h100-node");
   const auto back = plan::MachineProfile::from_json(h100.to_json(), "back");
@@ -217,6 +294,37 @@ TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   j = nlohmann::json::parse(h100.to_json());
   j["links"]["xx"] = {{"bandwidth", 1}, {"latency", 0}};
   refused(j.dump(), "link 'xx' is neither intra_node, inter_node nor a mesh dimension");
+  // The measured extras read back, and bad ones are refused.
+  auto extras = h100;
+  auto& dev = extras.devices.front();
+  dev.matmul_curve = {{128, 1e12}, {1024, 5e12}};
+  dev.attention_curve = {{512, 64, 2e12}};
+  dev.compute_scale = 1.25;
+  const auto read = plan::MachineProfile::from_json(extras.to_json(), "x").devices.front();
+  EXPECT_EQ(read.matmul_curve, dev.matmul_curve);
+  EXPECT_EQ(read.attention_curve, dev.attention_curve);
+  EXPECT_EQ(read.compute_scale, 1.25);
+  EXPECT_EQ(read.op_s, dev.op_s);
+  EXPECT_EQ(read.pointwise_s, dev.pointwise_s);
+  EXPECT_TRUE(read.ops_overlap_kernels);
+  const auto with_extras = nlohmann::json::parse(extras.to_json());
+  j = with_extras;
+  j["devices"][0]["pointwise_s"] = -1e-9;
+  refused(j.dump(), "'pointwise_s' is -1e-09; it must be a number of seconds >= 0");
+  j = with_extras;
+  j["devices"][0]["matmul_curve"] = {{1024, 1e12}, {128, 5e12}};
+  refused(j.dump(),
+          "matmul_curve point [128, 5000000000000]; widths and rates must be positive, "
+          "widths increasing");
+  j = with_extras;
+  j["devices"][0]["attention_curve"] = {{512, 64}};
+  refused(j.dump(), "each point is [seq, head_dim, flops]");
+  j = with_extras;
+  j["devices"][0]["compute_scale"] = 0;
+  refused(j.dump(), "'compute_scale' is 0");
+  j = with_extras;
+  j["devices"][0]["ops_overlap_kernels"] = "yes";
+  refused(j.dump(), "'ops_overlap_kernels' is \"yes\"; use true or false");
   // Heterogeneous stages: a slower second pipeline rank gets fewer layers, and the step is
   // slower than on two fast ones.
   auto mixed = nlohmann::json::parse(h100.to_json());
@@ -261,12 +369,27 @@ TEST(MachineProfile, MeasuresThisProcess) {
   options.adamw_params = 4096;
   options.repeats = 2;
   options.large_bytes = 1 << 20;
+  options.matmul_widths = {16, 32};
+  options.matmul_tokens = 64;
+  options.attention_seqs = {32};
+  options.attention_head_dims = {16, 32};
+  options.pointwise_elements = 4096;
+  options.reference_batch = 1;
+  options.reference_repeats = 1;
   const auto p = plan::measure_machine(one, options);
   ASSERT_EQ(p.devices.size(), 1u);
   EXPECT_GT(p.devices[0].matmul_flops, 1e6);
   EXPECT_GT(p.devices[0].attention_flops, 1e6);
   EXPECT_GT(p.devices[0].adamw_params_per_s, 1e3);
   EXPECT_GT(p.devices[0].memory_bytes, 1e6);
+  EXPECT_EQ(p.devices[0].matmul_curve.size(), 2u);
+  EXPECT_EQ(p.devices[0].attention_curve.size(), 2u);
+  EXPECT_GT(p.devices[0].pointwise_s, 0);
+  EXPECT_GT(p.devices[0].activation_s, 0);
+  EXPECT_GT(p.devices[0].norm_s, 0);
+  EXPECT_GT(p.devices[0].op_s, 0);
+  EXPECT_GT(p.devices[0].compute_scale, 0);
+  EXPECT_FALSE(p.devices[0].ops_overlap_kernels);
   EXPECT_EQ(p.devices_per_node, 1);
   EXPECT_EQ(p.inter_node.bandwidth, p.intra_node.bandwidth);
   // What it wrote reads back, and plans.

@@ -60,6 +60,11 @@ int main(int argc, char** argv) {
         options.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
         options.matmul_size = 4096;
         options.attention_seq = 2048;
+        options.matmul_widths = {256, 512, 1024, 2048, 4096, 8192};
+        options.matmul_tokens = 8192;
+        options.attention_seqs = {512, 2048, 8192};
+        options.attention_head_dims = {64, 128};
+        options.pointwise_elements = int64_t{1} << 24;
       }
       options.dtype = precision == "bf16"   ? at::kBFloat16
                       : precision == "fp64" ? at::kDouble

@@ -129,6 +129,94 @@ struct StageCost {
   bool first = false, last = false;
 };
 
+// What a stage's matmuls and attention leave out, per token of one micro-batch on one tp rank:
+// elements through each class of elementwise op (forward and backward counted once: the
+// profile times them together), and the number of ops. Counted from the blocks as loom writes
+// them (models/gpt2.cpp, models/llama.cpp): residual adds, norms, activations, the attention
+// output's copy back to [B, T, D], bias gradients, RoPE, the loss's log-softmax.
+struct Elementwise {
+  double pointwise = 0, activation = 0, norm = 0, ops = 0;
+
+  Elementwise& operator+=(const Elementwise& o) {
+    pointwise += o.pointwise, activation += o.activation, norm += o.norm, ops += o.ops;
+    return *this;
+  }
+  // Seconds for `tokens` tokens, forward and backward.
+  double seconds(const DeviceProfile& dev, double tokens) const {
+    return tokens *
+           (pointwise * dev.pointwise_s + activation * dev.activation_s + norm * dev.norm_s);
+  }
+};
+
+// Per token: one block, the embedding (first stage), the final norm, head and loss (last).
+// Residual-stream tensors are [tokens, d] on every tp rank, or [tokens / tp, d] with sequence
+// parallelism; the rest are split by tp.
+Elementwise block_elementwise(const models::ModelConfig& m, double tp, bool sp) {
+  const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff) / tp;
+  const double residual = sp ? d / tp : d;
+  const double heads = d / tp, kv = static_cast<double>(m.n_kv_heads * m.head_dim()) /
+                                    std::min(tp, static_cast<double>(m.n_kv_heads));
+  Elementwise e;
+  if (m.family == models::Family::kGpt2) {
+    // Two LayerNorms, the GELU (its bias fused), two residual adds, the attention output's
+    // copy, the output projections' biases; dropout masks two residual branches.
+    e.norm = 2 * residual;
+    e.activation = f;
+    e.pointwise = 2 * residual + heads + d / tp + (m.dropout > 0 ? 2 * residual : 0.0);
+    e.ops = 14;
+  } else {
+    // Two RMSNorms of four elementwise ops each, SiLU times the up projection, RoPE on q and k
+    // (three ops each), two residual adds, the attention output's copy.
+    e.pointwise = 2 * 4 * residual + f + 3 * (heads + kv) + 2 * residual + heads;
+    e.activation = f;
+    e.ops = 30;
+  }
+  return e;
+}
+
+// Elements per token one block keeps for its backward, counted from the tensors autograd saves
+// in loom's blocks (and checked against the peak of a 2- and a 4-layer model: docs/planner.md).
+// Those on the residual stream are whole on each tp rank (1/tp of the sequence with sequence
+// parallelism); the rest are split by tp. loom's attention kernels keep no [T, T] scores, only
+// a log-sum-exp per head.
+//   GPT-2: the two LayerNorms' inputs and outputs (4 d); q, k, v (3 d), the attention output
+//          in [B, T, D] (d), the MLP's input to the GELU and its output (2 d_ff); a dropout mask
+//          per residual branch.
+//   Llama: the two RMSNorms' inputs and outputs (4 d); q, k, v after RoPE (d + 2 kv), the
+//          attention output and its copy (2 d), one more [T, d] copy of q; gate, SiLU, up and
+//          their product (4 d_ff).
+double block_saved_elements(const models::ModelConfig& m, double tp, bool sp) {
+  const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff);
+  const double heads = static_cast<double>(m.n_heads);
+  const double residual = sp ? d / tp : d;
+  if (m.family == models::Family::kGpt2)
+    return 4 * residual + (4 * d + 2 * f + 2 * heads) / tp + (m.dropout > 0 ? 2 * residual : 0.0);
+  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
+  return 4 * residual + (4 * d + 2 * kv + 4 * f + heads) / tp;
+}
+
+Elementwise embedding_elementwise(const models::ModelConfig& m, double tp, bool sp) {
+  const double d = static_cast<double>(m.d_model), residual = sp ? d / tp : d;
+  Elementwise e;
+  e.pointwise = m.family == models::Family::kGpt2 ? 2 * residual : residual;  // + positions
+  e.ops = m.family == models::Family::kGpt2 ? 4 : 2;
+  return e;
+}
+
+Elementwise head_elementwise(const models::ModelConfig& m, double tp, bool sp) {
+  const double d = static_cast<double>(m.d_model), residual = sp ? d / tp : d;
+  const double v = static_cast<double>(m.vocab_size) / tp;
+  Elementwise e;
+  if (m.family == models::Family::kGpt2)
+    e.norm = residual;
+  else
+    e.pointwise = 4 * residual;
+  e.activation = v;  // log-softmax
+  e.pointwise += v;  // the loss's gradient
+  e.ops = m.family == models::Family::kGpt2 ? 6 : 9;
+  return e;
+}
+
 }  // namespace
 
 Prediction predict(const Workload& w, const Layout& l, const MachineProfile& machine) {
@@ -200,16 +288,31 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
                           std::min(tp, static_cast<double>(m.n_kv_heads));
   double worst_f = 0, worst_b = 0;
   std::vector<double> f_of(static_cast<size_t>(stages)), b_of(static_cast<size_t>(stages));
+  const double width = d / tp;  // the matmuls' narrowest side on a tp rank (its rate's key)
+  const double head_dim = static_cast<double>(m.head_dim());
   for (int64_t s = 0; s < stages; ++s) {
     const auto& c = stage[static_cast<size_t>(s)];
     const auto& dev = machine.device_of_stage(s % l.pp, l.pp);
     const double layers = static_cast<double>(c.layers);
-    const double mm = c.matmul_flops / dev.matmul_flops;
-    const double attn = c.attention_flops / dev.attention_flops;
-    const double forward = mm + attn;
-    double backward = 2 * forward;
+    const double mm = c.matmul_flops / dev.matmul_rate(width);
+    const double attn =
+        c.attention_flops / dev.attention_rate(static_cast<double>(local_seq), head_dim);
+    // Elementwise ops and per-op costs, a third in forward and two in backward.
+    Elementwise elementwise;
+    for (int64_t i = 0; i < c.layers; ++i)
+      elementwise += block_elementwise(m, tp, l.sequence_parallel);
+    if (c.first) elementwise += embedding_elementwise(m, tp, l.sequence_parallel);
+    if (c.last) elementwise += head_elementwise(m, tp, l.sequence_parallel);
+    const double pointwise = elementwise.seconds(dev, tokens);
+    const double ops = elementwise.ops * dev.op_s;
+    auto add_ops = [&](double kernels, double share) {
+      return dev.ops_overlap_kernels ? std::max(kernels, share * ops) : kernels + share * ops;
+    };
+    const double scale = dev.compute_scale;
+    const double forward = scale * add_ops(mm + attn + pointwise / 3, 1.0 / 3);
+    double backward = scale * add_ops(2 * (mm + attn) + 2 * pointwise / 3, 2.0 / 3);
     if (mode == models::ActivationCheckpointing::kFull) backward += forward;
-    if (mode == models::ActivationCheckpointing::kSelective) backward += attn;
+    if (mode == models::ActivationCheckpointing::kSelective) backward += scale * attn;
     // Tensor parallelism: two all-reduces (or all-gather + reduce-scatter pairs) per layer each
     // way, plus the recompute's under full checkpointing.
     const double tp_layer = 2 * all_reduce_seconds(act_bytes, l.tp, machine.link("tp", l.tp));
@@ -256,7 +359,7 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   }
 
   // Memory per pipeline rank: its chunks' model state, ZeRO-3's gathered units, activations.
-  const double layer_full = tokens * d * (e / 2) * (l.sequence_parallel ? 34 / tp : 10 + 24 / tp);
+  const double layer_full = tokens * e * block_saved_elements(m, tp, l.sequence_parallel);
   const double layer_input = l.sequence_parallel ? act_bytes / tp : act_bytes;
   double worst_memory = -1;
   double worst_grad_bytes = 0, worst_params = 0;
@@ -278,6 +381,10 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
       if (c.last) activations += 2 * tokens * v / tp * 4;
     }
     if (mode == models::ActivationCheckpointing::kFull) activations += layer_full;  // recompute
+    // At the peak, in a block's backward: the gradients of its MLP's hidden activations (the
+    // GELU's input; SwiGLU's gate and up), beside everything still saved.
+    activations += tokens * e * static_cast<double>(m.d_ff) / tp *
+                   (m.family == models::Family::kGpt2 ? 1.0 : 2.0);
     double p = 0, g = 0, o = 0;
     const double n = static_cast<double>(l.dp);
     switch (l.zero) {

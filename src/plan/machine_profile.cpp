@@ -27,7 +27,72 @@ double positive_number(const json& j, const char* key, const std::string& where)
   return v.get<double>();
 }
 
+// y at x on the piecewise-linear curve through (log x_i, y_i), held flat beyond its ends.
+double interpolate_log(const std::vector<std::pair<double, double>>& points, double x) {
+  if (points.size() == 1 || x <= points.front().first) return points.front().second;
+  if (x >= points.back().first) return points.back().second;
+  for (size_t i = 1; i < points.size(); ++i) {
+    if (x > points[i].first) continue;
+    const auto [x0, y0] = points[i - 1];
+    const auto [x1, y1] = points[i];
+    const double t = std::log(x / x0) / std::log(x1 / x0);
+    return y0 + t * (y1 - y0);
+  }
+  return points.back().second;
+}
+
+// A finite number >= 0 under `key`, or 0 when the key is absent.
+double optional_seconds(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key)) return 0;
+  const auto& v = j.at(key);
+  LOOM_CHECK(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
+             "{}: '{}' is {}; it must be a number of seconds >= 0", where, key, v.dump());
+  return v.get<double>();
+}
+
+// A list of points of `N` positive numbers under `key` (absent: empty).
+template <size_t N>
+std::vector<std::array<double, N>> curve(const json& j, const char* key, const std::string& where) {
+  std::vector<std::array<double, N>> out;
+  if (!j.contains(key)) return out;
+  const auto& list = j.at(key);
+  LOOM_CHECK(list.is_array(), "{}: '{}' must be a list of [{}] points; got {}", where, key,
+             N == 2 ? "width, flops" : "seq, head_dim, flops", list.dump());
+  for (const auto& point : list) {
+    LOOM_CHECK(point.is_array() && point.size() == N, "{}: '{}' holds {}; each point is [{}]",
+               where, key, point.dump(), N == 2 ? "width, flops" : "seq, head_dim, flops");
+    std::array<double, N> p{};
+    for (size_t i = 0; i < N; ++i) {
+      LOOM_CHECK(point[i].is_number(), "{}: '{}' holds {}, which is not all numbers", where, key,
+                 point.dump());
+      p[i] = point[i].get<double>();
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
 }  // namespace
+
+double DeviceProfile::matmul_rate(double width) const {
+  if (matmul_curve.empty()) return matmul_flops;
+  std::vector<std::pair<double, double>> points;
+  for (const auto& [w, flops] : matmul_curve) points.emplace_back(w, flops);
+  return interpolate_log(points, width);
+}
+
+double DeviceProfile::attention_rate(double seq, double head_dim) const {
+  if (attention_curve.empty()) return attention_flops;
+  double nearest = attention_curve.front()[1];
+  for (const auto& p : attention_curve)
+    if (std::abs(std::log(p[1] / head_dim)) < std::abs(std::log(nearest / head_dim)))
+      nearest = p[1];
+  std::vector<std::pair<double, double>> points;
+  for (const auto& p : attention_curve)
+    if (p[1] == nearest) points.emplace_back(p[0], p[2]);
+  std::sort(points.begin(), points.end());
+  return interpolate_log(points, seq);
+}
 
 const DeviceProfile& MachineProfile::device_of_stage(int64_t stage, int64_t stages) const {
   LOOM_CHECK(!devices.empty(), "machine profile '{}' has no devices", name);
@@ -60,6 +125,30 @@ void MachineProfile::validate(const std::string& source) const {
       LOOM_CHECK(std::isfinite(v) && v > 0,
                  "machine profile '{}': device '{}' has {} = {}; it must be positive", source,
                  d.name, what, v);
+    for (const auto& [what, v] : {std::pair{"pointwise_s", d.pointwise_s},
+                                  {"activation_s", d.activation_s},
+                                  {"norm_s", d.norm_s},
+                                  {"op_s", d.op_s}})
+      LOOM_CHECK(std::isfinite(v) && v >= 0,
+                 "machine profile '{}': device '{}' has {} = {}; it must be >= 0 seconds", source,
+                 d.name, what, v);
+    LOOM_CHECK(std::isfinite(d.compute_scale) && d.compute_scale > 0,
+               "machine profile '{}': device '{}' has compute_scale = {}; it must be positive",
+               source, d.name, d.compute_scale);
+    for (size_t i = 0; i < d.matmul_curve.size(); ++i) {
+      const auto& [w, flops] = d.matmul_curve[i];
+      LOOM_CHECK(std::isfinite(w) && w > 0 && std::isfinite(flops) && flops > 0 &&
+                     (i == 0 || w > d.matmul_curve[i - 1][0]),
+                 "machine profile '{}': device '{}' has matmul_curve point [{}, {}]; widths and "
+                 "rates must be positive, widths increasing",
+                 source, d.name, w, flops);
+    }
+    for (const auto& [seq, hd, flops] : d.attention_curve)
+      LOOM_CHECK(std::isfinite(seq) && seq > 0 && std::isfinite(hd) && hd > 0 &&
+                     std::isfinite(flops) && flops > 0,
+                 "machine profile '{}': device '{}' has attention_curve point [{}, {}, {}]; "
+                 "sequence, head_dim and rate must be positive",
+                 source, d.name, seq, hd, flops);
     LOOM_CHECK(std::count_if(devices.begin(), devices.end(),
                              [&](const DeviceProfile& o) { return o.name == d.name; }) == 1,
                "machine profile '{}': device '{}' is defined twice", source, d.name);
@@ -92,12 +181,23 @@ void MachineProfile::validate(const std::string& source) const {
 std::string MachineProfile::to_json() const {
   json j;
   j["devices"] = json::array();
-  for (const auto& d : devices)
-    j["devices"].push_back({{"name", d.name},
-                            {"matmul_flops", d.matmul_flops},
-                            {"attention_flops", d.attention_flops},
-                            {"memory_bytes", d.memory_bytes},
-                            {"adamw_params_per_s", d.adamw_params_per_s}});
+  for (const auto& d : devices) {
+    json o = {{"name", d.name},
+              {"matmul_flops", d.matmul_flops},
+              {"attention_flops", d.attention_flops},
+              {"memory_bytes", d.memory_bytes},
+              {"adamw_params_per_s", d.adamw_params_per_s}};
+    if (!d.matmul_curve.empty()) o["matmul_curve"] = d.matmul_curve;
+    if (!d.attention_curve.empty()) o["attention_curve"] = d.attention_curve;
+    for (const auto& [key, v] : {std::pair{"pointwise_s", d.pointwise_s},
+                                 {"activation_s", d.activation_s},
+                                 {"norm_s", d.norm_s},
+                                 {"op_s", d.op_s}})
+      if (v > 0) o[key] = v;
+    if (d.ops_overlap_kernels) o["ops_overlap_kernels"] = true;
+    if (d.compute_scale != 1) o["compute_scale"] = d.compute_scale;
+    j["devices"].push_back(o);
+  }
   if (!stage_devices.empty()) j["stage_devices"] = stage_devices;
   j["devices_per_node"] = devices_per_node;
   j["links"]["intra_node"] = {{"bandwidth", intra_node.bandwidth}, {"latency", intra_node.latency}};
@@ -130,6 +230,19 @@ MachineProfile MachineProfile::from_json(const std::string& text, const std::str
     p.attention_flops = positive_number(d, "attention_flops", where);
     p.memory_bytes = positive_number(d, "memory_bytes", where);
     p.adamw_params_per_s = positive_number(d, "adamw_params_per_s", where);
+    p.matmul_curve = curve<2>(d, "matmul_curve", where);
+    p.attention_curve = curve<3>(d, "attention_curve", where);
+    p.pointwise_s = optional_seconds(d, "pointwise_s", where);
+    p.activation_s = optional_seconds(d, "activation_s", where);
+    p.norm_s = optional_seconds(d, "norm_s", where);
+    p.op_s = optional_seconds(d, "op_s", where);
+    if (d.contains("compute_scale")) p.compute_scale = positive_number(d, "compute_scale", where);
+    if (d.contains("ops_overlap_kernels")) {
+      LOOM_CHECK(d["ops_overlap_kernels"].is_boolean(),
+                 "{}: 'ops_overlap_kernels' is {}; use true or false", where,
+                 d["ops_overlap_kernels"].dump());
+      p.ops_overlap_kernels = d["ops_overlap_kernels"].get<bool>();
+    }
     out.devices.push_back(p);
   }
   if (j.contains("stage_devices")) {
@@ -203,6 +316,15 @@ MachineProfile builtin_profile(const std::string& name) {
     fail("machine profile '{}' is not built in; built-in: {} (or pass a JSON file)", name,
          fmt::join(builtin_profile_names(), ", "));
   }
+  // Elementwise ops are memory-bound: bf16 elements moved, forward and backward, at 70 % of HBM
+  // bandwidth (a product 9 moves, the GELU 5, a LayerNorm 6). An op's launch and dispatch,
+  // about 10 us, overlaps the kernels queued before it.
+  const double hbm = name == "h100-node" ? 3.35e12 : 4.8e12;
+  d.pointwise_s = 9 * 2 / (0.7 * hbm);
+  d.activation_s = 5 * 2 / (0.7 * hbm);
+  d.norm_s = 6 * 2 / (0.7 * hbm);
+  d.op_s = 1e-5;
+  d.ops_overlap_kernels = true;
   p.devices.push_back(d);
   p.devices_per_node = 8;
   p.intra_node = {0.8 * 450e9, 5e-6};  // NVLink

@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <vector>
 
+#include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/rng.h"
+#include "loom/models/causal_lm.h"
+#include "loom/ops/activation.h"
 #include "loom/ops/adamw.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cuda.h"
@@ -19,21 +23,27 @@ namespace loom::plan {
 
 namespace {
 
-// Median seconds of `repeats` runs of fn after one warm-up, each ended by a device sync.
+// Median seconds of one run of fn over `repeats` samples after a warm-up, each sample ended by
+// a device sync. A sample runs fn enough times to last about 5 ms: single short runs are mostly
+// timer and scheduler noise on a shared machine.
 double median_seconds(int64_t repeats, at::Device device, const std::function<void()>& fn) {
   auto sync = [&] {
     if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).item<float>();
   };
+  auto timed = [&](int64_t runs) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < runs; ++i) fn();
+    sync();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+           static_cast<double>(runs);
+  };
   fn();
   sync();
+  const double once = timed(1);
+  const auto runs =
+      static_cast<int64_t>(std::clamp(std::ceil(5e-3 / std::max(once, 1e-9)), 1.0, 1e4));
   std::vector<double> times;
-  for (int64_t i = 0; i < repeats; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    sync();
-    times.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
+  for (int64_t i = 0; i < repeats; ++i) times.push_back(timed(runs));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -43,6 +53,25 @@ double min_over(dist::Communicator& comm, double value) {
   auto t = at::full({1}, -value, at::kDouble);
   comm.all_reduce(t, dist::ReduceOp::Max);
   return -t.item<double>();
+}
+
+// The largest value over the ranks (the slowest rank's time).
+double max_over(dist::Communicator& comm, double value) {
+  return -min_over(comm, -value);
+}
+
+// Seconds of fn's forward and of the backward from its output (a gradient of ones-like
+// values), median over repeats.
+double forward_backward_seconds(int64_t repeats, at::Device device, const at::Tensor& input,
+                                const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  auto x = input.detach().clone().set_requires_grad(true);
+  at::Tensor grad;
+  return median_seconds(repeats, device, [&] {
+    auto y = fn(x);
+    if (!grad.defined()) grad = at::randn_like(y);
+    y.backward(grad);
+    x.mutable_grad().reset();
+  });
 }
 
 std::string host_name() {
@@ -91,6 +120,41 @@ Link memory_copy_link(const MeasureOptions& o) {
   return {static_cast<double>(o.large_bytes) / t, 0.0};
 }
 
+// Times gpt2-tiny's forward and backward (o.reference_batch x 128 tokens, byte vocabulary)
+// and divides by what the cost model predicts for it from `device`'s rates.
+double reference_scale(const DeviceProfile& device, const MeasureOptions& o) {
+  auto config = models::ModelConfig::preset("gpt2-tiny");
+  config.vocab_size = 256;
+  const int64_t seq = 128;
+  LOOM_CHECK(o.dtype == at::kFloat || o.dtype == at::kDouble || o.dtype == at::kBFloat16,
+             "measure: the reference model runs in fp32, fp64 or bf16, not {}",
+             c10::toString(o.dtype));
+  const bool autocast = o.dtype == at::kBFloat16;
+  auto model = models::make_model(config);
+  model->to(o.device, autocast ? at::kFloat : o.dtype);
+  models::init_parameters(*model, 0);
+  model->train();
+  const auto ids = at::TensorOptions().device(o.device).dtype(at::kLong);
+  auto tokens = at::randint(0, config.vocab_size, {o.reference_batch, seq + 1}, ids);
+  auto input = tokens.narrow(1, 0, seq), targets = tokens.narrow(1, 1, seq);
+  const double measured = median_seconds(std::max(o.repeats, o.reference_repeats), o.device, [&] {
+    at::Tensor loss;
+    {
+      core::Bf16Autocast guard(autocast, o.device.type());
+      loss = model->loss(input, targets);
+    }
+    loss.backward();
+    for (auto& p : model->parameters()) p.mutable_grad().reset();
+  });
+  MachineProfile one;
+  one.name = "reference";
+  one.devices.push_back(device);
+  one.devices.back().compute_scale = 1;
+  const auto precision = o.dtype == at::kDouble ? "fp64" : autocast ? "bf16" : "fp32";
+  const auto predicted = predict({config, o.reference_batch, seq, precision}, Layout{}, one);
+  return measured / predicted.compute_s;
+}
+
 }  // namespace
 
 MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& o) {
@@ -100,6 +164,18 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
              "buffer sizes {} < {} must be at least 1, 16, 16, 1024 and 4 bytes",
              o.repeats, o.matmul_size, o.attention_seq, o.adamw_params, o.small_bytes,
              o.large_bytes);
+  LOOM_CHECK(o.matmul_tokens >= 1 && o.pointwise_elements >= 256 && o.op_chain >= 1,
+             "measure: matmul tokens {}, elementwise elements {} and op chain {} must be at least "
+             "1, 256 and 1",
+             o.matmul_tokens, o.pointwise_elements, o.op_chain);
+  for (size_t i = 0; i < o.matmul_widths.size(); ++i)
+    LOOM_CHECK(o.matmul_widths[i] >= 1 && (i == 0 || o.matmul_widths[i] > o.matmul_widths[i - 1]),
+               "measure: matmul widths must be positive and increasing; got {} after {}",
+               o.matmul_widths[i], i == 0 ? 0 : o.matmul_widths[i - 1]);
+  for (const auto v : o.attention_seqs)
+    LOOM_CHECK(v >= 1, "measure: attention sequence length {} must be at least 1", v);
+  for (const auto v : o.attention_head_dims)
+    LOOM_CHECK(v >= 1, "measure: attention head_dim {} must be at least 1", v);
   const auto on = at::TensorOptions().device(o.device).dtype(o.dtype);
   DeviceProfile d;
   d.name = o.device.is_cuda() ? "cuda" : "cpu";
@@ -109,6 +185,14 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
     const double t = median_seconds(o.repeats, o.device, [&] { at::mm_out(c, a, b); });
     d.matmul_flops = min_over(world, 2.0 * static_cast<double>(n * n * n) / t);
   }
+  for (const int64_t w : o.matmul_widths) {
+    auto a = at::randn({o.matmul_tokens, w}, on), b = at::randn({w, w}, on);
+    auto c = at::empty({o.matmul_tokens, w}, on);
+    const double t = median_seconds(o.repeats, o.device, [&] { at::mm_out(c, a, b); });
+    d.matmul_curve.push_back(
+        {static_cast<double>(w),
+         min_over(world, 2.0 * static_cast<double>(o.matmul_tokens * w * w) / t)});
+  }
   {
     const int64_t heads = 8, hd = 64, seq = o.attention_seq;
     auto q = at::randn({1, heads, seq, hd}, on), k = at::randn_like(q), v = at::randn_like(q);
@@ -116,6 +200,50 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
     // Causal: half of the two [T, T] products' 4 T^2 hd FLOPs per head.
     d.attention_flops = min_over(world, 2.0 * static_cast<double>(heads * seq * seq * hd) / t);
   }
+  // Forward and backward, as training runs it: the backward's share differs with the shape.
+  for (const int64_t hd : o.attention_head_dims) {
+    for (const int64_t seq : o.attention_seqs) {
+      const int64_t heads = 8;
+      auto q = at::randn({1, heads, seq, hd}, on).set_requires_grad(true);
+      auto k = at::randn_like(q).set_requires_grad(true);
+      auto v = at::randn_like(q).set_requires_grad(true);
+      auto grad = at::randn_like(q);
+      const double t = median_seconds(o.repeats, o.device, [&] {
+        ops::attention(q, k, v).backward(grad);
+        for (auto* x : {&q, &k, &v}) x->mutable_grad().reset();
+      });
+      d.attention_curve.push_back(
+          {static_cast<double>(seq), static_cast<double>(hd),
+           min_over(world, 3 * 2.0 * static_cast<double>(heads * seq * seq * hd) / t)});
+    }
+  }
+  {
+    // Elementwise ops, forward and backward, per element.
+    const int64_t rows = std::max<int64_t>(1, o.pointwise_elements / 256);
+    const auto n = static_cast<double>(rows * 256);
+    auto x = at::randn({rows, 256}, on), w = at::randn({rows, 256}, on);
+    d.pointwise_s = max_over(world, forward_backward_seconds(o.repeats, o.device, x, [&](auto& in) {
+                                      return in * w.detach().requires_grad_(true);
+                                    }) / n);
+    d.activation_s = max_over(world, forward_backward_seconds(o.repeats, o.device, x, [](auto& in) {
+                                       return ops::gelu_tanh(in);
+                                     }) / n);
+    auto gamma = at::ones({256}, on).requires_grad_(true), beta = at::zeros({256}, on);
+    beta.requires_grad_(true);
+    d.norm_s = max_over(world, forward_backward_seconds(o.repeats, o.device, x, [&](auto& in) {
+                                 return at::layer_norm(in, {256}, gamma, beta);
+                               }) / n);
+    // Tiny ops: what remains is dispatch and autograd.
+    auto tiny = at::randn({16}, on);
+    const double chain = forward_backward_seconds(o.repeats, o.device, tiny, [&](auto& in) {
+      auto y = in;
+      for (int64_t i = 0; i < o.op_chain; ++i) y = y * 1.0001;
+      return y;
+    });
+    d.op_s = max_over(world, chain / static_cast<double>(o.op_chain));
+    d.ops_overlap_kernels = o.device.is_cuda();
+  }
+  if (o.reference_batch > 0) d.compute_scale = max_over(world, reference_scale(d, o));
   {
     const auto fp = at::TensorOptions().device(o.device).dtype(o.dtype == at::kDouble ? at::kDouble
                                                                                       : at::kFloat);

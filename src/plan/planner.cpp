@@ -156,7 +156,8 @@ std::string plan_json(const std::vector<PlannedLayout>& plans, size_t top) {
                    {"pp_comm_s", p.pp_comm_s},
                    {"dp_comm_s", p.dp_comm_s},
                    {"optimizer_s", p.optimizer_s},
-                   {"bubble_fraction", p.bubble_fraction}});
+                   {"bubble_fraction", p.bubble_fraction},
+                   {"rank_memory_bytes", p.rank_memory_bytes}});
   }
   return out.dump(2);
 }

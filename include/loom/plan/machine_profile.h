@@ -5,7 +5,12 @@
 // dimension. Read from a JSON profile or taken from a built-in one.
 //
 //   {"devices": [{"name": "h100", "matmul_flops": 6.0e14, "attention_flops": 4.0e14,
-//                 "memory_bytes": 8.0e10, "adamw_params_per_s": 9.6e10}],
+//                 "memory_bytes": 8.0e10, "adamw_params_per_s": 9.6e10,
+//                 // optional (loom-plan --measure writes them):
+//                 "matmul_curve": [[256, 2.1e14], [4096, 6.0e14]],
+//                 "attention_curve": [[512, 64, 1.9e14], [4096, 128, 4.2e14]],
+//                 "pointwise_s": 8e-12, "activation_s": 6e-12, "norm_s": 7e-12,
+//                 "op_s": 1e-5, "ops_overlap_kernels": true, "compute_scale": 1.2}],
 //    "stage_devices": ["h100", "a100"],          // optional: one per pipeline rank
 //    "devices_per_node": 8,
 //    "links": {"intra_node": {"bandwidth": 3.6e11, "latency": 5e-6},
@@ -17,6 +22,7 @@
 // device it names: devices of different speeds and memory, as the pipeline partitioner takes
 // them. A mesh dimension without a link of its own uses the node's link when its groups fit in
 // one node (the mesh places tp innermost, then cp, dp, pp), else the link between nodes.
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,6 +35,30 @@ struct DeviceProfile {
   double attention_flops = 0;     // causal attention FLOP/s (forward and backward alike)
   double memory_bytes = 0;        // what a rank may hold
   double adamw_params_per_s = 0;  // AdamW update rate
+
+  // Optional, measured by loom-plan --measure (absent: the flat rates above, nothing else).
+  // matmul_curve: (width, FLOP/s) of [tokens, width] x [width, width] products, widths
+  // increasing: small matmuls run below the large one's rate. attention_curve: (sequence,
+  // head_dim, FLOP/s) of causal attention forward and backward, FLOPs counted as 3x forward's.
+  std::vector<std::array<double, 2>> matmul_curve;
+  std::vector<std::array<double, 3>> attention_curve;
+  // Seconds per element of one op's forward and backward: an elementwise product (pointwise),
+  // the tanh GELU (activation), a LayerNorm over rows (norm); and per op (forward and
+  // backward) whatever its size: the framework's dispatch and autograd bookkeeping.
+  double pointwise_s = 0, activation_s = 0, norm_s = 0, op_s = 0;
+  // Whether that per-op time overlaps the kernels (a GPU: the host queues ops while the device
+  // runs earlier ones; a step takes the longer of the two) or adds to them (a CPU).
+  bool ops_overlap_kernels = false;
+  // Measured over predicted time of a reference model's forward and backward (gpt2-tiny, 8 x
+  // 128 tokens: loom-plan --measure): what the op classes above leave out (the allocator,
+  // caches shared by ranks, autograd's graph). Scales every stage's compute; 1 without one.
+  double compute_scale = 1;
+
+  // The matmul rate at `width` (the curve interpolated in log width and clamped at its ends;
+  // matmul_flops without one); the attention rate at (seq, head_dim) (the measured head_dim
+  // nearest in log, interpolated in log seq; attention_flops without a curve).
+  double matmul_rate(double width) const;
+  double attention_rate(double seq, double head_dim) const;
 };
 
 struct Link {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "loom/dist/communicator.h"
 #include "loom/plan/machine_profile.h"
@@ -17,14 +18,27 @@ struct MeasureOptions {
   int64_t matmul_size = 1024;         // n of the n x n x n products timed
   int64_t attention_seq = 512;        // tokens of the attention timed (8 heads of 64)
   int64_t adamw_params = int64_t{1} << 22;
-  int64_t repeats = 5;  // timed runs after a warm-up; the median is kept
+  // The curves: [matmul_tokens, w] x [w, w] products for each width w, and causal attention
+  // forward and backward (8 heads) for each sequence length and head_dim.
+  std::vector<int64_t> matmul_widths{64, 128, 256, 512, 1024};
+  int64_t matmul_tokens = 4096;
+  std::vector<int64_t> attention_seqs{128, 512};
+  std::vector<int64_t> attention_head_dims{32, 64, 128};
+  // Elements of the elementwise ops timed (a product, the tanh GELU, a LayerNorm of rows of
+  // 256), and the chain of tiny ops whose forward and backward give the per-op time.
+  int64_t pointwise_elements = int64_t{1} << 20;
+  int64_t op_chain = 64;
+  // Sequences of 128 tokens in the reference model timed for compute_scale (0: not measured).
+  int64_t reference_batch = 8;
+  int64_t reference_repeats = 15;  // its samples: more than the rates', it sets every prediction
+  int64_t repeats = 5;  // timed samples (each of runs lasting ~5 ms) after a warm-up; the median
   // The all-reduces timed: a small buffer (latency) and a large one (bandwidth), in bytes.
   int64_t small_bytes = 4 << 10;
   int64_t large_bytes = 32 << 20;
 };
 
-// Per device the slowest rank's rates (a homogeneous profile: name per-rank devices in the file
-// by hand for mixed machines); memory: the device's (a GPU's total, or the host's physical
+// Per device the slowest rank's rates and curves (a homogeneous profile: name per-rank devices in
+// the file by hand for mixed machines); memory: the device's (a GPU's total, or the host's physical
 // memory divided among the ranks on it). Links: all-reduces among the ranks of a node
 // (intra_node) and among one rank per node (inter_node); bandwidth and latency fitted from
 // the two sizes by the ring formula. With one rank on a node, the node link is a host memory
