@@ -50,25 +50,14 @@ int main(int argc, char** argv) {
       LOOM_CHECK(!out.empty(), "--measure writes a profile: give it --out FILE");
       LOOM_CHECK(device == "cpu" || device == "cuda", "--device '{}' is not valid: cpu or cuda",
                  device);
-      LOOM_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp64",
-                 "--precision '{}' is not valid: use fp32, bf16 or fp64", precision);
       runtime.emplace();
-      loom::plan::MeasureOptions options;
+      at::Device where = at::kCPU;
       if (device == "cuda") {
         const int gpu = runtime->local_rank() % std::max(1, loom::ops::cuda_device_count());
         loom::ops::set_current_cuda_device(gpu);
-        options.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
-        options.matmul_size = 4096;
-        options.attention_seq = 2048;
-        options.matmul_widths = {256, 512, 1024, 2048, 4096, 8192};
-        options.matmul_tokens = 8192;
-        options.attention_seqs = {512, 2048, 8192};
-        options.attention_head_dims = {64, 128};
-        options.pointwise_elements = int64_t{1} << 24;
+        where = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
       }
-      options.dtype = precision == "bf16"   ? at::kBFloat16
-                      : precision == "fp64" ? at::kDouble
-                                            : at::kFloat;
+      const auto options = loom::plan::MeasureOptions::for_device(where, precision);
       const auto profile = loom::plan::measure_machine(*runtime->world(), options);
       if (runtime->rank() == 0) {
         loom::core::write_file_atomic(out, profile.to_json() + "\n");

@@ -20,6 +20,7 @@
 #include "loom/train/builtin_strategies.h"
 #include "loom/train/runtime.h"
 #include "loom/train/trainer.h"
+#include "plan_auto.h"
 #include "pretrain_cli.h"
 
 namespace loom::apps {
@@ -41,6 +42,7 @@ int pretrain_main(int argc, char** argv) {
     // Rank 0 tells the story; the others only warn.
     const bool quiet = runtime->rank() != 0 && cli.log_level != "error" && cli.log_level != "off";
     loom::core::setup_logging(quiet ? "warn" : cli.log_level);
+    plan_layout_if_asked(cli, *runtime);
     // The flags are checked before the mesh is built: its backends depend on --device.
     cli.config.validate();
     // Each rank's GPU (the Trainer picks the same one): the plan needs every rank's.

@@ -240,6 +240,17 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                           ? std::string("none")
                           : fmt::format("{}", fmt::join(loom::train::user_strategy_names(), ", "))))
       ->allow_extra_args(false);
+  app.add_option("--plan", plan,
+                 "none: the layout flags as given | auto: the cost model's best layout for this "
+                 "model, batch and world, among those agreeing with the layout flags given "
+                 "(--dp, --tp, --pp, --cp, --zero, --micro-batches, --schedule, ...); the choice "
+                 "and why are logged (docs/planner.md)")
+      ->capture_default_str();
+  app.add_option("--plan-profile", plan_profile,
+                 "The machine --plan auto plans for: measure (every rank times this machine at "
+                 "start-up, a few seconds), a profile file (loom-plan --measure --out), or "
+                 "h100-node / h200-node")
+      ->capture_default_str();
   app.add_option("--dist-backend", c.dist_backend,
                  "auto | nccl | mpi: NCCL for groups whose ranks have distinct GPUs, MPI "
                  "otherwise (CUDA tensors staged through host memory); CPU runs use MPI")

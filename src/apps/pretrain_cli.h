@@ -26,6 +26,8 @@ struct PretrainCommandLine {
   double comm_timeout = 300;
   std::string log_level = "info";
   int64_t micro_batches = 0;
+  std::string plan = "none";             // --plan: none | auto (plan_auto.h)
+  std::string plan_profile = "measure";  // --plan-profile: measure | FILE | a built-in profile
 };
 
 }  // namespace loom::apps

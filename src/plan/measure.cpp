@@ -157,6 +157,24 @@ double reference_scale(const DeviceProfile& device, const MeasureOptions& o) {
 
 }  // namespace
 
+MeasureOptions MeasureOptions::for_device(at::Device device, const std::string& precision) {
+  LOOM_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp64",
+             "--precision '{}' is not valid: use fp32, bf16 or fp64", precision);
+  MeasureOptions o;
+  o.device = device;
+  o.dtype = precision == "bf16" ? at::kBFloat16 : precision == "fp64" ? at::kDouble : at::kFloat;
+  if (device.is_cuda()) {
+    o.matmul_size = 4096;
+    o.attention_seq = 2048;
+    o.matmul_widths = {256, 512, 1024, 2048, 4096, 8192};
+    o.matmul_tokens = 8192;
+    o.attention_seqs = {512, 2048, 8192};
+    o.attention_head_dims = {64, 128};
+    o.pointwise_elements = int64_t{1} << 24;
+  }
+  return o;
+}
+
 MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& o) {
   LOOM_CHECK(o.repeats >= 1 && o.matmul_size >= 16 && o.attention_seq >= 16 &&
                  o.adamw_params >= 1024 && o.small_bytes >= 4 && o.large_bytes > o.small_bytes,

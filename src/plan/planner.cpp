@@ -1,6 +1,7 @@
 #include "loom/plan/planner.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <limits>
@@ -114,6 +115,76 @@ std::vector<PlannedLayout> plan_layouts(const PlanRequest& r) {
     return a.prediction.memory_bytes < b.prediction.memory_bytes;
   });
   return fit;
+}
+
+bool LayoutConstraints::allows(const Layout& l) const {
+  auto agrees = [](const auto& want, const auto& value) { return !want || *want == value; };
+  return agrees(dp, l.dp) && agrees(tp, l.tp) && agrees(pp, l.pp) && agrees(cp, l.cp) &&
+         agrees(micro_batches, l.micro_batches) && agrees(zero, l.zero) &&
+         agrees(checkpointing, l.checkpointing) && agrees(sequence_parallel, l.sequence_parallel) &&
+         (l.pp == 1 || (agrees(schedule, l.schedule) && agrees(virtual_stages, l.virtual_stages)));
+}
+
+std::string LayoutConstraints::describe() const {
+  std::vector<std::string> parts;
+  for (const auto& [what, v] : {std::pair{"dp", dp},
+                                {"tp", tp},
+                                {"pp", pp},
+                                {"cp", cp},
+                                {"micro-batches", micro_batches},
+                                {"virtual-stages", virtual_stages}})
+    if (v) parts.push_back(fmt::format("{} {}", what, *v));
+  if (zero) parts.push_back(fmt::format("zero {}", *zero));
+  if (schedule) parts.push_back("schedule " + *schedule);
+  if (checkpointing) parts.push_back("activation-checkpointing " + *checkpointing);
+  if (sequence_parallel) parts.push_back(*sequence_parallel ? "sequence-parallel" : "no sp");
+  return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, ", "));
+}
+
+LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed) {
+  // What the search leaves out by default, it tries when asked for.
+  if (fixed.zero) request.zero_stages = {*fixed.zero};
+  if (fixed.checkpointing) request.checkpointing = {*fixed.checkpointing};
+  if (fixed.micro_batches)
+    request.max_micro_batches = std::max(request.max_micro_batches, *fixed.micro_batches);
+  if (fixed.cp && *fixed.cp > 1) request.context_parallel = true;
+  const auto plans = plan_layouts(request);
+  LayoutChoice out;
+  out.fitting = plans.size();
+  for (const auto& p : plans) {
+    if (!fixed.allows(p.layout)) continue;
+    if (out.allowed == 0)
+      out.best = p;
+    else if (out.allowed == 1)
+      out.runner_up = p;
+    ++out.allowed;
+  }
+  LOOM_CHECK(out.allowed > 0,
+             "plan: of the {} layouts of {} ranks that fit, none has {} (the flags given with "
+             "--plan auto); the best without them is {} at {:.0f} predicted tokens/s: drop the "
+             "flags that conflict, or pass the whole layout without --plan auto",
+             plans.size(), request.world, fixed.describe(), plans.front().layout.describe(),
+             plans.front().prediction.tokens_per_s);
+  return out;
+}
+
+std::string explain_choice(const LayoutChoice& c, const LayoutConstraints& fixed,
+                           const std::string& profile) {
+  const auto& p = c.best.prediction;
+  std::string out = fmt::format(
+      "on profile '{}', {} layouts fit{}; chose {}: predicted {:.0f} tokens/s, {:.2f} GiB per "
+      "rank (per step: compute {:.3g} s, tp {:.3g} s, cp {:.3g} s, pp {:.3g} s, dp {:.3g} s, "
+      "optimizer {:.3g} s; bubble {:.1f} %)",
+      profile, c.fitting,
+      fixed.describe() == "none" ? std::string()
+                                 : fmt::format(", {} of them with {}", c.allowed, fixed.describe()),
+      c.best.layout.describe(), p.tokens_per_s, p.memory_bytes / (1 << 30), p.compute_s,
+      p.tp_comm_s, p.cp_comm_s, p.pp_comm_s, p.dp_comm_s, p.optimizer_s, 100 * p.bubble_fraction);
+  if (c.runner_up)
+    out += fmt::format("; next: {} at {:.0f} tokens/s ({:+.1f} %)", c.runner_up->layout.describe(),
+                       c.runner_up->prediction.tokens_per_s,
+                       100 * (c.runner_up->prediction.tokens_per_s / p.tokens_per_s - 1));
+  return out;
 }
 
 std::string format_plan(const std::vector<PlannedLayout>& plans, size_t top) {

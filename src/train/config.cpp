@@ -13,6 +13,7 @@
 #include "loom/data/sampler.h"
 #include "loom/dist/backend_plan.h"
 #include "loom/models/config.h"
+#include "loom/models/hf_config.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
@@ -22,6 +23,51 @@ namespace loom::train {
 
 int64_t TrainConfig::first_sample(int64_t dp_rank, int64_t dp_size, int64_t k) const {
   return data::shard_batch(batch_size, dp_rank, dp_size).first + k * micro_batch_size(dp_size);
+}
+
+models::ModelConfig TrainConfig::new_model_config(int64_t tokenizer_vocab) const {
+  models::ModelConfig model_config;
+  if (!init_from_hf.empty()) {
+    model_config = models::read_hf_config(init_from_hf);
+    LOOM_CHECK(layers == 0 || layers == model_config.n_layers,
+               "--layers {} with --init-from-hf: the model has the directory's {} layers", layers,
+               model_config.n_layers);
+    LOOM_CHECK(d_ff == 0 || d_ff == model_config.d_ff,
+               "--d-ff {} with --init-from-hf: the model has the directory's MLP width {}", d_ff,
+               model_config.d_ff);
+  } else {
+    model_config = models::ModelConfig::preset(preset);
+    LOOM_CHECK(models::to_string(model_config.family) == model,
+               "--preset {} is a {} preset but --model is {}", preset,
+               models::to_string(model_config.family), model);
+    if (layers > 0) model_config.n_layers = layers;
+    if (d_ff > 0) model_config.d_ff = d_ff;
+    model_config.vocab_size = vocab_size > 0 ? vocab_size : tokenizer_vocab;
+  }
+  model_config.dropout = dropout;
+  LOOM_CHECK(ffn_blocks == 1 || init_from_hf.empty(),
+             "--ffn-blocks {} with --init-from-hf: the directory holds a dense MLP, which "
+             "block-diagonal weights cannot take",
+             ffn_blocks);
+  LOOM_CHECK(ffn_rank == 0 || init_from_hf.empty(),
+             "--ffn-rank {} with --init-from-hf: the directory holds a dense MLP, which "
+             "low-rank factors cannot take",
+             ffn_rank);
+  LOOM_CHECK(mtp == 0 || init_from_hf.empty(),
+             "--mtp {} with --init-from-hf: the directory holds no multi-token heads, and "
+             "starting them from nothing on a trained trunk is not supported yet",
+             mtp);
+  const bool shares = !share_layers.empty() && share_layers != "none";
+  LOOM_CHECK(!shares || init_from_hf.empty(),
+             "--share-layers '{}' with --init-from-hf: the directory holds a weight set per "
+             "layer, which shared blocks cannot take",
+             share_layers);
+  model_config.ffn_blocks = ffn_blocks;
+  model_config.ffn_rank = ffn_rank;
+  model_config.mtp_heads = mtp;
+  model_config.share_layers = shares ? share_layers : std::string();
+  model_config.validate();
+  return model_config;
 }
 
 void TrainConfig::validate() const {

@@ -398,8 +398,7 @@ fs::path Trainer::save_checkpoint() {
       if (rank_files)
         core::save_safetensors(staging / rank_state_name(mesh_->rank(), mesh_->world_size()),
                                rank_state, rank_state_meta);
-      if (sharded_files && data_rank() == 0 && first_of_context_group(*mesh_) &&
-          config_.zero != 3)
+      if (sharded_files && data_rank() == 0 && first_of_context_group(*mesh_) && config_.zero != 3)
         core::save_safetensors(
             staging / model_shard_name(mesh_->coord(dist::Dim::pp), mesh_->coord(dist::Dim::tp)),
             my_shard, my_specs);

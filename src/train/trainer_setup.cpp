@@ -142,49 +142,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
                "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
                "--data '{}' holds {}",
                saved_tokens, config_.data, train_shard_->size());
-  } else if (!config_.init_from_hf.empty()) {
-    model_config = models::read_hf_config(config_.init_from_hf);
-    LOOM_CHECK(config_.layers == 0 || config_.layers == model_config.n_layers,
-               "--layers {} with --init-from-hf: the model has the directory's {} layers",
-               config_.layers, model_config.n_layers);
-    LOOM_CHECK(config_.d_ff == 0 || config_.d_ff == model_config.d_ff,
-               "--d-ff {} with --init-from-hf: the model has the directory's MLP width {}",
-               config_.d_ff, model_config.d_ff);
   } else if (custom_model_) {
     return model_config;  // known once the factory has built it
   } else {
-    model_config = models::ModelConfig::preset(config_.preset);
-    LOOM_CHECK(models::to_string(model_config.family) == config_.model,
-               "--preset {} is a {} preset but --model is {}", config_.preset,
-               models::to_string(model_config.family), config_.model);
-    if (config_.layers > 0) model_config.n_layers = config_.layers;
-    if (config_.d_ff > 0) model_config.d_ff = config_.d_ff;
-    model_config.vocab_size =
-        config_.vocab_size > 0 ? config_.vocab_size : tokenizer_->vocab_size();
-  }
-  if (!resume) model_config.dropout = config_.dropout;
-  if (!resume && !custom_model_) {
-    LOOM_CHECK(config_.ffn_blocks == 1 || config_.init_from_hf.empty(),
-               "--ffn-blocks {} with --init-from-hf: the directory holds a dense MLP, which "
-               "block-diagonal weights cannot take",
-               config_.ffn_blocks);
-    LOOM_CHECK(config_.ffn_rank == 0 || config_.init_from_hf.empty(),
-               "--ffn-rank {} with --init-from-hf: the directory holds a dense MLP, which "
-               "low-rank factors cannot take",
-               config_.ffn_rank);
-    LOOM_CHECK(config_.mtp == 0 || config_.init_from_hf.empty(),
-               "--mtp {} with --init-from-hf: the directory holds no multi-token heads, and "
-               "starting them from nothing on a trained trunk is not supported yet",
-               config_.mtp);
-    const bool shares = !config_.share_layers.empty() && config_.share_layers != "none";
-    LOOM_CHECK(!shares || config_.init_from_hf.empty(),
-               "--share-layers '{}' with --init-from-hf: the directory holds a weight set per "
-               "layer, which shared blocks cannot take",
-               config_.share_layers);
-    model_config.ffn_blocks = config_.ffn_blocks;
-    model_config.ffn_rank = config_.ffn_rank;
-    model_config.mtp_heads = config_.mtp;
-    model_config.share_layers = shares ? config_.share_layers : std::string();
+    return config_.new_model_config(tokenizer_->vocab_size());
   }
   if (!custom_model_) model_config.validate();
   return model_config;

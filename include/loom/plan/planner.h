@@ -2,6 +2,7 @@
 // The planner: every layout of a world of ranks that can run a workload and fits each rank's
 // memory, ranked by the cost model's predicted tokens per second (loom-plan prints them).
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,34 @@ struct PlannedLayout {
 // a loom::Error says the least memory per rank any layout would need and which layout that is;
 // a world of fewer than 1 rank, or one no layout divides, is a loom::Error too.
 std::vector<PlannedLayout> plan_layouts(const PlanRequest& request);
+
+// What a user fixed (loom-pretrain --plan auto with --tp 2, --zero 1, ...): a layout is chosen
+// among those that agree with every field set. schedule and virtual_stages bind only with pp > 1.
+struct LayoutConstraints {
+  std::optional<int64_t> dp, tp, pp, cp, micro_batches, virtual_stages;
+  std::optional<int> zero;
+  std::optional<std::string> schedule, checkpointing;
+  std::optional<bool> sequence_parallel;
+
+  bool allows(const Layout& layout) const;
+  std::string describe() const;  // "tp 2, zero 1", or "none"
+};
+
+struct LayoutChoice {
+  PlannedLayout best;
+  std::optional<PlannedLayout> runner_up;  // the next one the constraints allow
+  size_t fitting = 0;                      // layouts that fit, before the constraints
+  size_t allowed = 0;                      // of those, the ones the constraints allow
+};
+
+// The best layout of plan_layouts(request) that `fixed` allows (a fixed ZeRO stage,
+// checkpointing mode or micro-batch count widens the search to it). When none does, a
+// loom::Error names the constraints and the best layout without them.
+LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed);
+// Why: "on <profile>, N of M layouts that fit allow <constraints>; chose <layout>: predicted
+// ... tokens/s, ... GiB per rank (compute, exchanges, optimizer, bubble); next: ...".
+std::string explain_choice(const LayoutChoice& choice, const LayoutConstraints& fixed,
+                           const std::string& profile);
 
 // One line per layout for a terminal, or a JSON array of objects (best first) with dp, tp, pp,
 // cp, zero, micro_batches, virtual_stages, schedule, checkpointing, sequence_parallel, step_s,

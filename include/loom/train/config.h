@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/models/config.h"
+
 namespace loom::train {
 
 // Gradual magnitude pruning (Zhu & Gupta's cubic schedule; ops/sparsity.h), the --prune-* flags.
@@ -35,9 +37,9 @@ struct TrainConfig {
   std::string init_from_hf;  // directory; overrides model/preset when set
   int64_t vocab_size = 0;    // 0: the data's tokenizer vocabulary (meta.json), else 256
   uint64_t seed = 1337;
-  double dropout = 0.0;  // overrides the preset's (0 by default)
-  int64_t layers = 0;    // transformer blocks; 0: the preset's
-  int64_t d_ff = 0;      // the MLP's width; 0: the preset's
+  double dropout = 0.0;    // overrides the preset's (0 by default)
+  int64_t layers = 0;      // transformer blocks; 0: the preset's
+  int64_t d_ff = 0;        // the MLP's width; 0: the preset's
   int64_t ffn_blocks = 1;  // the MLP as this many block-diagonal blocks (ModelConfig::ffn_blocks)
   int64_t ffn_rank = 0;    // the MLP's linears as rank-r factor products (ModelConfig::ffn_rank)
   int64_t mtp = 0;         // extra multi-token prediction heads (ModelConfig::mtp_heads)
@@ -149,6 +151,13 @@ struct TrainConfig {
   // rank `dp_rank` of `dp_size`: what the sampler draws, and what dropout masks are keyed by.
   int64_t first_sample(int64_t dp_rank, int64_t dp_size, int64_t k) const;
   int64_t schedule_steps() const { return lr_decay_steps > 0 ? lr_decay_steps : steps; }
+
+  // The shape of a model these flags start from nothing (not resumed, not a custom model):
+  // --init-from-hf's config.json, or --preset with --layers, --d-ff and --vocab-size
+  // (`tokenizer_vocab`, the data's, when that is 0), and --dropout, --ffn-blocks, --ffn-rank,
+  // --mtp, --share-layers. Throws loom::Error for flags the Hugging Face directory cannot take,
+  // and for a shape that does not validate. What the Trainer builds, and what --plan auto plans.
+  models::ModelConfig new_model_config(int64_t tokenizer_vocab) const;
 
   // Resuming is bit-exact only when everything that shapes the computation is unchanged.
   // Throws loom::Error naming the first flag whose value differs from `saved`'s.
