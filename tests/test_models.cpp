@@ -158,6 +158,8 @@ TEST(Models, PresetSizesMatchThePublishedModels) {
   EXPECT_EQ(models::ModelConfig::preset("gpt2-124m").num_parameters(), 124439808);  // GPT-2 small
   EXPECT_EQ(models::ModelConfig::preset("gpt2-350m").num_parameters(), 354823168);  // GPT-2 medium
   EXPECT_EQ(models::ModelConfig::preset("llama-1b").num_parameters(), 1100048384);  // TinyLlama
+  // Meta Llama 3 8B: 8,030,261,248 parameters (untied 128256-token embedding and head).
+  EXPECT_EQ(models::ModelConfig::preset("llama-8b").num_parameters(), 8030261248);
   auto llama_tiny = models::ModelConfig::preset("llama-tiny");
   EXPECT_LT(llama_tiny.n_kv_heads, llama_tiny.n_heads);  // grouped-query attention
   EXPECT_EQ(llama_tiny.dropout, 0.0);

@@ -206,7 +206,7 @@ ModelConfig llama(int64_t d, int64_t layers, int64_t heads, int64_t kv_heads, in
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-tiny", "gpt2-mini", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-1b"};
+  return {"gpt2-tiny", "gpt2-mini", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-1b", "llama-8b"};
 }
 
 ModelConfig ModelConfig::preset(const std::string& name) {
@@ -219,6 +219,11 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   if (name == "llama-tiny") return llama(128, 4, 4, 2, 352, 256, 32000);
   if (name == "llama-1b") {  // TinyLlama-1.1B's shape
     auto c = llama(2048, 22, 32, 4, 5632, 2048, 32000);
+    return c;
+  }
+  if (name == "llama-8b") {  // Llama 3 8B's shape
+    auto c = llama(4096, 32, 32, 8, 14336, 8192, 128256);
+    c.rope_theta = 500000;
     return c;
   }
   fail("model preset '{}' is not known; valid presets: {}", name, fmt::join(preset_names(), ", "));

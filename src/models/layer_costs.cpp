@@ -76,4 +76,18 @@ parallel::pipeline::LayerCosts layer_costs(const ModelConfig& c, const std::stri
   return out;
 }
 
+double model_flops_per_token(const ModelConfig& config, int64_t seq_len) {
+  const int64_t d = config.d_model;
+  int64_t lookups = 0;  // parameters read by lookups, not multiplied
+  if (config.family == Family::kGpt2) lookups += config.max_seq_len * d;  // positions
+  if (!config.tie_embeddings) lookups += config.vocab_size * d;           // the input embedding
+  // Multi-token heads: their parameters are in num_parameters; each also multiplies by the
+  // shared unembedding and attends like one more block (their recompute in backward is not
+  // counted, as no recomputation is). A block shared by several layers multiplies at each.
+  const int64_t reused = (config.n_layers - config.unique_blocks()) * config.block_parameters();
+  const double n = static_cast<double>(config.num_parameters() + reused - lookups +
+                                       config.mtp_heads * config.vocab_size * d);
+  return 6.0 * n + 12.0 * static_cast<double>((config.n_layers + config.mtp_heads) * d * seq_len);
+}
+
 }  // namespace loom::models

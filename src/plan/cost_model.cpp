@@ -11,6 +11,7 @@
 #include "loom/models/layer_sharing.h"
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/parallel/pipeline/schedule.h"
+#include "loom/plan/layer_seconds.h"
 
 namespace loom::plan {
 
@@ -115,107 +116,13 @@ void check_layout(const Workload& w, const Layout& l) {
 
 namespace {
 
-// Bytes per element of the activations and the messages they make.
-double activation_element_bytes(const std::string& precision) {
-  return precision == "bf16" ? 2.0 : precision == "fp64" ? 8.0 : 4.0;
-}
-
 // One pipeline stage's share of the model.
 struct StageCost {
-  double params = 0;           // held (per tp rank)
-  double matmul_flops = 0;     // forward, one micro-batch, this tp rank
-  double attention_flops = 0;  // forward, one micro-batch, this tp rank
+  double params = 0;     // held (per tp rank)
+  LayerSeconds seconds;  // one micro-batch on its rank
   int64_t layers = 0;
   bool first = false, last = false;
 };
-
-// What a stage's matmuls and attention leave out, per token of one micro-batch on one tp rank:
-// elements through each class of elementwise op (forward and backward counted once: the
-// profile times them together), and the number of ops. Counted from the blocks as loom writes
-// them (models/gpt2.cpp, models/llama.cpp): residual adds, norms, activations, the attention
-// output's copy back to [B, T, D], bias gradients, RoPE, the loss's log-softmax.
-struct Elementwise {
-  double pointwise = 0, activation = 0, norm = 0, ops = 0;
-
-  Elementwise& operator+=(const Elementwise& o) {
-    pointwise += o.pointwise, activation += o.activation, norm += o.norm, ops += o.ops;
-    return *this;
-  }
-  // Seconds for `tokens` tokens, forward and backward.
-  double seconds(const DeviceProfile& dev, double tokens) const {
-    return tokens *
-           (pointwise * dev.pointwise_s + activation * dev.activation_s + norm * dev.norm_s);
-  }
-};
-
-// Per token: one block, the embedding (first stage), the final norm, head and loss (last).
-// Residual-stream tensors are [tokens, d] on every tp rank, or [tokens / tp, d] with sequence
-// parallelism; the rest are split by tp.
-Elementwise block_elementwise(const models::ModelConfig& m, double tp, bool sp) {
-  const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff) / tp;
-  const double residual = sp ? d / tp : d;
-  const double heads = d / tp, kv = static_cast<double>(m.n_kv_heads * m.head_dim()) /
-                                    std::min(tp, static_cast<double>(m.n_kv_heads));
-  Elementwise e;
-  if (m.family == models::Family::kGpt2) {
-    // Two LayerNorms, the GELU (its bias fused), two residual adds, the attention output's
-    // copy, the output projections' biases; dropout masks two residual branches.
-    e.norm = 2 * residual;
-    e.activation = f;
-    e.pointwise = 2 * residual + heads + d / tp + (m.dropout > 0 ? 2 * residual : 0.0);
-    e.ops = 14;
-  } else {
-    // Two RMSNorms of four elementwise ops each, SiLU times the up projection, RoPE on q and k
-    // (three ops each), two residual adds, the attention output's copy.
-    e.pointwise = 2 * 4 * residual + f + 3 * (heads + kv) + 2 * residual + heads;
-    e.activation = f;
-    e.ops = 30;
-  }
-  return e;
-}
-
-// Elements per token one block keeps for its backward, counted from the tensors autograd saves
-// in loom's blocks (and checked against the peak of a 2- and a 4-layer model: docs/planner.md).
-// Those on the residual stream are whole on each tp rank (1/tp of the sequence with sequence
-// parallelism); the rest are split by tp. loom's attention kernels keep no [T, T] scores, only
-// a log-sum-exp per head.
-//   GPT-2: the two LayerNorms' inputs and outputs (4 d); q, k, v (3 d), the attention output
-//          in [B, T, D] (d), the MLP's input to the GELU and its output (2 d_ff); a dropout mask
-//          per residual branch.
-//   Llama: the two RMSNorms' inputs and outputs (4 d); q, k, v after RoPE (d + 2 kv), the
-//          attention output and its copy (2 d), one more [T, d] copy of q; gate, SiLU, up and
-//          their product (4 d_ff).
-double block_saved_elements(const models::ModelConfig& m, double tp, bool sp) {
-  const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff);
-  const double heads = static_cast<double>(m.n_heads);
-  const double residual = sp ? d / tp : d;
-  if (m.family == models::Family::kGpt2)
-    return 4 * residual + (4 * d + 2 * f + 2 * heads) / tp + (m.dropout > 0 ? 2 * residual : 0.0);
-  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
-  return 4 * residual + (4 * d + 2 * kv + 4 * f + heads) / tp;
-}
-
-Elementwise embedding_elementwise(const models::ModelConfig& m, double tp, bool sp) {
-  const double d = static_cast<double>(m.d_model), residual = sp ? d / tp : d;
-  Elementwise e;
-  e.pointwise = m.family == models::Family::kGpt2 ? 2 * residual : residual;  // + positions
-  e.ops = m.family == models::Family::kGpt2 ? 4 : 2;
-  return e;
-}
-
-Elementwise head_elementwise(const models::ModelConfig& m, double tp, bool sp) {
-  const double d = static_cast<double>(m.d_model), residual = sp ? d / tp : d;
-  const double v = static_cast<double>(m.vocab_size) / tp;
-  Elementwise e;
-  if (m.family == models::Family::kGpt2)
-    e.norm = residual;
-  else
-    e.pointwise = 4 * residual;
-  e.activation = v;  // log-softmax
-  e.pointwise += v;  // the loss's gradient
-  e.ops = m.family == models::Family::kGpt2 ? 6 : 9;
-  return e;
-}
 
 }  // namespace
 
@@ -231,29 +138,36 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const int64_t local_seq = w.seq_len / l.cp;
   const double tokens = static_cast<double>(micro * local_seq);  // a rank's, per micro-batch
 
-  // The partitioner's per-layer costs (FLOPs per token at this rank's sequence slice) and its
-  // split of the layers over the pipeline ranks' speeds.
-  const auto costs = models::layer_costs(m, "flops", {micro, local_seq, l.tp, 1});
-  std::vector<pl::DeviceSpec> devices;
-  double fastest = 0;
-  for (int64_t r = 0; r < l.pp; ++r)
-    fastest = std::max(fastest, machine.device_of_stage(r, l.pp).matmul_flops);
-  for (int64_t r = 0; r < l.pp; ++r) {
-    const auto& dev = machine.device_of_stage(r, l.pp);
-    devices.push_back({dev.name, dev.matmul_flops / fastest, 0});
-  }
+  // The per-layer seconds and bytes the partitioner balances (pipeline_costs, which training
+  // with --pp-partition model partitions by too), with the in-flight count the schedule gives
+  // before any time is known; a split that fits no rank's memory is still made, without
+  // limits, so that the planner can report what it would need.
   const pl::PipelineShape shape{l.pp, l.virtual_stages, l.micro_batches};
-  const auto bounds = l.pp > 1 ? pl::partition_layers(costs, shape, devices).bounds
-                               : std::vector<int64_t>{0, m.n_layers};
+  int64_t partition_in_flight = 1;
+  if (l.pp > 1) {
+    const auto unit = pl::simulate(*pl::make_schedule(l.schedule), shape, 1.0, 2.0);
+    for (const auto n : unit.max_in_flight)
+      partition_in_flight =
+          std::max(partition_in_flight, (n + l.virtual_stages - 1) / l.virtual_stages);
+  }
+  const auto pc = pipeline_costs(w, l, machine, partition_in_flight);
+  std::vector<int64_t> bounds{0, m.n_layers};
+  if (l.pp > 1) {
+    try {
+      bounds = pl::partition_layers(pc.costs, shape, pc.devices).bounds;
+    } catch (const Error&) {
+      auto unlimited = pc.devices;
+      for (auto& dev : unlimited) dev.memory_gb = 0;
+      bounds = pl::partition_layers(pc.costs, shape, unlimited).bounds;
+    }
+  }
   Prediction out;
   out.stage_bounds = bounds;
 
-  // Per stage: parameters and forward FLOPs. Attention's two [T, T] products per token attend
-  // over the whole sequence (ring attention brings the other ranks' keys).
+  // Per stage: parameters held, and seconds of one micro-batch's forward and backward (its
+  // layers' on the reference device over its rank's speed).
   const auto owners = m.layer_owners();
   const double block_params = static_cast<double>(m.block_parameters());
-  const double attention_per_token = 2.0 * static_cast<double>(w.seq_len) * d;
-  const double local_attention = 2.0 * static_cast<double>(local_seq) * d;  // in costs
   const double embed_params =
       v * d + (m.family == models::Family::kGpt2 ? static_cast<double>(m.max_seq_len) * d : 0.0);
   const double head_params =
@@ -266,18 +180,23 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
     c.first = s == 0;
     c.last = s == stages - 1;
     c.params = block_params * static_cast<double>(models::held_blocks(owners, first, end).size());
-    for (int64_t i = first; i < end; ++i)
-      c.matmul_flops += costs.layer_time[static_cast<size_t>(i)] - local_attention;
-    c.attention_flops = static_cast<double>(c.layers) * attention_per_token;
-    if (c.first) c.params += embed_params;
+    auto add = [&](const LayerSeconds& t) {
+      c.seconds.forward += t.forward, c.seconds.backward += t.backward;
+      c.seconds.attention += t.attention;
+    };
+    for (int64_t i = first; i < end; ++i) add(pc.layers[static_cast<size_t>(i)]);
+    if (c.first) {
+      c.params += embed_params;
+      add(pc.first);
+    }
     if (c.last) {
       // The head (a copy of a tied embedding when the model is split), its loss, the MTP heads.
       c.params += head_params + (m.tie_embeddings && stages > 1 ? v * d : 0.0);
-      c.matmul_flops += costs.last_time;
+      add(pc.last);
     }
     c.params /= tp;
-    c.matmul_flops *= tokens / tp;
-    c.attention_flops *= tokens / tp;
+    const double speed = pc.devices[static_cast<size_t>(s % l.pp)].speed;
+    c.seconds.forward /= speed, c.seconds.backward /= speed, c.seconds.attention /= speed;
   }
 
   // Per stage, seconds for one micro-batch's forward and backward, exchanges included.
@@ -286,54 +205,52 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const double boundary = l.sequence_parallel ? act_bytes / tp : act_bytes;
   const double kv_bytes = 2.0 * tokens * static_cast<double>(m.n_kv_heads * m.head_dim()) * e /
                           std::min(tp, static_cast<double>(m.n_kv_heads));
+  // What a blocking collective costs beyond its bytes (handing it over, waiting for the group),
+  // where the group has more than one rank.
+  auto collective = [&](int64_t ranks) { return ranks > 1 ? machine.collective_s : 0.0; };
   double worst_f = 0, worst_b = 0;
+  int64_t worst_layers = 0;
   std::vector<double> f_of(static_cast<size_t>(stages)), b_of(static_cast<size_t>(stages));
-  const double width = d / tp;  // the matmuls' narrowest side on a tp rank (its rate's key)
-  const double head_dim = static_cast<double>(m.head_dim());
   for (int64_t s = 0; s < stages; ++s) {
     const auto& c = stage[static_cast<size_t>(s)];
-    const auto& dev = machine.device_of_stage(s % l.pp, l.pp);
     const double layers = static_cast<double>(c.layers);
-    const double mm = c.matmul_flops / dev.matmul_rate(width);
-    const double attn =
-        c.attention_flops / dev.attention_rate(static_cast<double>(local_seq), head_dim);
-    // Elementwise ops and per-op costs, a third in forward and two in backward.
-    Elementwise elementwise;
-    for (int64_t i = 0; i < c.layers; ++i)
-      elementwise += block_elementwise(m, tp, l.sequence_parallel);
-    if (c.first) elementwise += embedding_elementwise(m, tp, l.sequence_parallel);
-    if (c.last) elementwise += head_elementwise(m, tp, l.sequence_parallel);
-    const double pointwise = elementwise.seconds(dev, tokens);
-    const double ops = elementwise.ops * dev.op_s;
-    auto add_ops = [&](double kernels, double share) {
-      return dev.ops_overlap_kernels ? std::max(kernels, share * ops) : kernels + share * ops;
-    };
-    const double scale = dev.compute_scale;
-    const double forward = scale * add_ops(mm + attn + pointwise / 3, 1.0 / 3);
-    double backward = scale * add_ops(2 * (mm + attn) + 2 * pointwise / 3, 2.0 / 3);
-    if (mode == models::ActivationCheckpointing::kFull) backward += forward;
-    if (mode == models::ActivationCheckpointing::kSelective) backward += scale * attn;
+    const double forward = c.seconds.forward, backward = c.seconds.backward;
+    const double attn = c.seconds.attention;
     // Tensor parallelism: two all-reduces (or all-gather + reduce-scatter pairs) per layer each
     // way, plus the recompute's under full checkpointing.
-    const double tp_layer = 2 * all_reduce_seconds(act_bytes, l.tp, machine.link("tp", l.tp));
-    const double tp_f = layers * tp_layer;
-    const double tp_b = tp_f * (mode == models::ActivationCheckpointing::kFull ? 2 : 1);
+    // Each collective also costs the profile's collective_s on the path (see below).
+    const double tp_layer =
+        2 * (all_reduce_seconds(act_bytes, l.tp, machine.link("tp", l.tp)) + collective(l.tp));
+    // The vocabulary-parallel embedding and loss: one exchange each way on the first stage,
+    // three forward and one backward on the last.
+    const double tp_f = layers * tp_layer + (c.first ? 1 : 0) * collective(l.tp) +
+                        (c.last ? 3 : 0) * collective(l.tp);
+    const double tp_b =
+        layers * tp_layer * (mode == models::ActivationCheckpointing::kFull ? 2 : 1) +
+        (c.first ? 1 : 0) * collective(l.tp) + (c.last ? 1 : 0) * collective(l.tp);
     // Context parallelism: cp - 1 hops of this rank's keys and values per layer (their
     // gradients too in backward), hidden behind the attention they feed where it is longer.
     const double hop = send_seconds(kv_bytes, machine.link("cp", l.tp * l.cp));
     const double cp_f =
-        l.cp > 1 ? layers * std::max(0.0, (l.cp - 1) * hop - attn / std::max(layers, 1.0)) : 0;
-    const double cp_b =
-        l.cp > 1 ? layers * std::max(0.0, 2 * (l.cp - 1) * hop - 2 * attn / std::max(layers, 1.0))
+        l.cp > 1 ? layers * (std::max(0.0, (l.cp - 1) * hop - attn / std::max(layers, 1.0)) +
+                             static_cast<double>(l.cp - 1) * collective(l.cp))
                  : 0;
+    const double cp_b =
+        l.cp > 1
+            ? layers * (std::max(0.0, 2 * (l.cp - 1) * hop - 2 * attn / std::max(layers, 1.0)) +
+                        2 * static_cast<double>(l.cp - 1) * collective(l.cp))
+            : 0;
     // Pipeline: the activation out after forward, its gradient back after backward.
-    const double pp_f = c.last ? 0 : send_seconds(boundary, machine.link("pp", l.world()));
-    const double pp_b = c.first ? 0 : send_seconds(boundary, machine.link("pp", l.world()));
+    const double pp_f =
+        c.last ? 0 : send_seconds(boundary, machine.link("pp", l.world())) + collective(l.pp);
+    const double pp_b =
+        c.first ? 0 : send_seconds(boundary, machine.link("pp", l.world())) + collective(l.pp);
     f_of[static_cast<size_t>(s)] = forward + tp_f + cp_f + pp_f;
     b_of[static_cast<size_t>(s)] = backward + tp_b + cp_b + pp_b;
     if (f_of[static_cast<size_t>(s)] + b_of[static_cast<size_t>(s)] > worst_f + worst_b) {
       worst_f = f_of[static_cast<size_t>(s)];
       worst_b = b_of[static_cast<size_t>(s)];
+      worst_layers = c.layers * l.virtual_stages;
       const double mb = static_cast<double>(l.micro_batches);
       out.compute_s = mb * (forward + backward);
       out.tp_comm_s = mb * (tp_f + tp_b);
@@ -437,11 +354,42 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
     const double gathers = 2 * all_gather_seconds(param_bytes, l.dp, dp_link);
     dp_exposed += static_cast<double>(l.micro_batches) * std::max(0.0, gathers - worst_f - worst_b);
   }
+  // The collectives' own cost: a reduction per 25 MiB bucket (ZeRO-1/2: and an all-gather
+  // after the step; ZeRO-2: per micro-batch), ZeRO-3's gather of every unit (its blocks and
+  // the root) in each forward and backward and its reduce-scatter; the loss's and the gradient
+  // norm's all-reduces over the world.
+  const double buckets = std::max(1.0, std::ceil(worst_grad_bytes / (25.0 * 1024 * 1024)));
+  const double mb = static_cast<double>(l.micro_batches);
+  const double units = static_cast<double>(worst_layers + 1);
+  double dp_collectives = 0;
+  switch (l.zero) {
+    case 0:
+      dp_collectives = buckets;
+      break;
+    case 1:
+      dp_collectives = 2 * buckets;
+      break;
+    case 2:
+      dp_collectives = buckets * mb + buckets;
+      break;
+    default:
+      dp_collectives = 2 * units * mb + units * (l.pp == 1 ? mb : 1.0);
+  }
+  dp_exposed += dp_collectives * collective(l.dp);
   out.dp_comm_s = l.dp > 1 ? dp_exposed : 0;
+  out.dp_comm_s += 2 * collective(l.world());
   // The update: each rank's parameters (its ZeRO shard) through AdamW; the slowest rank's.
   out.optimizer_s = update_s;
   out.step_s = makespan + out.dp_comm_s + out.optimizer_s;
   out.tokens_per_s = static_cast<double>(w.batch_size * w.seq_len) / out.step_s;
+  double peak = 0;  // summed over the ranks: each pipeline rank's tp x cp x dp peers
+  for (int64_t r = 0; r < l.pp; ++r)
+    peak += machine.device_of_stage(r, l.pp).peak_flops * static_cast<double>(l.world() / l.pp);
+  bool known = true;
+  for (int64_t r = 0; r < l.pp; ++r)
+    known = known && machine.device_of_stage(r, l.pp).peak_flops > 0;
+  if (known && peak > 0)
+    out.mfu = out.tokens_per_s * models::model_flops_per_token(m, w.seq_len) / peak;
   return out;
 }
 

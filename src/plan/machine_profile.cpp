@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
@@ -128,7 +129,8 @@ void MachineProfile::validate(const std::string& source) const {
     for (const auto& [what, v] : {std::pair{"pointwise_s", d.pointwise_s},
                                   {"activation_s", d.activation_s},
                                   {"norm_s", d.norm_s},
-                                  {"op_s", d.op_s}})
+                                  {"op_s", d.op_s},
+                                  {"peak_flops", d.peak_flops}})
       LOOM_CHECK(std::isfinite(v) && v >= 0,
                  "machine profile '{}': device '{}' has {} = {}; it must be >= 0 seconds", source,
                  d.name, what, v);
@@ -161,6 +163,8 @@ void MachineProfile::validate(const std::string& source) const {
                source, s, fmt::join(names, ", "));
   LOOM_CHECK(devices_per_node >= 1, "machine profile '{}': devices_per_node {} must be >= 1",
              source, devices_per_node);
+  LOOM_CHECK(std::isfinite(collective_s) && collective_s >= 0,
+             "machine profile '{}': collective_s {} must be >= 0 seconds", source, collective_s);
   auto check_link = [&](const std::string& what, const Link& l) {
     LOOM_CHECK(
         std::isfinite(l.bandwidth) && l.bandwidth > 0 && std::isfinite(l.latency) && l.latency >= 0,
@@ -196,10 +200,12 @@ std::string MachineProfile::to_json() const {
       if (v > 0) o[key] = v;
     if (d.ops_overlap_kernels) o["ops_overlap_kernels"] = true;
     if (d.compute_scale != 1) o["compute_scale"] = d.compute_scale;
+    if (d.peak_flops > 0) o["peak_flops"] = d.peak_flops;
     j["devices"].push_back(o);
   }
   if (!stage_devices.empty()) j["stage_devices"] = stage_devices;
   j["devices_per_node"] = devices_per_node;
+  if (collective_s > 0) j["collective_s"] = collective_s;
   j["links"]["intra_node"] = {{"bandwidth", intra_node.bandwidth}, {"latency", intra_node.latency}};
   j["links"]["inter_node"] = {{"bandwidth", inter_node.bandwidth}, {"latency", inter_node.latency}};
   for (const auto& [dim, l] : links)
@@ -237,6 +243,7 @@ MachineProfile MachineProfile::from_json(const std::string& text, const std::str
     p.norm_s = optional_seconds(d, "norm_s", where);
     p.op_s = optional_seconds(d, "op_s", where);
     if (d.contains("compute_scale")) p.compute_scale = positive_number(d, "compute_scale", where);
+    if (d.contains("peak_flops")) p.peak_flops = positive_number(d, "peak_flops", where);
     if (d.contains("ops_overlap_kernels")) {
       LOOM_CHECK(d["ops_overlap_kernels"].is_boolean(),
                  "{}: 'ops_overlap_kernels' is {}; use true or false", where,
@@ -254,6 +261,9 @@ MachineProfile MachineProfile::from_json(const std::string& text, const std::str
       out.stage_devices.push_back(s.get<std::string>());
     }
   }
+  if (j.contains("collective_s"))
+    out.collective_s =
+        optional_seconds(j, "collective_s", fmt::format("machine profile '{}'", source));
   if (j.contains("devices_per_node"))
     out.devices_per_node = core::json_int64(
         j["devices_per_node"], fmt::format("machine profile '{}': devices_per_node", source), 1);
@@ -290,6 +300,23 @@ MachineProfile MachineProfile::load(const std::string& path) {
   return from_json(core::read_file(path), path);
 }
 
+MachineProfile MachineProfile::named(const std::string& name) {
+  const auto names = builtin_profile_names();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return builtin_profile(name);
+  LOOM_CHECK(std::filesystem::exists(name),
+             "machine profile '{}' is neither a file nor built in (built-in: {})", name,
+             fmt::join(names, ", "));
+  return load(name);
+}
+
+bool MachineProfile::is_profile(const std::string& name) {
+  const auto names = builtin_profile_names();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return true;
+  if (!std::filesystem::is_regular_file(name)) return false;
+  const auto j = json::parse(core::read_file(name), nullptr, /*allow_exceptions=*/false);
+  return j.is_object() && j.contains("links");
+}
+
 std::vector<std::string> builtin_profile_names() {
   return {"h100-node", "h200-node"};
 }
@@ -302,8 +329,9 @@ MachineProfile builtin_profile(const std::string& name) {
   MachineProfile p;
   p.name = name;
   DeviceProfile d;
-  d.matmul_flops = 0.60 * 989e12;
-  d.attention_flops = 0.40 * 989e12;
+  d.peak_flops = 989e12;  // dense bf16
+  d.matmul_flops = 0.60 * d.peak_flops;
+  d.attention_flops = 0.40 * d.peak_flops;
   if (name == "h100-node") {
     d.name = "h100";
     d.memory_bytes = 80e9;
@@ -327,6 +355,7 @@ MachineProfile builtin_profile(const std::string& name) {
   d.ops_overlap_kernels = true;
   p.devices.push_back(d);
   p.devices_per_node = 8;
+  p.collective_s = 2e-5;               // a NCCL launch and the wait for the group
   p.intra_node = {0.8 * 450e9, 5e-6};  // NVLink
   p.inter_node = {0.8 * 50e9, 1e-5};   // InfiniBand
   p.validate(name);

@@ -23,10 +23,12 @@ namespace loom::plan {
 
 namespace {
 
-// Median seconds of one run of fn over `repeats` samples after a warm-up, each sample ended by
-// a device sync. A sample runs fn enough times to last about 5 ms: single short runs are mostly
-// timer and scheduler noise on a shared machine.
-double median_seconds(int64_t repeats, at::Device device, const std::function<void()>& fn) {
+// Seconds of one run of fn over `repeats` samples after a warm-up, each sample ended by a
+// device sync: the median, or with `fastest` the quickest sample (what the machine does when
+// nothing else interferes: the reference the model is scaled to). A sample runs fn enough
+// times to last about 5 ms: single short runs are mostly timer and scheduler noise.
+double sample_seconds(int64_t repeats, at::Device device, const std::function<void()>& fn,
+                      bool fastest) {
   auto sync = [&] {
     if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).item<float>();
   };
@@ -45,7 +47,11 @@ double median_seconds(int64_t repeats, at::Device device, const std::function<vo
   std::vector<double> times;
   for (int64_t i = 0; i < repeats; ++i) times.push_back(timed(runs));
   std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return fastest ? times.front() : times[times.size() / 2];
+}
+
+double median_seconds(int64_t repeats, at::Device device, const std::function<void()>& fn) {
+  return sample_seconds(repeats, device, fn, false);
 }
 
 // The smallest value over the ranks of `comm` (the slowest rank's rate).
@@ -137,15 +143,18 @@ double reference_scale(const DeviceProfile& device, const MeasureOptions& o) {
   const auto ids = at::TensorOptions().device(o.device).dtype(at::kLong);
   auto tokens = at::randint(0, config.vocab_size, {o.reference_batch, seq + 1}, ids);
   auto input = tokens.narrow(1, 0, seq), targets = tokens.narrow(1, 1, seq);
-  const double measured = median_seconds(std::max(o.repeats, o.reference_repeats), o.device, [&] {
-    at::Tensor loss;
-    {
-      core::Bf16Autocast guard(autocast, o.device.type());
-      loss = model->loss(input, targets);
-    }
-    loss.backward();
-    for (auto& p : model->parameters()) p.mutable_grad().reset();
-  });
+  const double measured = sample_seconds(
+      std::max(o.repeats, o.reference_repeats), o.device,
+      [&] {
+        at::Tensor loss;
+        {
+          core::Bf16Autocast guard(autocast, o.device.type());
+          loss = model->loss(input, targets);
+        }
+        loss.backward();
+        for (auto& p : model->parameters()) p.mutable_grad().reset();
+      },
+      /*fastest=*/true);
   MachineProfile one;
   one.name = "reference";
   one.devices.push_back(device);
@@ -153,6 +162,43 @@ double reference_scale(const DeviceProfile& device, const MeasureOptions& o) {
   const auto precision = o.dtype == at::kDouble ? "fp64" : autocast ? "bf16" : "fp32";
   const auto predicted = predict({config, o.reference_batch, seq, precision}, Layout{}, one);
   return measured / predicted.compute_s;
+}
+
+// Seconds a small all-reduce adds between matmuls of about a millisecond each, the slowest
+// rank's: what a collective costs a training step beyond its bytes, when the ranks are busy
+// computing around it (0 for one rank).
+double collective_overhead(dist::Communicator& world, const DeviceProfile& d,
+                           const MeasureOptions& o) {
+  if (world.size() == 1) return 0;
+  const auto on = at::TensorOptions().device(o.device).dtype(o.dtype);
+  const auto n = std::max<int64_t>(
+      16, static_cast<int64_t>(std::cbrt(std::min(d.matmul_flops, 1e15) * 1e-3 / 2)));
+  auto a = at::randn({n, n}, on), b = at::randn({n, n}, on), c = at::empty({n, n}, on);
+  auto buffer = at::ones({1024}, at::kFloat);
+  const int64_t rounds = 20;
+  // A fixed number of rounds on every rank (the collectives must pair up), the median sample.
+  auto timed = [&](bool with_collective) {
+    std::vector<double> samples;
+    for (int64_t k = 0; k <= o.repeats; ++k) {  // the first is a warm-up
+      world.barrier();
+      const auto start = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < rounds; ++i) {
+        at::mm_out(c, a, b);
+        if (with_collective) {
+          if (o.device.is_cuda()) c.sum().item<float>();  // the host waits, as a step does
+          world.all_reduce(buffer, dist::ReduceOp::Sum);
+        }
+      }
+      if (o.device.is_cuda()) c.sum().item<float>();
+      if (k > 0)
+        samples.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(samples.begin(), samples.end());
+    return samples[samples.size() / 2] / static_cast<double>(rounds);
+  };
+  const double alone = timed(false), with = timed(true);
+  return max_over(world, std::max(0.0, with - alone));
 }
 
 }  // namespace
@@ -317,6 +363,7 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
   figures = at::tensor({inter.bandwidth, inter.latency}, at::kDouble);
   world.broadcast(figures, 0);
   p.inter_node = {figures[0].item<double>(), figures[1].item<double>()};
+  p.collective_s = collective_overhead(world, d, o);
   p.validate("measured");
   return p;
 }

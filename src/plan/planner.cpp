@@ -188,13 +188,14 @@ std::string explain_choice(const LayoutChoice& c, const LayoutConstraints& fixed
 }
 
 std::string format_plan(const std::vector<PlannedLayout>& plans, size_t top) {
-  std::string out = fmt::format("{:>3}  {:<58} {:>10} {:>12} {:>9} {:>7}\n", "#", "layout",
-                                "step s", "tokens/s", "GiB/rank", "bubble");
+  std::string out = fmt::format("{:>3}  {:<58} {:>10} {:>12} {:>9} {:>7} {:>6}\n", "#", "layout",
+                                "step s", "tokens/s", "GiB/rank", "bubble", "MFU");
   for (size_t i = 0; i < std::min(top, plans.size()); ++i) {
     const auto& p = plans[i].prediction;
-    out += fmt::format("{:>3}  {:<58} {:>10.4g} {:>12.0f} {:>9.2f} {:>6.1f}%\n", i + 1,
+    out += fmt::format("{:>3}  {:<58} {:>10.4g} {:>12.0f} {:>9.2f} {:>6.1f}% {:>6}\n", i + 1,
                        plans[i].layout.describe(), p.step_s, p.tokens_per_s,
-                       p.memory_bytes / (1 << 30), 100 * p.bubble_fraction);
+                       p.memory_bytes / (1 << 30), 100 * p.bubble_fraction,
+                       p.mfu > 0 ? fmt::format("{:.1f}%", 100 * p.mfu) : std::string("-"));
   }
   return out;
 }
@@ -228,7 +229,8 @@ std::string plan_json(const std::vector<PlannedLayout>& plans, size_t top) {
                    {"dp_comm_s", p.dp_comm_s},
                    {"optimizer_s", p.optimizer_s},
                    {"bubble_fraction", p.bubble_fraction},
-                   {"rank_memory_bytes", p.rank_memory_bytes}});
+                   {"rank_memory_bytes", p.rank_memory_bytes},
+                   {"mfu", p.mfu}});
   }
   return out.dump(2);
 }

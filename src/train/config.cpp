@@ -158,8 +158,14 @@ void TrainConfig::validate() const {
              "--virtual-stages {} winds the model round the pipeline ranks: it needs --pp > 1",
              virtual_stages);
   LOOM_CHECK(pp_partition == "uniform" || pp_partition == "params" || pp_partition == "flops" ||
-                 pp_partition == "measured",
-             "--pp-partition '{}' is not valid: uniform, params, flops or measured", pp_partition);
+                 pp_partition == "measured" || pp_partition == "model",
+             "--pp-partition '{}' is not valid: uniform, params, flops, measured or model",
+             pp_partition);
+  LOOM_CHECK(pp_partition != "model" || (!pp_devices.empty() && pp_devices != "measured"),
+             "--pp-partition model splits the layers by the cost model's seconds on a machine: "
+             "name it with --pp-devices PROFILE (a loom-plan --measure file, or h100-node / "
+             "h200-node){}",
+             pp_devices.empty() ? "" : fmt::format(", not '{}'", pp_devices));
   // Names the valid ones for a value that is not one of them.
   const auto codec = parallel::pipeline::parse_activation_codec(compress_activations);
   LOOM_CHECK(codec == parallel::pipeline::ActivationCodec::kNone || pp > 1,

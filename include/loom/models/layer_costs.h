@@ -34,4 +34,14 @@ struct CostShape {
 parallel::pipeline::LayerCosts layer_costs(const ModelConfig& config, const std::string& kind,
                                            const CostShape& shape);
 
+// Training FLOPs per token (forward + backward) of `config` at sequence length seq_len, PaLM's
+// count (Chowdhery et al., 2022, appendix B): 6 N + 12 L d T, where N is the parameters that
+// enter matrix products (all of them except the position embedding and, when it is not tied to
+// the output head, the token embedding: lookups multiply nothing), L the layers, d the model
+// width and T the sequence length. 6 N covers each weight's multiply-add in forward (2) and
+// backward (4); 12 L d T the attention scores and their product with the values, counted whole
+// even when causal (a causal kernel skips half of it, so its MFU reads low by that much, as
+// the convention has it). What MFU (train/mfu.h) and the cost model's MFU divide by.
+double model_flops_per_token(const ModelConfig& config, int64_t seq_len);
+
 }  // namespace loom::models

@@ -98,6 +98,9 @@ struct Prediction {
   int64_t in_flight = 1;       // most micro-batches whose activations a stage holds at once
   double step_s = 0;
   double tokens_per_s = 0;
+  // Model FLOPs utilization (models::model_flops_per_token x tokens/s over the ranks' summed
+  // peak_flops); 0 when a device's peak is not known.
+  double mfu = 0;
 };
 
 // The prediction for `workload` run as `layout` on `machine` (check_layout first).

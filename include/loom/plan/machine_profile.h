@@ -13,6 +13,7 @@
 //                 "op_s": 1e-5, "ops_overlap_kernels": true, "compute_scale": 1.2}],
 //    "stage_devices": ["h100", "a100"],          // optional: one per pipeline rank
 //    "devices_per_node": 8,
+//    "collective_s": 2e-5,                       // optional
 //    "links": {"intra_node": {"bandwidth": 3.6e11, "latency": 5e-6},
 //              "inter_node": {"bandwidth": 4.0e10, "latency": 1e-5},
 //              "tp": {...}}}                     // optional: dp, tp, pp, cp measured
@@ -53,6 +54,8 @@ struct DeviceProfile {
   // 128 tokens: loom-plan --measure): what the op classes above leave out (the allocator,
   // caches shared by ranks, autograd's graph). Scales every stage's compute; 1 without one.
   double compute_scale = 1;
+  // Dense peak FLOP/s in the training precision, for MFU (0: unknown, no MFU predicted).
+  double peak_flops = 0;
 
   // The matmul rate at `width` (the curve interpolated in log width and clamped at its ends;
   // matmul_flops without one); the attention rate at (seq, head_dim) (the measured head_dim
@@ -72,6 +75,11 @@ struct MachineProfile {
   std::vector<std::string> stage_devices;  // per pipeline rank; empty: every rank has devices[0]
   int64_t devices_per_node = 8;
   Link intra_node, inter_node;
+  // Seconds a blocking collective costs beyond moving its bytes, while the ranks compute
+  // around it (handing it to the communication thread, waiting for the slowest rank): measured
+  // by timing small all-reduces between matmuls. Each tp, cp, ZeRO and dp collective on a
+  // step's path pays it once.
+  double collective_s = 0;
   std::map<std::string, Link> links;  // measured per mesh dimension: "dp", "tp", "pp", "cp"
 
   // The device of pipeline rank `rank` of `ranks`; a list of another length is a loom::Error.
@@ -88,6 +96,11 @@ struct MachineProfile {
   std::string to_json() const;
   static MachineProfile from_json(const std::string& text, const std::string& source);
   static MachineProfile load(const std::string& path);
+  // A built-in profile's name, or the file `name` holds.
+  static MachineProfile named(const std::string& name);
+  // Whether `name` is a built-in profile or a file holding a profile (a JSON object with
+  // "links"), rather than the pipeline partitioner's device file ({"devices": [{"speed"...}]}).
+  static bool is_profile(const std::string& name);
 };
 
 // Built-in profiles, from vendors' datasheets discounted to what dense training typically

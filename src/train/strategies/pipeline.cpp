@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <fmt/ranges.h>
@@ -21,6 +22,7 @@
 #include "loom/models/layer_sharing.h"
 #include "loom/parallel/pipeline/executor.h"
 #include "loom/parallel/pipeline/partition.h"
+#include "loom/plan/layer_seconds.h"
 #include "loom/train/run_context.h"
 #include "loom/train/step_result.h"
 
@@ -174,6 +176,29 @@ class PipelineStrategy final : public Strategy {
     // have the same share of it, so the split does not change).
     const int64_t tokens = config.seq_len / run.size(dist::Dim::cp);
     models::CostShape cost_shape{micro, tokens, run.size(dist::Dim::tp), in_flight};
+    // A machine profile (loom-plan's) as --pp-devices: the cost model gives each pipeline
+    // rank's speed and memory, and with --pp-partition model each layer's cost too: the split
+    // loom-plan predicts for this layout (plan::pipeline_costs, as plan::predict takes it).
+    std::optional<plan::PipelineCosts> modelled;
+    if (!config.pp_devices.empty() && config.pp_devices != "measured" &&
+        plan::MachineProfile::is_profile(config.pp_devices)) {
+      plan::Layout layout;
+      layout.dp = run.size(dist::Dim::dp), layout.tp = run.size(dist::Dim::tp);
+      layout.pp = run.size(dist::Dim::pp), layout.cp = run.size(dist::Dim::cp);
+      layout.zero = config.zero;
+      layout.micro_batches = config.grad_accum;
+      layout.virtual_stages = config.virtual_stages;
+      layout.schedule = config.schedule;
+      layout.checkpointing = config.activation_checkpointing;
+      layout.sequence_parallel = config.sequence_parallel;
+      modelled =
+          plan::pipeline_costs({model_config, config.batch_size, config.seq_len, config.precision},
+                               layout, plan::MachineProfile::named(config.pp_devices), in_flight);
+    }
+    LOOM_CHECK(config.pp_partition != "model" || modelled,
+               "--pp-partition model needs a machine profile as --pp-devices (a loom-plan "
+               "--measure file or h100-node / h200-node); '{}' is a device file of speeds",
+               config.pp_devices);
     pl::LayerCosts costs;
     auto one = model_config;
     one.n_layers = 1;
@@ -196,6 +221,8 @@ class PipelineStrategy final : public Strategy {
       costs.first_time = t[1].item<double>();
       costs.last_time = t[2].item<double>();
       costs.kind = "measured";
+    } else if (config.pp_partition == "model") {
+      costs = modelled->costs;
     } else {
       costs = models::layer_costs(model_config, config.pp_partition, cost_shape);
     }
@@ -224,6 +251,8 @@ class PipelineStrategy final : public Strategy {
         d.speed = fastest / stage_time[static_cast<size_t>(p)];
         devices.push_back(d);
       }
+    } else if (modelled) {
+      devices = modelled->devices;
     } else {
       devices = pl::load_device_file(config.pp_devices, pp);
     }

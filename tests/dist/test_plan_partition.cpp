@@ -1,0 +1,77 @@
+// Training with --pp-partition model splits the layers as the planner predicts: the cost
+// model's per-layer seconds on a machine profile's devices (plan::pipeline_costs) are what both
+// the pipeline strategy and plan::predict partition by.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "../test_util.h"
+#include "dist_util.h"
+#include "loom/parallel/pipeline/partition.h"
+#include "loom/plan/cost_model.h"
+#include "loom/plan/machine_profile.h"
+#include "loom/train/trainer.h"
+#include "train_compare.h"
+
+namespace plan = loom::plan;
+namespace train = loom::train;
+namespace pl = loom::parallel::pipeline;
+using loom::testing::contains;
+using loom::testing::error_of;
+using loom::testing::world;
+
+TEST(TrainerPipeline, PartitionsByTheCostModelAsThePlannerPredicts) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  loom::testing::SharedTempDir dir;
+  loom::testing::write_shared_corpus(dir, 30000, 4000);
+  auto mesh = loom::testing::layout_mesh({.pp = 2});
+  auto config = loom::testing::small_run_config(dir.path(), 4);
+  config.layers = 8;
+  config.vocab_size = 320;
+  config.pp = 2;
+  config.pp_partition = "model";
+  // Two devices, the second running matmuls and attention 3x slower; no per-op or elementwise
+  // costs, so that the rates alone set the speeds.
+  auto profile = plan::builtin_profile("h100-node");
+  auto& fast = profile.devices.front();
+  fast.pointwise_s = fast.activation_s = fast.norm_s = fast.op_s = 0;
+  auto slow = fast;
+  slow.name = "slow";
+  slow.matmul_flops /= 3;
+  slow.attention_flops /= 3;
+  profile.devices.push_back(slow);
+  profile.stage_devices = {"h100", "slow"};
+  const auto path = dir.path() / "profile.json";
+  if (world().rank() == 0) std::ofstream(path) << profile.to_json();
+  world().barrier();
+  config.pp_devices = path.string();
+
+  train::Trainer t(config, mesh);
+  const auto* partition = t.runtime().context().find<pl::Partition>("pipeline.partition");
+  ASSERT_NE(partition, nullptr);
+  plan::Layout layout;
+  layout.pp = 2;
+  layout.micro_batches = config.grad_accum;
+  layout.schedule = config.schedule;
+  const plan::Workload workload{t.model_config(), config.batch_size, config.seq_len,
+                                config.precision};
+  EXPECT_EQ(partition->bounds, plan::predict(workload, layout, profile).stage_bounds)
+      << partition->describe();
+  EXPECT_GT(partition->layers(0), partition->layers(1)) << partition->describe();
+  EXPECT_NEAR(partition->devices.at(1).speed, 1.0 / 3, 0.05) << partition->describe();
+  EXPECT_EQ(t.train_step().step, 1);
+
+  // The cost model's partition needs a machine: a device file of speeds is refused, and so is
+  // no --pp-devices at all.
+  if (world().rank() == 0)
+    std::ofstream(dir.path() / "speeds.json") << R"({"devices": [{"speed": 1}, {"speed": 2}]})";
+  world().barrier();
+  auto bad = config;
+  bad.pp_devices = (dir.path() / "speeds.json").string();
+  auto e = error_of([&] { train::Trainer x(bad, mesh); });
+  EXPECT_TRUE(contains(e, "--pp-partition model needs a machine profile as --pp-devices")) << e;
+  bad.pp_devices.clear();
+  e = error_of([&] { bad.validate(); });
+  EXPECT_TRUE(contains(e, "name it with --pp-devices PROFILE")) << e;
+}
