@@ -163,7 +163,7 @@ JSON
 expect "stage_devices names 'tpu', an unknown device (defined: gpu)" "$TOOLS/loom-plan" --world 2 --profile "$work/profile.json"
 sed -i 's/"stage_devices": \["gpu", "tpu"\],//' "$work/profile.json"
 expect "no layout of 4 ranks fits in 0.00 GiB per rank; the least memory any needs is" "$TOOLS/loom-plan" --world 4 --profile "$work/profile.json"
-expect "machine profile 'tpu-pod' is not built in" "$TOOLS/loom-plan" --world 4 --profile tpu-pod
+expect "machine profile 'tpu-pod' is neither a file nor built in" "$TOOLS/loom-plan" --world 4 --profile tpu-pod
 expect "--measure writes a profile: give it --out FILE" "$TOOLS/loom-plan" --measure
 "$TOOLS/loom-plan" --measure --out "$work/measured.json" > /dev/null 2>&1 || { echo "FAIL: loom-plan --measure"; fail=1; }
 "$TOOLS/loom-plan" --model gpt2 --preset gpt2-tiny --world 1 --batch-size 8 --precision fp32 \

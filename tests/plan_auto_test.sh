@@ -2,7 +2,8 @@
 # loom-pretrain --plan auto (docs/planner.md):
 #  1. on a built-in profile, 2 ranks train with the layout loom-plan ranks first for the same
 #     model, batch and world, and rank 0 logs it and why;
-#  2. a layout flag given with it is kept (--tp 2), and the choice is the best with it;
+#  2. a layout flag given with it is kept (--tp 2), and the choice is the best with it; a flag
+#     that needs some layouts (--offload-optimizer: ZeRO) narrows the choice to them;
 #  3. flags no fitting layout has (--tp 3), a bad --plan, --plan auto with --resume or with an
 #     unknown profile: status 2 on every rank and a message naming the value;
 #  4. the default profile: every rank measures the machine first (1 rank here).
@@ -62,6 +63,15 @@ for case in "none" "tp"; do
   fi
 done
 
+# 2b. Flags that only go with some layouts narrow the choice: --offload-optimizer needs ZeRO.
+out=$("$MPIEXEC" -np 2 "${train[@]}" --plan auto --plan-profile h100-node --offload-optimizer \
+  --metrics-out "$work/m-offload.jsonl" 2>&1)
+status=$?
+zero=$([ -f "$work/m-offload.jsonl" ] && used "$work/m-offload.jsonl" | cut -d' ' -f5)
+if [ $status -ne 0 ] || [ -z "$zero" ] || [ "$zero" -lt 1 ]; then
+  say "FAIL: --plan auto --offload-optimizer: status $status, ZeRO stage '$zero'"; say "$out"; fail=1
+else say "ok: --plan auto --offload-optimizer chose ZeRO-$zero"; fi
+
 # 3. Refusals: status 2 from every rank, the value named.
 refuse() {
   local np=$1 want=$2; shift 2
@@ -74,7 +84,7 @@ refuse() {
 refuse 2 "none has tp 3" --plan auto --plan-profile h100-node --tp 3
 refuse 1 "--plan 'sometimes' is not valid: none" --plan sometimes
 refuse 1 "--plan auto with --resume" --plan auto --resume "$work/nowhere"
-refuse 1 "machine profile 'tpu-pod' is not built in" --plan auto --plan-profile tpu-pod
+refuse 1 "machine profile 'tpu-pod' is neither a file nor built in" --plan auto --plan-profile tpu-pod
 
 # 4. Measured at start-up.
 out=$("$MPIEXEC" -np 1 "${train[@]}" --plan auto 2>&1)

@@ -45,8 +45,15 @@ def run(cmd, what):
 
 
 def mpi(args, world):
-    return [args.mpiexec, "--oversubscribe", "--allow-run-as-root", "-np", str(world),
-            "-x", "OMP_NUM_THREADS=1"]
+    return [args.mpiexec, "-np", str(world)]
+
+
+# One thread per rank; Open MPI's settings for more ranks than cores and for root (as ctest's
+# LOOM_MPI_ENV sets them) where the caller has not.
+for key, value in {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                   "OMPI_MCA_rmaps_base_oversubscribe": "1"}.items():
+    os.environ.setdefault(key, value)
 
 
 def layout_of(overrides):

@@ -433,7 +433,10 @@ TEST(MachineProfile, MeasuresThisProcess) {
   EXPECT_GT(p.devices[0].activation_s, 0);
   EXPECT_GT(p.devices[0].norm_s, 0);
   EXPECT_GT(p.devices[0].op_s, 0);
-  EXPECT_GT(p.devices[0].compute_scale, 0);
+  // The reference model's measured time over the prediction from these very rates: a model
+  // within a factor of 20 of the machine, either way.
+  EXPECT_TRUE(p.devices[0].compute_scale > 0.05 && p.devices[0].compute_scale < 20)
+      << p.devices[0].compute_scale;
   EXPECT_FALSE(p.devices[0].ops_overlap_kernels);
   EXPECT_EQ(p.devices_per_node, 1);
   EXPECT_EQ(p.inter_node.bandwidth, p.intra_node.bandwidth);

@@ -79,8 +79,7 @@ int main(int argc, char** argv) {
     config.validate();
     request.workload = {config, batch_size, seq_len, precision};
     request.world = world;
-    request.machine = std::filesystem::exists(profile) ? loom::plan::MachineProfile::load(profile)
-                                                       : loom::plan::builtin_profile(profile);
+    request.machine = loom::plan::MachineProfile::named(profile);
     const auto plans = loom::plan::plan_layouts(request);
     if (as_json) {
       std::printf("%s\n", loom::plan::plan_json(plans, static_cast<size_t>(top)).c_str());

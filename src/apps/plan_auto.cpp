@@ -11,6 +11,7 @@
 #include "loom/ops/cuda.h"
 #include "loom/plan/measure.h"
 #include "loom/plan/planner.h"
+#include "loom/train/config.h"
 
 namespace loom::apps {
 
@@ -44,11 +45,7 @@ plan::LayoutConstraints constraints_of(const PretrainCommandLine& cli) {
 }
 
 plan::MachineProfile profile_for(const PretrainCommandLine& cli, dist::Runtime& runtime) {
-  const auto& name = cli.plan_profile;
-  if (name != "measure") {
-    if (std::filesystem::exists(name)) return plan::MachineProfile::load(name);
-    return plan::builtin_profile(name);
-  }
+  if (cli.plan_profile != "measure") return plan::MachineProfile::named(cli.plan_profile);
   at::Device device = at::kCPU;
   const int gpu = dist::rank_cuda_device(cli.config.device, runtime.local_rank(),
                                          ops::cuda_device_count(), ops::built_with_cuda());
@@ -58,6 +55,23 @@ plan::MachineProfile profile_for(const PretrainCommandLine& cli, dist::Runtime& 
   }
   return plan::measure_machine(*runtime.world(),
                                plan::MeasureOptions::for_device(device, cli.config.precision));
+}
+
+// `layout` written into the run's flags. A pipeline planned on a profile the trainer can read
+// again (a file or a built-in one) is split by the cost model as the plan was, unless
+// --pp-partition was given.
+void apply(const plan::Layout& l, const PretrainCommandLine& cli, train::TrainConfig& c) {
+  c.dp = l.dp, c.tp = l.tp, c.pp = l.pp, c.cp = l.cp;
+  c.zero = l.zero;
+  c.grad_accum = l.micro_batches;
+  c.virtual_stages = l.virtual_stages;
+  if (l.pp > 1) c.schedule = l.schedule;
+  c.activation_checkpointing = l.checkpointing;
+  c.sequence_parallel = l.sequence_parallel;
+  if (l.pp > 1 && cli.plan_profile != "measure" && cli.app.count("--pp-partition") == 0) {
+    c.pp_partition = "model";
+    c.pp_devices = cli.plan_profile;
+  }
 }
 
 }  // namespace
@@ -73,8 +87,9 @@ void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime) {
              "--plan auto with --resume: give the layout to resume at (loom-plan lists them); "
              "the plan is made before the checkpoint is read");
   LOOM_CHECK(c.pp_devices.empty(),
-             "--plan auto with --pp-devices: put the pipeline ranks' devices in the machine "
-             "profile (stage_devices, docs/planner.md) and pass it as --plan-profile");
+             "--plan auto with --pp-devices '{}': put the pipeline ranks' devices in the machine "
+             "profile (stage_devices, docs/planner.md) and pass it as --plan-profile",
+             c.pp_devices);
   const auto tokenizer_dir = std::filesystem::absolute(c.data).parent_path();
   const auto model = c.new_model_config(data::load_tokenizer(tokenizer_dir)->vocab_size());
   plan::PlanRequest request;
@@ -82,7 +97,18 @@ void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime) {
   request.world = runtime.size();
   request.machine = profile_for(cli, runtime);
   const auto fixed = constraints_of(cli);
-  const auto choice = plan::choose_layout(request, fixed);
+  // Only layouts the run's other flags go with (--offload-optimizer needs ZeRO, ...).
+  const auto runnable = [&](const plan::Layout& l) {
+    auto trial = c;
+    apply(l, cli, trial);
+    try {
+      trial.validate();
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  const auto choice = plan::choose_layout(request, fixed, runnable);
   // Every rank plans from the same profile; rank 0's choice is the one taken all the same, so
   // that no difference in floating point can split the mesh.
   const auto& best = choice.best.layout;
@@ -93,13 +119,15 @@ void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime) {
       at::kLong);
   runtime.world()->broadcast(packed, 0);
   auto v = [&](int i) { return packed[i].item<int64_t>(); };
-  c.dp = v(0), c.tp = v(1), c.pp = v(2), c.cp = v(3);
-  c.zero = static_cast<int>(v(4));
-  c.grad_accum = v(5);
-  c.virtual_stages = v(6);
-  c.schedule = kSchedules.at(static_cast<size_t>(v(7)));
-  c.activation_checkpointing = kCheckpointing.at(static_cast<size_t>(v(8)));
-  c.sequence_parallel = v(9) != 0;
+  plan::Layout taken;
+  taken.dp = v(0), taken.tp = v(1), taken.pp = v(2), taken.cp = v(3);
+  taken.zero = static_cast<int>(v(4));
+  taken.micro_batches = v(5);
+  taken.virtual_stages = v(6);
+  taken.schedule = kSchedules.at(static_cast<size_t>(v(7)));
+  taken.checkpointing = kCheckpointing.at(static_cast<size_t>(v(8)));
+  taken.sequence_parallel = v(9) != 0;
+  apply(taken, cli, c);
   spdlog::info("--plan auto {}", plan::explain_choice(choice, fixed, request.machine.name));
 }
 

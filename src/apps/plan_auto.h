@@ -10,8 +10,10 @@ namespace loom::apps {
 // Does nothing unless --plan is auto. Otherwise measures this machine with every rank (or reads
 // --plan-profile), plans, logs the choice and why on rank 0, and sets --dp, --tp, --pp, --cp,
 // --zero, --micro-batches, --schedule, --virtual-stages, --activation-checkpointing and
-// --sequence-parallel. Every rank takes rank 0's choice. Refused (loom::Error) with --resume and
-// with a custom model: the plan needs a model shape known before the run starts.
+// --sequence-parallel (and, for a pipeline planned on a profile file or built-in profile,
+// --pp-partition model with it), among the layouts the run's other flags go with. Every rank
+// takes rank 0's choice. Refused (loom::Error) with --resume (the plan precedes the checkpoint)
+// and with --pp-devices (the devices belong in the profile).
 void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime);
 
 }  // namespace loom::apps

@@ -170,12 +170,15 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "as --grad-accum, which it sets)");
   app.add_option("--pp-partition", c.pp_partition,
                  "What balances the pipeline stages: uniform (equal layer counts) | params | "
-                 "flops | measured (timed at start-up)")
+                 "flops | measured (timed at start-up) | model (the cost model's seconds on the "
+                 "machine profile --pp-devices names; docs/planner.md)")
       ->capture_default_str();
   app.add_option("--pp-devices", c.pp_devices,
                  "JSON file of the pipeline ranks' devices: {\"devices\": [{\"name\": ..., "
                  "\"speed\": 2.0, \"memory_gb\": 80}, ...]}; faster ranks get more layers. "
-                 "'measured': each rank times a block at start-up");
+                 "'measured': each rank times a block at start-up. A machine profile "
+                 "(loom-plan --measure file, h100-node, h200-node) gives the cost model's "
+                 "speeds and memory");
   app.add_option("--compress-activations", c.compress_activations,
                  "What crosses the pipeline stages, activations forward and their gradients "
                  "backward: none | bf16 (half of fp32's bytes) | int8 (blocks of 256 with a "

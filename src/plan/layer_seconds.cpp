@@ -61,8 +61,10 @@ double block_saved_elements(const models::ModelConfig& m, double tp, bool sp) {
   const double residual = sp ? d / tp : d;
   if (m.family == models::Family::kGpt2)
     return 4 * residual + (4 * d + 2 * f + 2 * heads) / tp + (m.dropout > 0 ? 2 * residual : 0.0);
-  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
-  return 4 * residual + (4 * d + 2 * kv + 4 * f + heads) / tp;
+  // Keys and values split by tp only down to one head each (more tp ranks replicate them).
+  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim()) /
+                    std::min(tp, static_cast<double>(m.n_kv_heads));
+  return 4 * residual + (4 * d + 4 * f + heads) / tp + 2 * kv;
 }
 
 Elementwise embedding_elementwise(const models::ModelConfig& m, double tp, bool sp) {
@@ -178,6 +180,12 @@ PipelineCosts pipeline_costs(const Workload& w, const Layout& l, const MachinePr
                              tp;
   c.first_bytes = zero_state_bytes(embed_params, state, l.zero, l.dp) + in * residual_input;
   c.last_bytes = zero_state_bytes(head_params, state, l.zero, l.dp) + 2 * tokens * v / tp * 4;
+  // Multi-token heads: the trunk each in-flight micro-batch keeps for them, and one head's
+  // block at a time (recomputed) with its logits.
+  if (m.mtp_heads > 0)
+    c.last_bytes += in * residual_input +
+                    tokens * e * block_saved_elements(m, tp, l.sequence_parallel) +
+                    2 * tokens * v / tp * 4;
   for (int64_t r = 0; r < l.pp; ++r) {
     const auto& dev = machine.device_of_stage(r, l.pp);
     pl::DeviceSpec spec;

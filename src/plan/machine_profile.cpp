@@ -126,11 +126,14 @@ void MachineProfile::validate(const std::string& source) const {
       LOOM_CHECK(std::isfinite(v) && v > 0,
                  "machine profile '{}': device '{}' has {} = {}; it must be positive", source,
                  d.name, what, v);
+    LOOM_CHECK(std::isfinite(d.peak_flops) && d.peak_flops >= 0,
+               "machine profile '{}': device '{}' has peak_flops = {}; it must be a FLOP/s rate "
+               ">= 0 (0: unknown)",
+               source, d.name, d.peak_flops);
     for (const auto& [what, v] : {std::pair{"pointwise_s", d.pointwise_s},
                                   {"activation_s", d.activation_s},
                                   {"norm_s", d.norm_s},
-                                  {"op_s", d.op_s},
-                                  {"peak_flops", d.peak_flops}})
+                                  {"op_s", d.op_s}})
       LOOM_CHECK(std::isfinite(v) && v >= 0,
                  "machine profile '{}': device '{}' has {} = {}; it must be >= 0 seconds", source,
                  d.name, what, v);
@@ -312,7 +315,8 @@ MachineProfile MachineProfile::named(const std::string& name) {
 bool MachineProfile::is_profile(const std::string& name) {
   const auto names = builtin_profile_names();
   if (std::find(names.begin(), names.end(), name) != names.end()) return true;
-  if (!std::filesystem::is_regular_file(name)) return false;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(name, error)) return false;
   const auto j = json::parse(core::read_file(name), nullptr, /*allow_exceptions=*/false);
   return j.is_object() && j.contains("links");
 }

@@ -54,7 +54,7 @@ std::vector<Layout> candidates(const PlanRequest& r) {
                 l.schedule = schedule;
                 l.checkpointing = checkpointing;
                 // Sequence parallelism only saves memory: on wherever it can be.
-                l.sequence_parallel = tp > 1 && (w.seq_len / cp) % tp == 0;
+                l.sequence_parallel = r.sequence_parallel && tp > 1 && (w.seq_len / cp) % tp == 0;
                 out.push_back(l);
               }
             }
@@ -141,18 +141,20 @@ std::string LayoutConstraints::describe() const {
   return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, ", "));
 }
 
-LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed) {
+LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed,
+                           const std::function<bool(const Layout&)>& runnable) {
   // What the search leaves out by default, it tries when asked for.
   if (fixed.zero) request.zero_stages = {*fixed.zero};
   if (fixed.checkpointing) request.checkpointing = {*fixed.checkpointing};
   if (fixed.micro_batches)
     request.max_micro_batches = std::max(request.max_micro_batches, *fixed.micro_batches);
   if (fixed.cp && *fixed.cp > 1) request.context_parallel = true;
+  if (fixed.sequence_parallel) request.sequence_parallel = *fixed.sequence_parallel;
   const auto plans = plan_layouts(request);
   LayoutChoice out;
   out.fitting = plans.size();
   for (const auto& p : plans) {
-    if (!fixed.allows(p.layout)) continue;
+    if (!fixed.allows(p.layout) || (runnable && !runnable(p.layout))) continue;
     if (out.allowed == 0)
       out.best = p;
     else if (out.allowed == 1)
@@ -160,9 +162,10 @@ LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed) 
     ++out.allowed;
   }
   LOOM_CHECK(out.allowed > 0,
-             "plan: of the {} layouts of {} ranks that fit, none has {} (the flags given with "
-             "--plan auto); the best without them is {} at {:.0f} predicted tokens/s: drop the "
-             "flags that conflict, or pass the whole layout without --plan auto",
+             "plan: of the {} layouts of {} ranks that fit, none has {} (the layout flags given "
+             "with --plan auto) and goes with the run's other flags; the best without them is {} "
+             "at {:.0f} predicted tokens/s: drop the flags that conflict, or pass the whole "
+             "layout without --plan auto",
              plans.size(), request.world, fixed.describe(), plans.front().layout.describe(),
              plans.front().prediction.tokens_per_s);
   return out;

@@ -70,7 +70,13 @@ TEST(TrainerPipeline, PartitionsByTheCostModelAsThePlannerPredicts) {
   auto bad = config;
   bad.pp_devices = (dir.path() / "speeds.json").string();
   auto e = error_of([&] { train::Trainer x(bad, mesh); });
-  EXPECT_TRUE(contains(e, "--pp-partition model needs a machine profile as --pp-devices")) << e;
+  EXPECT_TRUE(contains(e, "--pp-partition model needs a machine profile as --pp-devices") &&
+              contains(e, "is a device file of speeds"))
+      << e;
+  // A profile that does not exist is named as such.
+  bad.pp_devices = (dir.path() / "nowhere.json").string();
+  e = error_of([&] { train::Trainer x(bad, mesh); });
+  EXPECT_TRUE(contains(e, "is neither a file nor built in")) << e;
   bad.pp_devices.clear();
   e = error_of([&] { bad.validate(); });
   EXPECT_TRUE(contains(e, "name it with --pp-devices PROFILE")) << e;

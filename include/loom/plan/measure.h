@@ -31,18 +31,18 @@ struct MeasureOptions {
   int64_t op_chain = 64;
   // Sequences of 128 tokens in the reference model timed for compute_scale (0: not measured).
   int64_t reference_batch = 8;
+  // Its samples (the fastest is kept): more than the rates', as it scales every prediction.
   int64_t reference_repeats = 15;
 
-  // The options for `device` in `precision` (fp32 | bf16 | fp64; anything else a loom::Error):
-  // on a GPU larger matmuls, longer attention and more elements, where small ones would time
-  // launches instead.
-  static MeasureOptions for_device(
-      at::Device device,
-      const std::string& precision);  // its samples: more than the rates', it sets every prediction
   int64_t repeats = 5;  // timed samples (each of runs lasting ~5 ms) after a warm-up; the median
   // The all-reduces timed: a small buffer (latency) and a large one (bandwidth), in bytes.
   int64_t small_bytes = 4 << 10;
   int64_t large_bytes = 32 << 20;
+
+  // The options for `device` in `precision` (fp32 | bf16 | fp64; anything else a loom::Error):
+  // on a GPU larger matmuls, longer attention and more elements, where small ones would time
+  // launches instead.
+  static MeasureOptions for_device(at::Device device, const std::string& precision);
 };
 
 // Per device the slowest rank's rates and curves (a homogeneous profile: name per-rank devices in

@@ -2,6 +2,7 @@
 // The planner: every layout of a world of ranks that can run a workload and fits each rank's
 // memory, ranked by the cost model's predicted tokens per second (loom-plan prints them).
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,6 +22,8 @@ struct PlanRequest {
   std::vector<std::string> checkpointing{"none", "full"};
   int64_t max_micro_batches = 64;
   bool context_parallel = true;
+  // Sequence parallelism only saves memory: on wherever tp allows it, unless this is false.
+  bool sequence_parallel = true;
 };
 
 struct PlannedLayout {
@@ -53,10 +56,12 @@ struct LayoutChoice {
   size_t allowed = 0;                      // of those, the ones the constraints allow
 };
 
-// The best layout of plan_layouts(request) that `fixed` allows (a fixed ZeRO stage,
-// checkpointing mode or micro-batch count widens the search to it). When none does, a
-// loom::Error names the constraints and the best layout without them.
-LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed);
+// The best layout of plan_layouts(request) that `fixed` allows and `runnable` accepts (when
+// given: e.g. whether the run's other flags can go with it). A fixed ZeRO stage, checkpointing
+// mode, micro-batch count or sequence parallelism widens the search to it. When none is
+// allowed, a loom::Error names the constraints and the best layout without them.
+LayoutChoice choose_layout(PlanRequest request, const LayoutConstraints& fixed,
+                           const std::function<bool(const Layout&)>& runnable = {});
 // Why: "on <profile>, N of M layouts that fit allow <constraints>; chose <layout>: predicted
 // ... tokens/s, ... GiB per rank (compute, exchanges, optimizer, bubble); next: ...".
 std::string explain_choice(const LayoutChoice& choice, const LayoutConstraints& fixed,

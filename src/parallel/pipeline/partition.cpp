@@ -13,6 +13,16 @@
 
 namespace loom::parallel::pipeline {
 
+bool is_device_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return false;
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("devices") || !j["devices"].is_array()) return false;
+  for (const auto& d : j["devices"])
+    if (!d.is_object() || !d.contains("speed")) return false;
+  return true;
+}
+
 std::vector<DeviceSpec> uniform_devices(int64_t pp) {
   return std::vector<DeviceSpec>(static_cast<size_t>(std::max<int64_t>(pp, 0)));
 }

@@ -180,8 +180,19 @@ class PipelineStrategy final : public Strategy {
     // rank's speed and memory, and with --pp-partition model each layer's cost too: the split
     // loom-plan predicts for this layout (plan::pipeline_costs, as plan::predict takes it).
     std::optional<plan::PipelineCosts> modelled;
-    if (!config.pp_devices.empty() && config.pp_devices != "measured" &&
-        plan::MachineProfile::is_profile(config.pp_devices)) {
+    LOOM_CHECK(config.pp_partition != "model" || !config.pp_devices.empty(),
+               "--pp-partition model needs a machine profile as --pp-devices (a loom-plan "
+               "--measure file or h100-node / h200-node)");
+    // A device file of speeds is not a machine: say so, rather than what a profile lacks.
+    LOOM_CHECK(config.pp_partition != "model" ||
+                   plan::MachineProfile::is_profile(config.pp_devices) ||
+                   !pl::is_device_file(config.pp_devices),
+               "--pp-partition model needs a machine profile as --pp-devices (a loom-plan "
+               "--measure file or h100-node / h200-node); '{}' is a device file of speeds",
+               config.pp_devices);
+    if (config.pp_partition == "model" ||
+        (!config.pp_devices.empty() && config.pp_devices != "measured" &&
+         plan::MachineProfile::is_profile(config.pp_devices))) {
       plan::Layout layout;
       layout.dp = run.size(dist::Dim::dp), layout.tp = run.size(dist::Dim::tp);
       layout.pp = run.size(dist::Dim::pp), layout.cp = run.size(dist::Dim::cp);
@@ -195,10 +206,6 @@ class PipelineStrategy final : public Strategy {
           plan::pipeline_costs({model_config, config.batch_size, config.seq_len, config.precision},
                                layout, plan::MachineProfile::named(config.pp_devices), in_flight);
     }
-    LOOM_CHECK(config.pp_partition != "model" || modelled,
-               "--pp-partition model needs a machine profile as --pp-devices (a loom-plan "
-               "--measure file or h100-node / h200-node); '{}' is a device file of speeds",
-               config.pp_devices);
     pl::LayerCosts costs;
     auto one = model_config;
     one.n_layers = 1;
@@ -257,6 +264,18 @@ class PipelineStrategy final : public Strategy {
       devices = pl::load_device_file(config.pp_devices, pp);
     }
     partition_ = pl::partition_layers(costs, shape, devices);
+    if (modelled) {
+      // Each rank read the profile itself: all must have split alike (files that differ
+      // between nodes would build mismatched stages).
+      auto bounds = at::tensor(partition_->bounds, at::kLong);
+      auto most = bounds.clone(), least = -bounds;  // the minimum as the maximum of negatives
+      run.mesh->world().all_reduce(most, dist::ReduceOp::Max);
+      run.mesh->world().all_reduce(least, dist::ReduceOp::Max);
+      LOOM_CHECK(at::equal(most, -least),
+                 "--pp-devices '{}': the ranks split the layers differently ({} here): each "
+                 "must read the same machine profile",
+                 config.pp_devices, fmt::join(partition_->bounds, ", "));
+    }
     run.plan.parts.clear();
     for (int64_t c = 0; c < config.virtual_stages; ++c) {
       const int64_t stage = shape.stage_of(run.coord(dist::Dim::pp), c);

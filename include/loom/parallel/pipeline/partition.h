@@ -24,6 +24,9 @@ struct DeviceSpec {
 // one entry per pipeline rank in pipeline order ("name" and "memory_gb" optional). A missing
 // file, bad JSON, a count other than `pp` or a speed <= 0 is a loom::Error naming the file.
 std::vector<DeviceSpec> load_device_file(const std::string& path, int64_t pp);
+// Whether `path` is a readable file holding a device file's JSON (an object whose "devices"
+// have a "speed"), without checking it further.
+bool is_device_file(const std::string& path);
 // `pp` equal devices.
 std::vector<DeviceSpec> uniform_devices(int64_t pp);
 
