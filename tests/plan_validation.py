@@ -141,6 +141,8 @@ def main():
     p.add_argument("--presets", nargs="+", default=["gpt2-tiny", "llama-tiny", "gpt2-mini"])
     p.add_argument("--top", type=int, default=8, help="with --sweep: the planner's best N each")
     p.add_argument("--data", help="a prepared data directory (default: a generated corpus)")
+    p.add_argument("--no-retry", action="store_true",
+                   help="fail on the first measurement outside the bounds")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as work:
@@ -200,5 +202,16 @@ def main():
     return 0 if ok else 1
 
 
+def main_with_retry():
+    # Memory is deterministic; time is measured on a machine that others may share. A time
+    # error past the bound is measured once more, all cases again, and fails only if it
+    # repeats: a model that is off fails both times, a noisy minute does not.
+    status = main()
+    if status != 0 and "--no-retry" not in sys.argv and "--sweep" not in sys.argv:
+        print("\nOutside the bounds: measuring every case once more.", flush=True)
+        status = main()
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_with_retry())
