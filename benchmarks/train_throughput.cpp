@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_profile.h"
 #include "loom/apps/cli.h"
 #include "loom/core/autocast.h"
 #include "loom/loom.h"
@@ -30,6 +31,7 @@ struct Options {
   int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
   int64_t profile_steps = 0;  // > 0: that many more steps under op hooks (step_profile.h)
+  int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (kernel_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
   std::string device = "cpu", precision = "fp32", attention = "auto";
@@ -54,6 +56,8 @@ loom::models::ModelConfig model_config(const Options& o) {
   LOOM_CHECK(o.warmup >= 0, "--warmup {} must be >= 0", o.warmup);
   LOOM_CHECK(o.threads > 0, "--threads {} must be positive", o.threads);
   LOOM_CHECK(o.profile_steps >= 0, "--profile {} must be >= 0", o.profile_steps);
+  LOOM_CHECK(o.kernel_profile_steps >= 0, "--kernel-profile {} must be >= 0",
+             o.kernel_profile_steps);
   LOOM_CHECK(o.precision == "fp32" || o.precision == "bf16",
              "--precision '{}' must be fp32 or bf16", o.precision);
   return c;
@@ -93,7 +97,8 @@ void run(const Options& o) {
 
   // Every batch is drawn before the clock starts; each step slices its own (the "data" phase).
   // The generator and call match the Python twin's, so both see the same tokens.
-  const int64_t total = o.warmup + o.steps + o.profile_steps;
+  const int64_t hooked_end = o.warmup + o.steps + o.profile_steps;
+  const int64_t total = hooked_end + o.kernel_profile_steps;
   auto gen = loom::core::make_generator(o.seed);
   const auto tokens = at::randint(o.vocab, {total, o.batch_size, o.seq_len + 1}, gen, at::kLong);
 
@@ -102,13 +107,22 @@ void run(const Options& o) {
   enum Phase { kData, kForward, kBackward, kClip, kOptimizer, kZeroGrad, kMetrics };
   std::vector<double> step_ms;
   std::vector<at::Tensor> losses;  // read after timing; .item() on the CPU would not sync anyway
-  nlohmann::ordered_json walls;
+  nlohmann::ordered_json walls, kernels;
+  loom_bench::KernelProfile kernel_profile(device.type());
+  double kernel_profile_ms = 0;
   for (int64_t i = 0; i < total; ++i) {
-    if (i == o.warmup) profile.reset();
+    if (i == o.warmup) {
+      profile.reset();
+      if (device.is_cuda()) loom::core::reset_peak_memory(device);
+    }
     if (i == o.warmup + o.steps) {
       walls = profile.phase_walls();
       profile.reset();
       profile.hook_ops(true);
+    }
+    if (i == hooked_end) {
+      profile.hook_ops(false);
+      kernel_profile.start();
     }
     const auto start = std::chrono::steady_clock::now();
     // The data phase slices this step's batch (and on a GPU copies it to the device, as a
@@ -139,10 +153,13 @@ void run(const Options& o) {
     if (device.is_cuda()) torch::cuda::synchronize(device.has_index() ? device.index() : 0);
     profile.end_step();
     const auto stop = std::chrono::steady_clock::now();
-    if (i >= o.warmup && i < o.warmup + o.steps)
-      step_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+    const double ms = std::chrono::duration<double, std::milli>(stop - start).count();
+    if (i >= o.warmup && i < o.warmup + o.steps) step_ms.push_back(ms);
+    if (i >= hooked_end) kernel_profile_ms += ms;
   }
   profile.hook_ops(false);
+  if (o.kernel_profile_steps > 0)
+    kernels = kernel_profile.stop(o.kernel_profile_steps, kernel_profile_ms, 30);
   if (o.profile_steps == 0) walls = profile.phase_walls();
 
   const double med = median(step_ms);
@@ -180,6 +197,7 @@ void run(const Options& o) {
   // reports the outcome).
   out["host_malloc_kept"] = loom::core::keep_freed_host_memory();
   out["peak_rss_mib"] = loom_bench::StepProfile::peak_rss_mib();
+  if (o.kernel_profile_steps > 0) out["kernel_profile"] = kernels;
   if (o.profile_steps > 0) {
     out["op_self_ms"] = profile.op_tables();
     out["top_ops_ms"] = profile.top_ops(20);
@@ -189,6 +207,8 @@ void run(const Options& o) {
     out["device"] = loom::ops::cuda_device_name(device.has_index() ? device.index() : 0);
     out["precision"] = o.precision;
     out["attention"] = o.attention;
+    // The allocator's peak over the timed and profiled steps (from the first timed step on).
+    out["device_peak_bytes"] = loom::core::memory_counters(device).peak_bytes;
     const double peak =
         o.peak_tflops > 0
             ? o.peak_tflops * 1e12
@@ -224,6 +244,10 @@ int main(int argc, char** argv) {
   app.add_option("--profile", o.profile_steps,
                  "After the timed steps, this many steps with every op's self time recorded "
                  "(by phase and op class: benchmarks/step_profile.h)")
+      ->capture_default_str();
+  app.add_option("--kernel-profile", o.kernel_profile_steps,
+                 "After those, this many steps under PyTorch's Kineto profiler: device time per "
+                 "kernel (on the CPU, inclusive time per op) as \"kernel_profile\"")
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();
   app.add_option("--precision", o.precision, "fp32 | bf16 (autocast, fp32 master weights)")
