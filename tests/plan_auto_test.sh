@@ -4,8 +4,10 @@
 #     model, batch and world, and rank 0 logs it and why;
 #  2. a layout flag given with it is kept (--tp 2), and the choice is the best with it; a flag
 #     that needs some layouts (--offload-optimizer: ZeRO) narrows the choice to them;
-#  3. flags no fitting layout has (--tp 3), a bad --plan, --plan auto with --resume or with an
-#     unknown profile: status 2 on every rank and a message naming the value;
+#  3. flags no fitting layout has (--tp 3), a bad --plan, --plan auto with a --resume that names
+#     no checkpoint or with an unknown profile: status 2 on every rank and a message naming the
+#     value; --plan auto with --resume plans for the checkpoint's model and resumes it, resharded
+#     from 1 rank to the 2-rank layout chosen (what loom-elastic relies on);
 #  4. the default profile: every rank measures the machine first (1 rank here).
 # Needs TOOLS (loom-pretrain, loom-plan, loom-prepare) and MPIEXEC.
 set -uo pipefail
@@ -83,7 +85,21 @@ refuse() {
 }
 refuse 2 "none has tp 3" --plan auto --plan-profile h100-node --tp 3
 refuse 1 "--plan 'sometimes' is not valid: none" --plan sometimes
-refuse 1 "--plan auto with --resume" --plan auto --resume "$work/nowhere"
+refuse 1 "$work/nowhere" --plan auto --resume "$work/nowhere"
+
+# 3b. A checkpoint written by 1 rank, resumed by 2 with the layout --plan auto picks.
+"${train[@]}" --save-dir "$work/one" > "$work/one.log" 2>&1 || { say "FAIL: the 1-rank run: $(cat "$work/one.log")"; fail=1; }
+four=("${train[@]}")
+for i in "${!four[@]}"; do [ "${four[$i]}" = --steps ] && four[$((i + 1))]=4; done
+out=$("$MPIEXEC" -np 2 "${four[@]}" --plan auto --plan-profile h100-node \
+  --resume "$work/one" --metrics-out "$work/m-resumed.jsonl" 2>&1)
+status=$?
+steps=$([ -f "$work/m-resumed.jsonl" ] && python3 -c "
+import json, sys
+print(' '.join(str(json.loads(l)['step']) for l in open(sys.argv[1]) if l.strip()))" "$work/m-resumed.jsonl")
+if [ $status -ne 0 ] || [ "$steps" != "3 4" ] || ! grep -qF -- "--plan auto on profile 'h100-node'" <<< "$out"; then
+  say "FAIL: --plan auto --resume: status $status, steps '$steps': $out"; fail=1
+else say "ok: --plan auto --resume planned and resumed steps 3-4 at 2 ranks"; fi
 refuse 1 "machine profile 'tpu-pod' is neither a file nor built in" --plan auto --plan-profile tpu-pod
 
 # 4. Measured at start-up.

@@ -64,6 +64,10 @@ class LocalSgd final : public Strategy {
                  "strategy 'local-sgd' (every={}) saves only where the ranks agree: --save-every "
                  "{} and --steps {} must be multiples of {}",
                  every_, c.save_every, c.steps, every_);
+      LOOM_CHECK(c.save_every_s == 0,
+                 "strategy 'local-sgd' (every={}) saves only where the ranks agree: "
+                 "--save-every-s {} could fall between two averages (use --save-every)",
+                 every_, c.save_every_s);
     }
   }
 

@@ -6,11 +6,13 @@
 #include <filesystem>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/backend_plan.h"
 #include "loom/ops/cuda.h"
 #include "loom/plan/measure.h"
 #include "loom/plan/planner.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 
 namespace loom::apps {
@@ -57,6 +59,17 @@ plan::MachineProfile profile_for(const PretrainCommandLine& cli, dist::Runtime& 
                                plan::MeasureOptions::for_device(device, cli.config.precision));
 }
 
+models::ModelConfig checkpoint_model_config(const std::string& resume) {
+  const auto state_file = train::resolve_checkpoint(resume) / "state.json";
+  try {
+    return models::ModelConfig::from_json(
+        nlohmann::json::parse(core::read_file(state_file)).at("model_config"));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(
+        fmt::format("--plan auto: '{}' holds no model config: {}", state_file.string(), e.what()));
+  }
+}
+
 // `layout` written into the run's flags. A pipeline planned on a profile the trainer can read
 // again (a file or a built-in one) is split by the cost model as the plan was, unless
 // --pp-partition was given.
@@ -83,15 +96,17 @@ void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime) {
              "auto (the cost model's best layout)",
              cli.plan);
   auto& c = cli.config;
-  LOOM_CHECK(c.resume.empty(),
-             "--plan auto with --resume: give the layout to resume at (loom-plan lists them); "
-             "the plan is made before the checkpoint is read");
   LOOM_CHECK(c.pp_devices.empty(),
              "--plan auto with --pp-devices '{}': put the pipeline ranks' devices in the machine "
              "profile (stage_devices, docs/planner.md) and pass it as --plan-profile",
              c.pp_devices);
-  const auto tokenizer_dir = std::filesystem::absolute(c.data).parent_path();
-  const auto model = c.new_model_config(data::load_tokenizer(tokenizer_dir)->vocab_size());
+  // A resumed run plans for the checkpoint's model (its state.json; the tensors are read, and
+  // resharded to the layout chosen here, by the Trainer).
+  const auto model =
+      c.resume.empty()
+          ? c.new_model_config(
+                data::load_tokenizer(std::filesystem::absolute(c.data).parent_path())->vocab_size())
+          : checkpoint_model_config(c.resume);
   plan::PlanRequest request;
   request.workload = {model, c.batch_size, c.seq_len, c.precision};
   request.world = runtime.size();

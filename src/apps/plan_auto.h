@@ -12,8 +12,9 @@ namespace loom::apps {
 // --zero, --micro-batches, --schedule, --virtual-stages, --activation-checkpointing and
 // --sequence-parallel (and, for a pipeline planned on a profile file or built-in profile,
 // --pp-partition model with it), among the layouts the run's other flags go with. Every rank
-// takes rank 0's choice. Refused (loom::Error) with --resume (the plan precedes the checkpoint)
-// and with --pp-devices (the devices belong in the profile).
+// takes rank 0's choice; with --resume, for the checkpoint's model (which the Trainer then
+// reshards to the layout chosen). Refused (loom::Error) with --pp-devices (the devices belong in
+// the profile).
 void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime);
 
 }  // namespace loom::apps

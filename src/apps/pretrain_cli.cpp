@@ -111,6 +111,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--save-every", c.save_every, "Checkpoint every N steps (0: only at the end)")
       ->capture_default_str();
+  app.add_option("--save-every-s", c.save_every_s,
+                 "Also checkpoint after the step that ends this many seconds after the last "
+                 "checkpoint (or the start; 0: by steps only); the ranks agree on it")
+      ->capture_default_str();
+  app.add_option("--keep-checkpoints", c.keep_checkpoints,
+                 "The newest N checkpoints stay in --save-dir, older ones are removed (0: all)")
+      ->capture_default_str();
   app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
   app.add_option("--export-hf", c.export_hf, "Write a Hugging Face directory at the end");
   app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();

@@ -90,6 +90,10 @@ void TrainConfig::validate() const {
              freeze_variance_after);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
+  LOOM_CHECK(keep_checkpoints >= 0, "--keep-checkpoints {} must be >= 0 (0: keep all)",
+             keep_checkpoints);
+  LOOM_CHECK(save_every_s >= 0 && std::isfinite(save_every_s),
+             "--save-every-s {} must be a number of seconds >= 0 (0: by steps only)", save_every_s);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);
   LOOM_CHECK(lr_decay_steps >= 0, "--lr-decay-steps {} must be >= 0 (0 = --steps)", lr_decay_steps);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "--dropout {} must be in [0, 1)", dropout);
@@ -265,8 +269,12 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(
     attention, peak_tflops, strategies, zero3_reshard_after_forward, preempt_signals, dist_backend,
     prune, freeze_variance_after, ffn_blocks, ffn_rank, mtp, mtp_weights, d_ff, share_layers)
 
+// Fields past the macro's limit of 64, by hand.
 nlohmann::json TrainConfig::to_json() const {
-  return *this;
+  nlohmann::json j = *this;
+  j["save_every_s"] = save_every_s;
+  j["keep_checkpoints"] = keep_checkpoints;
+  return j;
 }
 
 void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
@@ -327,7 +335,10 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
   // Integer fields must hold JSON integers (a float would be cast: undefined when out of range).
   core::check_json_like(j, TrainConfig{}.to_json(), "training config");
   try {
-    return j.get<TrainConfig>();
+    auto c = j.get<TrainConfig>();
+    c.save_every_s = j.value("save_every_s", 0.0);
+    c.keep_checkpoints = j.value("keep_checkpoints", int64_t{2});
+    return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());
   }

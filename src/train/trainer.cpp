@@ -297,6 +297,26 @@ StepResult Trainer::fit() {
       !signals.empty())
     watch.emplace(signals);
   preempted_by_ = 0;
+  // What checkpoints cost this run: the training loop waits for each save.
+  auto last_save = start;
+  int64_t saves = 0;
+  double save_s = 0;
+  const auto timed_save = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    save_checkpoint();
+    last_save = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(last_save - t0).count();
+    saves += 1;
+    save_s += s;
+    return s;
+  };
+  const auto report_saves = [&] {
+    if (saves == 0) return;
+    const double run_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    spdlog::info("checkpoints: {} written in {:.2f} s, {:.1f} % of this run's {:.1f} s", saves,
+                 save_s, 100.0 * save_s / run_s, run_s);
+  };
   while (step() < config_.steps) {
     last = train_step();
     const double elapsed =
@@ -331,16 +351,27 @@ StepResult Trainer::fit() {
       record["val_loss"] = val;
       spdlog::info("step {:>5}/{} | validation loss {:.4f}", step(), config_.steps, val);
     }
+    // By seconds, the ranks agree: one whose clock says "due" makes every rank save.
+    const bool due_by_time =
+        config_.save_every_s > 0 &&
+        reduce_over_world(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - last_save).count() >=
+                    config_.save_every_s
+                ? 1
+                : 0,
+            dist::ReduceOp::Max) != 0;
+    const bool save =
+        !config_.save_dir.empty() &&
+        ((config_.save_every > 0 && step() % config_.save_every == 0) || due_by_time || final_step);
+    // Saved before the step's record is written, which then says what the save cost.
+    if (save) record["checkpoint_s"] = timed_save();
     metrics_.write(record);
     if (step() % config_.log_every == 0 || final_step || step() == first_step + 1)
       log_progress(last, tokens_per_s, avg_step * static_cast<double>(config_.steps - step()));
-    const bool save = !config_.save_dir.empty() &&
-                      ((config_.save_every > 0 && step() % config_.save_every == 0) || final_step);
-    if (save) save_checkpoint();
     // A signal may reach only some ranks, or reach them in different steps: the largest signal
     // number any rank has seen makes every rank stop after the same step.
     if (watch && (preempted_by_ = reduce_over_world(watch->received(), dist::ReduceOp::Max)) != 0) {
-      if (!config_.save_dir.empty() && !save) save_checkpoint();
+      if (!config_.save_dir.empty() && !save) timed_save();
       if (config_.save_dir.empty())
         spdlog::warn("{} after step {}: stopping without a checkpoint (no --save-dir)",
                      core::signal_name(preempted_by_), step());
@@ -348,9 +379,11 @@ StepResult Trainer::fit() {
         spdlog::info(
             "{} after step {}: checkpoint written to '{}'; stopping (resume with --resume)",
             core::signal_name(preempted_by_), step(), config_.save_dir);
+      report_saves();
       return last;
     }
   }
+  report_saves();
   if (!config_.export_hf.empty()) export_hf();
   return last;
 }

@@ -466,8 +466,8 @@ fs::path Trainer::save_checkpoint() {
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);
       core::NamedTensors named(params.begin(), params.end());
-      train::save_checkpoint(config_.save_dir, run().step, named, opt_state, state, extras, 2,
-                             shard_files);
+      train::save_checkpoint(config_.save_dir, run().step, named, opt_state, state, extras,
+                             static_cast<int>(config_.keep_checkpoints), shard_files);
       if (!shard_files.empty()) {
         std::error_code ec;
         core::remove_tree(shard_files.front().parent_path(), ec);
