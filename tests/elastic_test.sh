@@ -8,7 +8,10 @@
 #     (--plan auto), which reshards the tp-2 checkpoint and finishes;
 #  3. giving up: below --min-np, after --max-restarts, and a run that fails without losing a
 #     rank (a flag that does not fit the world) is not restarted: status 1, the reason reported;
-#  4. bad input: no --save-dir, --min-np above --np, no --np: status 2 and the value named.
+#  4. bad input: no --save-dir, --min-np above --np, no --np, layout flags in a --config file
+#     (a relaunch could not change them): status 2 and the value named;
+#  5. --save-every-s: saves by time, each save's cost in the next step's metrics record;
+#  6. SIGUSR1 to loom-elastic: passed on to every rank, which checkpoints; status 75, no restart.
 # Needs TOOLS (loom-elastic, loom-pretrain, loom-prepare, loom-eval) and MPIEXEC.
 set -uo pipefail
 work=$(mktemp -d)
@@ -87,9 +90,11 @@ print(f"ok: steps {steps[0]}-{steps[-1]} equal the uninterrupted 3-rank run from
 EOF
   saves=$(python3 -c "
 import json, sys
-print(sum('checkpoint_s' in json.loads(l) for l in open(sys.argv[1]) if l.strip()))" "$work/dp4.jsonl")
-  [ "$saves" -ge 5 ] && grep -q "checkpoints: .* written in" "$work/dp4.log" ||
-    { echo "FAIL: the saves' cost is not reported ($saves records with checkpoint_s)"; fail=1; }
+print(sum('previous_checkpoint_s' in json.loads(l) for l in open(sys.argv[1]) if l.strip()))" "$work/dp4.jsonl")
+  # Saves after steps 5 and 10 (the attempt that lost a rank), 20 and 25 (the relaunch): their
+  # cost in the records of steps 6, 11, 21 and 26.
+  [ "$saves" -ge 3 ] && grep -q "checkpoints: .* written in" "$work/dp4.log" ||
+    { echo "FAIL: the saves' cost is not reported ($saves records with previous_checkpoint_s)"; fail=1; }
 fi
 # No checkpoint left half-written: every one in the save directory loads, `latest` the last.
 for ckpt in "$work"/dp4/step-*; do
@@ -124,6 +129,40 @@ elastic badflag 2 0 0 -- $(train badflag 10) --dp 3
 expect_gave_up badflag "without losing a rank"
 [ "$(report badflag "len(r['attempts'])")" = 1 ] || { echo "FAIL: badflag was restarted"; fail=1; }
 
+# 5. --save-every-s: a save after every step whose interval has passed (a microsecond: every
+# step), none before the end when it has not (an hour); each save's seconds in the next record.
+for interval in 0.000001 3600; do
+  "$TOOLS/loom-pretrain" --model gpt2 --preset gpt2-tiny --data "$work/data/train.bin" --steps 3 \
+    --batch-size 4 --seq-len 32 --threads 1 --save-every-s $interval --keep-checkpoints 0 \
+    --save-dir "$work/timed$interval" --metrics-out "$work/timed$interval.jsonl" \
+    > "$work/timed.log" 2>&1 || { echo "FAIL: --save-every-s $interval: $(tail -3 "$work/timed.log")"; fail=1; }
+  got=$(cd "$work/timed$interval" 2> /dev/null && ls -d step-* | tr '\n' ' ')
+  timed=$(python3 -c "
+import json, sys
+print(sum('previous_checkpoint_s' in json.loads(l) for l in open(sys.argv[1]) if l.strip()))" "$work/timed$interval.jsonl")
+  want="step-00000001 step-00000002 step-00000003 " records=2
+  [ $interval = 3600 ] && want="step-00000003 " records=0
+  if [ "$got" != "$want" ] || [ "$timed" != $records ]; then
+    echo "FAIL: --save-every-s $interval saved '$got' ($timed records with previous_checkpoint_s), wanted '$want'"; fail=1
+  else echo "ok: --save-every-s $interval saved $got"; fi
+done
+
+# 6. A preemption notice to the supervisor (SIGUSR1) reaches every rank through the launcher:
+# they checkpoint and exit 75, and loom-elastic exits 75 without restarting.
+"$TOOLS/loom-elastic" --np 2 "${launcher[@]}" -- $(train usr1 1000000) > "$work/usr1.log" 2>&1 &
+pid=$!
+for ((w = 0; w < 600; w++)); do
+  [ "$(cat "$work/usr1.jsonl" 2> /dev/null | wc -l)" -ge 3 ] && break
+  sleep 0.1
+done
+kill -USR1 $pid
+wait $pid
+status=$?
+if [ $status -ne 75 ] || [ "$(report usr1 "r['outcome']")" != stopped ] ||
+  [ "$(report usr1 "len(r['attempts'])")" != 1 ] || [ ! -f "$work/usr1/latest" ]; then
+  echo "FAIL: SIGUSR1 to loom-elastic: status $status"; tail -5 "$work/usr1.log"; fail=1
+else echo "ok: SIGUSR1 to loom-elastic: every rank checkpointed ($(cat "$work/usr1/latest")), status 75"; fi
+
 # 4. Bad input.
 refuse() {
   local want=$1
@@ -137,4 +176,6 @@ refuse() {
 refuse "has no --save-dir" --np 2 -- "$TOOLS/loom-pretrain" --data "$work/data/train.bin"
 refuse "--min-np 5 must be in [1, --np 4]" --np 4 --min-np 5 -- $(train bad 10)
 refuse "--np is required" -- $(train bad 10)
+printf 'tp = 2\n' > "$work/layout.toml"
+refuse "--config file sets layout flags" --np 2 -- $(train bad 10) --config "$work/layout.toml"
 exit $fail

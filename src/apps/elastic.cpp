@@ -7,7 +7,9 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -55,7 +57,10 @@ std::vector<int64_t> lost_ranks(const fs::path& attempt_dir, int64_t world) {
   for (int64_t r = 0; r < world; ++r) {
     const auto s = read_rank_status(attempt_dir, r);
     const bool vanished = !s || (s->state == "running" && !s->asked_to_stop);
-    const bool killed = s && s->state == "signalled" && !s->asked_to_stop;
+    // SIGKILL that the launcher did not send: kill -9, the kernel's out-of-memory killer. Other
+    // signals (SIGSEGV, SIGABRT) are crashes of a rank that is still there: a deterministic bug
+    // would only crash the smaller world again.
+    const bool killed = s && s->state == "signalled" && s->signal == SIGKILL && !s->asked_to_stop;
     if (vanished || killed) lost.push_back(r);
   }
   return lost;
@@ -77,20 +82,21 @@ std::vector<std::string> without_flag(const std::vector<std::string>& args, cons
 
 namespace {
 
-// The layout flags a relaunch may replace (those --plan auto reads as constraints, plan_auto.cpp),
-// and whether each takes a value.
+// The layout flags a relaunch leaves to the planner (those --plan auto reads as constraints,
+// plan_auto.cpp, and the pipeline's device split), and whether each takes a value. Not the
+// micro-batches: a resume must keep them (TrainConfig::check_resumable_from).
 const std::vector<std::pair<std::string, bool>> kLayoutFlags = {
     {"--dp", true},
     {"--tp", true},
     {"--pp", true},
     {"--cp", true},
     {"--zero", true},
-    {"--micro-batches", true},
-    {"--grad-accum", true},
     {"--virtual-stages", true},
     {"--schedule", true},
     {"--activation-checkpointing", true},
-    {"--sequence-parallel", false}};
+    {"--sequence-parallel", false},
+    {"--pp-partition", true},
+    {"--pp-devices", true}};
 
 // Parses the training flags as loom-pretrain does (without running anything).
 void parse_training_flags(PretrainCommandLine& cli, const std::vector<std::string>& args) {
@@ -130,15 +136,21 @@ std::string why_layout_does_not_fit(const train::TrainConfig& c, int64_t world) 
 Relaunch relaunch_args(const std::vector<std::string>& args, int64_t world,
                        const fs::path& save_dir) {
   LOOM_CHECK(world >= 1, "a relaunch needs at least one rank, not {}", world);
-  auto base = without_flag(args, "--resume", true);
+  // From the save directory's last checkpoint; before the run has written one, from where it
+  // started (its own --resume, if any).
   const auto latest = train::latest_checkpoint(save_dir);
-  if (latest) base.insert(base.end(), {"--resume", save_dir.string()});
+  auto base = args;
+  if (latest) {
+    base = without_flag(args, "--resume", true);
+    base.insert(base.end(), {"--resume", save_dir.string()});
+  }
   const std::string from =
       latest ? fmt::format("from checkpoint {}", latest->filename().string()) : "from the start";
   PretrainCommandLine cli("loom-pretrain");
   parse_training_flags(cli, base);
-  if (cli.plan == "auto")
-    return {base, fmt::format("{} ranks, {}; --plan auto plans the layout again", world, from)};
+  if (cli.plan == "auto")  // its --dp, if any, was for the old world
+    return {without_flag(base, "--dp", true),
+            fmt::format("{} ranks, {}; --plan auto plans the layout again", world, from)};
   const auto& c = cli.config;
   const auto why = why_layout_does_not_fit(c, world);
   if (why.empty()) {
@@ -196,6 +208,22 @@ int supervise(const Options& o) {
              "the training command has no --save-dir: a restart resumes from its last complete "
              "checkpoint, so loom-elastic needs one (with --save-every N to bound the steps lost)");
   const fs::path save_dir = fs::absolute(cli.config.save_dir);
+  // A relaunch rewrites the layout flags on the command line: in a --config file it could not.
+  if (cli.app.count("--config") > 0) {
+    PretrainCommandLine bare("loom-pretrain");
+    parse_training_flags(bare, without_flag(flags, "--config", true));
+    const auto& a = cli.config;
+    const auto& b = bare.config;
+    LOOM_CHECK(a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.zero == b.zero &&
+                   a.schedule == b.schedule && a.virtual_stages == b.virtual_stages &&
+                   a.activation_checkpointing == b.activation_checkpointing &&
+                   a.sequence_parallel == b.sequence_parallel && a.pp_partition == b.pp_partition &&
+                   a.pp_devices == b.pp_devices && cli.plan == bare.plan,
+               "the training command's --config file sets layout flags (dp, tp, pp, cp, zero, "
+               "schedule, virtual_stages, activation_checkpointing, sequence_parallel, "
+               "pp_partition, pp_devices or plan): give them on the command line instead, where "
+               "loom-elastic can change them for a smaller world");
+  }
   const fs::path work =
       o.work_dir.empty() ? fs::path(save_dir.string() + ".elastic") : fs::absolute(o.work_dir);
   const fs::path report_file = o.report.empty() ? work / "report.json" : fs::path(o.report);
@@ -219,7 +247,13 @@ int supervise(const Options& o) {
 
   int64_t world = o.np;
   Relaunch run{flags, fmt::format("{} ranks, the command as given", o.np)};
+  forward_stop_signals();  // from here on: a stop between two attempts is seen too
   for (int64_t attempt = 0;; ++attempt) {
+    if (const int sig = received_stop_signal(); sig != 0 && attempt > 0)
+      return finish("stopped",
+                    fmt::format("{} reached loom-elastic between two attempts: not restarting",
+                                core::signal_name(sig)),
+                    1);
     const auto dir = work / fmt::format("attempt-{}", attempt);
     std::error_code ec;
     core::remove_tree(dir, ec);
@@ -232,8 +266,8 @@ int supervise(const Options& o) {
     const int64_t before = latest_step(save_dir);
     spdlog::info("loom-elastic: attempt {}: {}", attempt, run.how);
     const auto t0 = std::chrono::steady_clock::now();
-    int stop_signal = 0;
-    const int code = run_and_forward_signals(command, stop_signal);
+    const int code = run_forwarding_signals(command);
+    const int stop_signal = received_stop_signal();
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const int64_t after = latest_step(save_dir);
@@ -264,6 +298,14 @@ int supervise(const Options& o) {
                     fmt::format("{} reached loom-elastic, which passed it on and does not restart",
                                 core::signal_name(stop_signal)),
                     code);
+    if (ranks.size() == static_cast<size_t>(world) &&
+        std::all_of(ranks.begin(), ranks.end(),
+                    [](const json& r) { return r["state"] == "no status"; }))
+      return finish("gave up",
+                    fmt::format("the launcher '{}' failed (status {}) before any rank started "
+                                "(its output says why)",
+                                o.launcher, code),
+                    1);
     if (lost.empty() && code == train::kPreemptedExitCode)
       return finish("stopped", "the ranks were preempted (status 75): not restarting", code);
     if (lost.empty() && after <= before)

@@ -29,18 +29,17 @@ volatile sig_atomic_t child_pid = 0;
 volatile sig_atomic_t first_signal = 0;
 
 extern "C" void forward_signal(int sig) {
+  const int saved_errno = errno;  // kill may set it under the interrupted code's feet
   if (first_signal == 0) first_signal = sig;
   if (child_pid > 0) kill(static_cast<pid_t>(child_pid), sig);
+  errno = saved_errno;
 }
 
-// Handlers installed without SA_RESTART, so that waitpid returns EINTR and the caller sees the
-// signal at once.
-void install_forwarding() {
-  struct sigaction action {};
-  action.sa_handler = forward_signal;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = 0;
-  for (int sig : kForwarded) sigaction(sig, &action, nullptr);
+sigset_t forwarded_set() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : kForwarded) sigaddset(&set, sig);
+  return set;
 }
 
 std::vector<char*> c_argv(const std::vector<std::string>& command) {
@@ -50,24 +49,38 @@ std::vector<char*> c_argv(const std::vector<std::string>& command) {
   return argv;
 }
 
-// fork + execvp; the child dies with this process when `die_with_parent`. A failed exec exits
-// 127, as a shell's would.
+// fork + execvp, and child_pid set; the child dies with this process when `die_with_parent`.
+// The forwarded signals are blocked across the fork, so that none arrives after the child
+// exists but before child_pid names it (the parent would not pass it on) or before the child
+// has dropped the inherited handler (the child would swallow it); one that arrived before the
+// fork is passed on as soon as they are unblocked. A failed exec exits 127, as a shell's would.
 pid_t spawn(const std::vector<std::string>& command, bool die_with_parent) {
   LOOM_CHECK(!command.empty(), "loom-elastic: no command to run");
   auto argv = c_argv(command);
   const pid_t parent = getpid();
+  const sigset_t blocked = forwarded_set();
+  sigset_t previous;
+  sigprocmask(SIG_BLOCK, &blocked, &previous);
   const pid_t pid = fork();
-  LOOM_CHECK(pid >= 0, "loom-elastic: fork failed: {}", std::strerror(errno));
   if (pid == 0) {
     if (die_with_parent) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(127);  // the parent died before prctl took effect
     }
     for (int sig : kForwarded) signal(sig, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &previous, nullptr);
     execvp(argv[0], argv.data());
     std::fprintf(stderr, "loom-elastic: cannot run '%s': %s\n", argv[0], std::strerror(errno));
     _exit(127);
   }
+  const int fork_errno = errno;
+  if (pid > 0) {
+    child_pid = pid;
+    // A stop requested before the launch reaches the command at once.
+    if (first_signal != 0) kill(pid, first_signal);
+  }
+  sigprocmask(SIG_SETMASK, &previous, nullptr);
+  LOOM_CHECK(pid >= 0, "loom-elastic: fork failed: {}", std::strerror(fork_errno));
   return pid;
 }
 
@@ -87,21 +100,31 @@ int rank_from_environment() {
 
 }  // namespace
 
-int run_and_forward_signals(const std::vector<std::string>& command, int& stop_signal) {
-  install_forwarding();
-  first_signal = 0;
+void forward_stop_signals() {
+  // Without SA_RESTART, so that waitpid returns EINTR and the caller sees the signal at once.
+  struct sigaction action {};
+  action.sa_handler = forward_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;
+  for (int sig : kForwarded) sigaction(sig, &action, nullptr);
+}
+
+int received_stop_signal() {
+  return first_signal;
+}
+
+int run_forwarding_signals(const std::vector<std::string>& command) {
   const pid_t pid = spawn(command, /*die_with_parent=*/false);
-  child_pid = pid;
   int status = 0;
   while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) {
+    const int wait_errno = errno;
+    if (wait_errno != EINTR) {
       child_pid = 0;
       throw Error(fmt::format("loom-elastic: waiting for '{}' failed: {}", command.front(),
-                              std::strerror(errno)));
+                              std::strerror(wait_errno)));
     }
   }
   child_pid = 0;
-  stop_signal = first_signal;
   return exit_code_of(status);
 }
 
@@ -112,16 +135,15 @@ int rank_wrapper_main(const std::filesystem::path& attempt_dir,
   nlohmann::json status = {{"rank", rank}, {"state", "running"}, {"asked_to_stop", false}};
   // Written before the command starts: a wrapper that vanishes leaves "running" behind.
   core::write_file_atomic(file, status.dump());
-  install_forwarding();
-  first_signal = 0;
+  forward_stop_signals();
   const pid_t pid = spawn(command, /*die_with_parent=*/true);
-  child_pid = pid;
   status["pid"] = pid;
   core::write_file_atomic(file, status.dump());
   int wait_status = 0;
   bool recorded_stop = false;
   for (;;) {
     const pid_t done = waitpid(pid, &wait_status, 0);
+    const int wait_errno = errno;  // before the status write below can change it
     if (first_signal != 0 && !recorded_stop) {
       // The launcher is ending this rank: recorded at once, since it may kill this wrapper
       // (and with it the command) before the command has finished.
@@ -131,9 +153,9 @@ int rank_wrapper_main(const std::filesystem::path& attempt_dir,
       recorded_stop = true;
     }
     if (done == pid) break;
-    if (done < 0 && errno != EINTR) {
+    if (done < 0 && wait_errno != EINTR) {
       std::fprintf(stderr, "loom-elastic: rank %d: waiting for the command failed: %s\n", rank,
-                   std::strerror(errno));
+                   std::strerror(wait_errno));
       return 1;
     }
   }

@@ -7,10 +7,16 @@
 
 namespace loom::apps::elastic {
 
-// Runs `command` (argv[0] looked up on PATH) and waits for it. TERM, INT, HUP, USR1 and USR2
-// received meanwhile are passed on to it; the first one's number is stored in `stop_signal`.
-// Returns its exit code, or 128 + the signal that ended it.
-int run_and_forward_signals(const std::vector<std::string>& command, int& stop_signal);
+// From now on TERM, INT, HUP, USR1 and USR2 are passed on to the command running (if any) and
+// the first one is remembered: a supervisor calls this once, before its first launch, so that
+// a signal between two launches is not lost.
+void forward_stop_signals();
+// The first of those signals this process received (0: none).
+int received_stop_signal();
+
+// Runs `command` (argv[0] looked up on PATH) and waits for it, passing those signals on to it
+// (forward_stop_signals first). Returns its exit code, or 128 + the signal that ended it.
+int run_forwarding_signals(const std::vector<std::string>& command);
 
 // `loom-elastic --rank-wrapper DIR -- COMMAND...`, which mpirun starts as each rank: runs COMMAND
 // (which dies with the wrapper: PR_SET_PDEATHSIG), passes the launcher's signals on to it, and

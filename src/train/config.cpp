@@ -90,8 +90,8 @@ void TrainConfig::validate() const {
              freeze_variance_after);
   LOOM_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   LOOM_CHECK(save_every >= 0, "--save-every {} must be >= 0", save_every);
-  LOOM_CHECK(keep_checkpoints >= 0, "--keep-checkpoints {} must be >= 0 (0: keep all)",
-             keep_checkpoints);
+  LOOM_CHECK(keep_checkpoints >= 0 && keep_checkpoints <= 1000000,
+             "--keep-checkpoints {} must be in [0, 1000000] (0: keep all)", keep_checkpoints);
   LOOM_CHECK(save_every_s >= 0 && std::isfinite(save_every_s),
              "--save-every-s {} must be a number of seconds >= 0 (0: by steps only)", save_every_s);
   LOOM_CHECK(eval_every >= 0, "--eval-every {} must be >= 0", eval_every);

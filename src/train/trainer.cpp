@@ -301,6 +301,7 @@ StepResult Trainer::fit() {
   auto last_save = start;
   int64_t saves = 0;
   double save_s = 0;
+  double last_save_s = -1;  // the last save's seconds, until a record has said them; -1: none
   const auto timed_save = [&] {
     const auto t0 = std::chrono::steady_clock::now();
     save_checkpoint();
@@ -363,11 +364,14 @@ StepResult Trainer::fit() {
     const bool save =
         !config_.save_dir.empty() &&
         ((config_.save_every > 0 && step() % config_.save_every == 0) || due_by_time || final_step);
-    // Saved before the step's record is written, which then says what the save cost.
-    if (save) record["checkpoint_s"] = timed_save();
+    // The record goes out before the save: a run resumed from this step's checkpoint keeps it.
+    // What a save cost is in the next step's record (and the summary at the end).
+    if (last_save_s >= 0) record["previous_checkpoint_s"] = last_save_s;
+    last_save_s = -1;
     metrics_.write(record);
     if (step() % config_.log_every == 0 || final_step || step() == first_step + 1)
       log_progress(last, tokens_per_s, avg_step * static_cast<double>(config_.steps - step()));
+    if (save) last_save_s = timed_save();
     // A signal may reach only some ranks, or reach them in different steps: the largest signal
     // number any rank has seen makes every rank stop after the same step.
     if (watch && (preempted_by_ = reduce_over_world(watch->received(), dist::ReduceOp::Max)) != 0) {
