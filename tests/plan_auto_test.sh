@@ -88,10 +88,10 @@ refuse 1 "--plan 'sometimes' is not valid: none" --plan sometimes
 refuse 1 "$work/nowhere" --plan auto --resume "$work/nowhere"
 
 # 3b. A checkpoint written by 1 rank, resumed by 2 with the layout --plan auto picks.
-"${train[@]}" --save-dir "$work/one" > "$work/one.log" 2>&1 || { say "FAIL: the 1-rank run: $(cat "$work/one.log")"; fail=1; }
+"${train[@]}" --lr-decay-steps 4 --save-dir "$work/one" > "$work/one.log" 2>&1 || { say "FAIL: the 1-rank run: $(cat "$work/one.log")"; fail=1; }
 four=("${train[@]}")
 for i in "${!four[@]}"; do [ "${four[$i]}" = --steps ] && four[$((i + 1))]=4; done
-out=$("$MPIEXEC" -np 2 "${four[@]}" --plan auto --plan-profile h100-node \
+out=$("$MPIEXEC" -np 2 "${four[@]}" --lr-decay-steps 4 --plan auto --plan-profile h100-node \
   --resume "$work/one" --metrics-out "$work/m-resumed.jsonl" 2>&1)
 status=$?
 steps=$([ -f "$work/m-resumed.jsonl" ] && python3 -c "

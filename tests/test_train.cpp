@@ -426,6 +426,58 @@ INSTANTIATE_TEST_SUITE_P(
                       ResumeCase{"gpt2_fp64", "gpt2", "gpt2-tiny", "fp64", 1, 0.0}),
     [](const auto& info) { return info.param.name; });
 
+// --async-save: the files come from copies taken when the save began, so every checkpoint
+// equals the one a synchronous save writes at that step, although training went on while it was
+// written; fit() returns with the last one complete. A save while a background write is in
+// flight waits for it (save_checkpoint after fit, the every-step saves here).
+TEST(Training, AsyncSavesWriteWhatSyncSavesWrite) {
+  TempDir dir;
+  write_corpus_data(dir.path(), 50000, 5000);
+  auto c = small_config(dir.path());
+  c.save_every = 1;  // each save finds the previous one's write in flight or just done
+  c.keep_checkpoints = 0;
+  c.save_dir = (dir / "sync").string();
+  { train::Trainer(c).fit(); }
+  c.save_dir = (dir / "async").string();
+  c.async_save = true;
+  {
+    train::Trainer t(c);
+    t.fit();
+    EXPECT_EQ(train::latest_checkpoint(c.save_dir)->filename(), "step-00000006");
+    t.save_checkpoint();  // the same step again, synchronously: replaces it
+  }
+  // The copies: parameters changed in place right after a background save began (while its
+  // thread is starting to write) must not reach the file.
+  {
+    c.save_dir = (dir / "changed").string();
+    c.steps = 1;
+    train::Trainer t(c);
+    t.fit();
+    const auto before = params_of(t);
+    t.save_checkpoint(/*in_background=*/true);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : t.model().named_parameters()) item.value().add_(1.0);
+    }
+    t.wait_for_checkpoint();
+    const auto saved = train::load_checkpoint(dir / "changed" / "step-00000001");
+    for (const auto& [name, p] : before)
+      EXPECT_TRUE(at::equal(p, saved.model.at(name))) << name << " changed on its way to the file";
+  }
+  for (int step = 1; step <= c.steps; ++step) {
+    const auto name = fmt::format("step-{:08d}", step);
+    auto a = train::load_checkpoint(dir / "sync" / name);
+    auto b = train::load_checkpoint(dir / "async" / name);
+    EXPECT_EQ(a.step, step);
+    EXPECT_EQ(b.step, step);
+    ASSERT_EQ(a.model.size(), b.model.size()) << name;
+    ASSERT_EQ(a.optimizer.size(), b.optimizer.size()) << name;
+    for (const auto& [key, t] : a.model) EXPECT_TRUE(at::equal(t, b.model.at(key))) << name << key;
+    for (const auto& [key, t] : a.optimizer)
+      EXPECT_TRUE(at::equal(t, b.optimizer.at(key))) << name << key;
+  }
+}
+
 TEST(Training, ResumeRefusesChangesThatBreakExactness) {
   TempDir dir;
   write_corpus_data(dir.path(), 50000, 5000);

@@ -115,6 +115,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "Also checkpoint after the step that ends this many seconds after the last "
                  "checkpoint (or the start; 0: by steps only); the ranks agree on it")
       ->capture_default_str();
+  app.add_flag("--async-save", c.async_save,
+               "Write checkpoints in the background: the step waits only for copies of the state, "
+               "rank 0 writes the files while training goes on (the next save, the end and a "
+               "preemption wait for it)");
   app.add_option("--keep-checkpoints", c.keep_checkpoints,
                  "The newest N checkpoints stay in --save-dir, older ones are removed (0: all)")
       ->capture_default_str();

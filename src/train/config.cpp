@@ -274,6 +274,7 @@ nlohmann::json TrainConfig::to_json() const {
   nlohmann::json j = *this;
   j["save_every_s"] = save_every_s;
   j["keep_checkpoints"] = keep_checkpoints;
+  j["async_save"] = async_save;
   return j;
 }
 
@@ -338,6 +339,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     auto c = j.get<TrainConfig>();
     c.save_every_s = j.value("save_every_s", 0.0);
     c.keep_checkpoints = j.value("keep_checkpoints", int64_t{2});
+    c.async_save = j.value("async_save", false);
     return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());

@@ -266,7 +266,17 @@ std::pair<std::map<std::string, at::Tensor>, core::NamedTensors> Trainer::collec
   return out;
 }
 
-fs::path Trainer::save_checkpoint() {
+void Trainer::wait_for_checkpoint() {
+  if (!save_in_flight_) return;
+  save_in_flight_ = false;
+  std::exception_ptr failure;
+  if (is_rank0()) failure = writer_.wait();
+  share_rank0_outcome(
+      failure, fmt::format("write a checkpoint into '{}' in the background", config_.save_dir));
+}
+
+fs::path Trainer::save_checkpoint(bool background) {
+  wait_for_checkpoint();
   const auto zero = run().optimizer->sharded_state();
   LOOM_CHECK(!config_.save_dir.empty(), "saving a checkpoint needs --save-dir");
   // Data-parallel replicas hold the same state, except each rank's dropout generator (custom
@@ -466,13 +476,39 @@ fs::path Trainer::save_checkpoint() {
       for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
         extras.push_back(tokenizer_dir_ / f);
       core::NamedTensors named(params.begin(), params.end());
-      train::save_checkpoint(config_.save_dir, run().step, named, opt_state, state, extras,
-                             static_cast<int>(config_.keep_checkpoints), shard_files);
-      if (!shard_files.empty()) {
-        std::error_code ec;
-        core::remove_tree(shard_files.front().parent_path(), ec);
+      auto write = [save_dir = fs::path(config_.save_dir), step = run().step, dir,
+                    keep = static_cast<int>(config_.keep_checkpoints), shard_files, extras,
+                    state = std::move(state), background](const core::NamedTensors& model,
+                                                          const core::NamedTensors& optimizer) {
+        try {
+          train::save_checkpoint(save_dir, step, model, optimizer, state, extras, keep,
+                                 shard_files);
+        } catch (...) {
+          std::error_code ec;
+          if (!shard_files.empty()) core::remove_tree(shard_files.front().parent_path(), ec);
+          throw;
+        }
+        if (!shard_files.empty()) {
+          std::error_code ec;
+          core::remove_tree(shard_files.front().parent_path(), ec);
+        }
+        spdlog::info("saved checkpoint {}{}", dir.string(),
+                     background ? " (written in the background)" : "");
+      };
+      if (background) {
+        // Copies: from the next step on, training changes the live tensors.
+        auto copy = [](core::NamedTensors& tensors) {
+          for (auto& [key, t] : tensors)
+            t = t.device().is_cpu() ? t.detach().clone() : t.detach().to(at::kCPU);
+        };
+        copy(named);
+        copy(opt_state);
+        writer_.start([write = std::move(write), named = std::move(named),
+                       opt_state = std::move(opt_state)] { write(named, opt_state); },
+                      fmt::format("checkpoint {}", dir.string()));
+      } else {
+        write(named, opt_state);
       }
-      spdlog::info("saved checkpoint {}", dir.string());
     } catch (...) {
       failure = std::current_exception();
       std::error_code ec;
@@ -481,6 +517,7 @@ fs::path Trainer::save_checkpoint() {
   }
   share_rank0_outcome(
       failure, fmt::format("write checkpoint step {} into '{}'", run().step, config_.save_dir));
+  save_in_flight_ = background;
   return dir;
 }
 

@@ -19,6 +19,7 @@
 #include "loom/models/causal_lm.h"
 #include "loom/models/custom_model.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/checkpoint_writer.h"
 #include "loom/train/config.h"
 #include "loom/train/lr_schedule.h"
 #include "loom/train/metrics.h"
@@ -62,9 +63,15 @@ class Trainer {
   // Mean next-token loss over the first `batches` x batch_size sequential windows of the
   // validation data (fewer if it is shorter), the windows split across the dp ranks.
   double evaluate(int64_t batches);
-  // Writes a checkpoint of the current state into config.save_dir (every rank calls this and
-  // returns once it is written).
-  std::filesystem::path save_checkpoint();
+  // Writes a checkpoint of the current state into config.save_dir (every rank calls this). It
+  // first waits for a background write in flight. `in_background`: returns once the collective
+  // part is done and rank 0 holds copies of what it writes; rank 0 writes the files on a thread
+  // of its own (checkpoint_writer.h) while the caller trains on; the next save, fit's end or
+  // wait_for_checkpoint() waits for it. Otherwise it returns once the checkpoint is complete.
+  std::filesystem::path save_checkpoint(bool in_background = false);
+  // Waits for a background write in flight (none: returns at once); every rank learns whether it
+  // worked (rank 0 rethrows its error, the others throw naming it). Collective.
+  void wait_for_checkpoint();
 
   int64_t step() const { return run().step; }
   // The model; with --pp > 1, this rank's first model part (chunks() has them all).
@@ -155,6 +162,8 @@ class Trainer {
   double flops_per_token_ = 0;
   double peak_flops_ = 0;  // 0: unknown, no MFU
   int preempted_by_ = 0;   // the signal that stopped the last fit(), or 0
+  bool save_in_flight_ = false;  // every rank: a background write has not been waited for
+  CheckpointWriter writer_;      // last: destroyed first, waiting for a write in flight
 };
 
 // Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded, in the

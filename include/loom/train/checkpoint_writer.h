@@ -1,0 +1,41 @@
+#pragma once
+// The write of a checkpoint on a background thread (--async-save): rank 0's part of a save (the
+// files, their checksums, the rename and `latest`) runs while training goes on, from copies of
+// the tensors taken when the save began. One write at a time: the next save, the end of fit()
+// and the destructor wait for the one in flight.
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+
+namespace loom::train {
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter() = default;
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  // Waits for a write in flight; its failure, if any, is only logged here (wait() reports it).
+  ~CheckpointWriter();
+
+  // Starts `write` on a thread of its own; `what` names it in messages. A write still in flight
+  // is an error (the caller waits first).
+  void start(std::function<void()> write, std::string what);
+  bool pending() const { return thread_.joinable(); }
+
+  // Waits for the write in flight (returns at once when there is none): what it threw (null when
+  // it succeeded or none was pending).
+  std::exception_ptr wait();
+  // Seconds the last finished write took on its thread, and all of them together.
+  double last_seconds() const { return last_seconds_; }
+  double total_seconds() const { return total_seconds_; }
+
+ private:
+  std::thread thread_;
+  std::exception_ptr failure_;
+  std::string what_;
+  double last_seconds_ = 0, total_seconds_ = 0, running_seconds_ = 0;
+};
+
+}  // namespace loom::train
