@@ -10,7 +10,9 @@
 #     rank (a flag that does not fit the world) is not restarted: status 1, the reason reported;
 #  4. bad input: no --save-dir, --min-np above --np, no --np, layout flags in a --config file
 #     (a relaunch could not change them): status 2 and the value named;
-#  5. --save-every-s: saves by time, each save's cost in the next step's metrics record;
+#  5. --save-every-s: saves by time, each save's cost in the next step's metrics record; a
+#     background write that fails (LOOM_TEST_WRITE_FAULT) stops the run at the next save, naming
+#     the checkpoint, with `latest` on the previous one and nothing half-written left;
 #  6. SIGUSR1 to loom-elastic: passed on to every rank, which checkpoints; status 75, no restart.
 # Needs TOOLS (loom-elastic, loom-pretrain, loom-prepare, loom-eval) and MPIEXEC.
 set -uo pipefail
@@ -146,6 +148,27 @@ print(sum('previous_checkpoint_s' in json.loads(l) for l in open(sys.argv[1]) if
     echo "FAIL: --save-every-s $interval saved '$got' ($timed records with previous_checkpoint_s), wanted '$want'"; fail=1
   else echo "ok: --save-every-s $interval saved $got"; fi
 done
+
+# 5b. A background write that fails (the disk full half-way through the third checkpoint,
+# LOOM_TEST_WRITE_FAULT): the run stops at the next save with status 2 and the checkpoint named,
+# `latest` still names the second one, which loads, and nothing half-written is left.
+async_run() {  # async_run DIR STEPS: a 1-rank run saving every step in the background
+  "$TOOLS/loom-pretrain" --model gpt2 --preset gpt2-tiny --data "$work/data/train.bin" --steps "$2" \
+    --batch-size 4 --seq-len 32 --threads 1 --save-every 1 --keep-checkpoints 0 --async-save \
+    --save-dir "$work/$1"
+}
+async_run probe 1 > /dev/null 2>&1
+size=$(du -sb "$work/probe/step-00000001" | cut -f1)
+out=$(LOOM_TEST_WRITE_FAULT=$((size * 5 / 2)) async_run faulty 6 2>&1)
+status=$?
+left=$(find "$work/faulty" -maxdepth 1 -name '*.tmp' -o -maxdepth 1 -name '*.zero-staging' | wc -l)
+if [ $status -ne 2 ] || ! grep -qF "step-00000003' (written in the background)" <<< "$out" ||
+  [ "$(cat "$work/faulty/latest" 2> /dev/null)" != step-00000002 ] || [ "$left" != 0 ] ||
+  ! "$TOOLS/loom-eval" --checkpoint "$work/faulty" --data "$work/data/val.bin" --seq-len 32 \
+    --batches 1 > /dev/null 2>&1; then
+  echo "FAIL: a failed background write: status $status, latest '$(cat "$work/faulty/latest" 2> /dev/null)', $left leftovers: $(grep -i error <<< "$out" | head -3)"
+  fail=1
+else echo "ok: a failed background write: status 2, '$(grep -o "checkpoint '[^']*' (written in the background)" <<< "$out" | head -1)', step-00000002 still latest and loads"; fi
 
 # 6. A preemption notice to the supervisor (SIGUSR1) reaches every rank through the launcher:
 # they checkpoint and exit 75, and loom-elastic exits 75 without restarting.

@@ -2,17 +2,21 @@
 
 #include <spdlog/spdlog.h>
 
+#include <exception>
+
 #include "loom/core/error.h"
 
 namespace loom::train {
 
-CheckpointWriter::~CheckpointWriter() {
+void CheckpointWriter::finish_quietly() noexcept {
   if (!pending()) return;
   if (const auto failure = wait()) {
     try {
       std::rethrow_exception(failure);
     } catch (const std::exception& e) {
       spdlog::error("{} failed: {}", what_, e.what());
+    } catch (...) {
+      spdlog::error("{} failed", what_);
     }
   }
 }

@@ -297,7 +297,18 @@ StepResult Trainer::fit() {
       !signals.empty())
     watch.emplace(signals);
   preempted_by_ = 0;
+  // A failure in the steps after a background save (a non-finite loss, a rank's error) ends the
+  // job (run_tool aborts it) with this Trainer alive: rank 0 first finishes the write in flight,
+  // as a synchronous save would have. (A peer's abort can still cut it short.)
+  struct FinishWriteOnThrow {
+    CheckpointWriter& writer;
+    int uncaught = std::uncaught_exceptions();
+    ~FinishWriteOnThrow() {
+      if (std::uncaught_exceptions() > uncaught && writer.pending()) writer.finish_quietly();
+    }
+  } finish_write_on_throw{writer_};
   // What checkpoints cost this run: the training loop waits for each save.
+  const double written_before = writer_.total_seconds();
   auto last_save = start;
   int64_t saves = 0;
   double save_s = 0;
@@ -323,7 +334,7 @@ StepResult Trainer::fit() {
       spdlog::info(
           "checkpoints: {} written; training waited {:.2f} s for them, {:.1f} % of this run's "
           "{:.1f} s; rank 0 wrote their files in {:.2f} s in the background",
-          saves, save_s, 100.0 * save_s / run_s, run_s, writer_.total_seconds());
+          saves, save_s, 100.0 * save_s / run_s, run_s, writer_.total_seconds() - written_before);
     else
       spdlog::info("checkpoints: {} written in {:.2f} s, {:.1f} % of this run's {:.1f} s", saves,
                    save_s, 100.0 * save_s / run_s, run_s);

@@ -271,8 +271,16 @@ void Trainer::wait_for_checkpoint() {
   save_in_flight_ = false;
   std::exception_ptr failure;
   if (is_rank0()) failure = writer_.wait();
+  if (failure) {  // rank 0's error, saying which checkpoint it was writing
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      failure = std::make_exception_ptr(Error(fmt::format(
+          "checkpoint '{}' (written in the background): {}", in_flight_dir_.string(), e.what())));
+    }
+  }
   share_rank0_outcome(
-      failure, fmt::format("write a checkpoint into '{}' in the background", config_.save_dir));
+      failure, fmt::format("write checkpoint '{}' in the background", in_flight_dir_.string()));
 }
 
 fs::path Trainer::save_checkpoint(bool background) {
@@ -518,6 +526,7 @@ fs::path Trainer::save_checkpoint(bool background) {
   share_rank0_outcome(
       failure, fmt::format("write checkpoint step {} into '{}'", run().step, config_.save_dir));
   save_in_flight_ = background;
+  in_flight_dir_ = dir;
   return dir;
 }
 

@@ -16,8 +16,8 @@ class CheckpointWriter {
   CheckpointWriter() = default;
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
-  // Waits for a write in flight; its failure, if any, is only logged here (wait() reports it).
-  ~CheckpointWriter();
+  // Waits for a write in flight (finish_quietly).
+  ~CheckpointWriter() { finish_quietly(); }
 
   // Starts `write` on a thread of its own; `what` names it in messages. A write still in flight
   // is an error (the caller waits first).
@@ -27,6 +27,8 @@ class CheckpointWriter {
   // Waits for the write in flight (returns at once when there is none): what it threw (null when
   // it succeeded or none was pending).
   std::exception_ptr wait();
+  // The same where nobody can be told: a failure is logged as an error.
+  void finish_quietly() noexcept;
   // Seconds the last finished write took on its thread, and all of them together.
   double last_seconds() const { return last_seconds_; }
   double total_seconds() const { return total_seconds_; }

@@ -67,7 +67,9 @@ class Trainer {
   // first waits for a background write in flight. `in_background`: returns once the collective
   // part is done and rank 0 holds copies of what it writes; rank 0 writes the files on a thread
   // of its own (checkpoint_writer.h) while the caller trains on; the next save, fit's end or
-  // wait_for_checkpoint() waits for it. Otherwise it returns once the checkpoint is complete.
+  // wait_for_checkpoint() waits for it (a custom loop must call it, or save again, before the
+  // Trainer goes: only then does every rank learn whether the write worked). Otherwise it
+  // returns once the checkpoint is complete.
   std::filesystem::path save_checkpoint(bool in_background = false);
   // Waits for a background write in flight (none: returns at once); every rank learns whether it
   // worked (rank 0 rethrows its error, the others throw naming it). Collective.
@@ -160,10 +162,11 @@ class Trainer {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   at::Device device_{at::kCPU};
   double flops_per_token_ = 0;
-  double peak_flops_ = 0;  // 0: unknown, no MFU
-  int preempted_by_ = 0;   // the signal that stopped the last fit(), or 0
-  bool save_in_flight_ = false;  // every rank: a background write has not been waited for
-  CheckpointWriter writer_;      // last: destroyed first, waiting for a write in flight
+  double peak_flops_ = 0;                // 0: unknown, no MFU
+  int preempted_by_ = 0;                 // the signal that stopped the last fit(), or 0
+  bool save_in_flight_ = false;          // every rank: a background write has not been waited for
+  std::filesystem::path in_flight_dir_;  // every rank: the checkpoint that write is for
+  CheckpointWriter writer_;              // last: destroyed first, waiting for a write in flight
 };
 
 // Rebuilds the model a checkpoint (directory or save directory) holds, parameters loaded, in the
