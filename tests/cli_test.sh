@@ -165,6 +165,9 @@ sed -i 's/"stage_devices": \["gpu", "tpu"\],//' "$work/profile.json"
 expect "no layout of 4 ranks fits in 0.00 GiB per rank; the least memory any needs is" "$TOOLS/loom-plan" --world 4 --profile "$work/profile.json"
 expect "machine profile 'tpu-pod' is neither a file nor built in" "$TOOLS/loom-plan" --world 4 --profile tpu-pod
 expect "--measure writes a profile: give it --out FILE" "$TOOLS/loom-plan" --measure
+expect "--measure-mesh 'tp=2' says which groups --measure times: give --measure too" "$TOOLS/loom-plan" --measure-mesh tp=2
+expect "mesh 'tp=two': 'tp=two' is not NAME=N" "$TOOLS/loom-plan" --measure --out "$work/m.json" --measure-mesh tp=two
+expect "mesh: tp 2 x pp 1 = 2 ranks does not divide the world of 1 processes" "$TOOLS/loom-plan" --measure --out "$work/m.json" --measure-mesh tp=2
 "$TOOLS/loom-plan" --measure --out "$work/measured.json" > /dev/null 2>&1 || { echo "FAIL: loom-plan --measure"; fail=1; }
 "$TOOLS/loom-plan" --model gpt2 --preset gpt2-tiny --world 1 --batch-size 8 --precision fp32 \
   --profile "$work/measured.json" | grep -q "layouts fit" || { echo "FAIL: planning with a measured profile"; fail=1; }

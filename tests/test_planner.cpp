@@ -447,3 +447,24 @@ TEST(MachineProfile, MeasuresThisProcess) {
   options.repeats = 0;
   EXPECT_TRUE(contains(error_of([&] { plan::measure_machine(one, options); }), "repeats 0"));
 }
+
+// loom-plan --measure-mesh's layout: NAME=N pieces, the rest defaults; bad pieces named.
+TEST(Measure, MeshShapeParsesAndNamesBadPieces) {
+  const auto s = loom::dist::MeshShape::parse("tp=2,pp=4");
+  EXPECT_EQ(s.tp, 2);
+  EXPECT_EQ(s.pp, 4);
+  EXPECT_EQ(s.cp, 1);
+  EXPECT_EQ(s.dp, 0);
+  EXPECT_EQ(loom::dist::MeshShape::parse("dp=3").dp, 3);
+  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+           {"tp=0", "'tp=0' is not NAME=N"},
+           {"tp=2x", "'tp=2x' is not NAME=N"},
+           {"tp", "'tp' is not NAME=N"},
+           {"", "'' is not NAME=N"},
+           {"tp=2,", "'' is not NAME=N"},
+           {"ep=2", "'ep' is not a mesh dimension: dp, tp, pp or cp"},
+           {"tp=2,tp=4", "tp is given twice"}}) {
+    const auto msg = error_of([&] { loom::dist::MeshShape::parse(text); });
+    EXPECT_TRUE(contains(msg, want)) << text << ": " << msg;
+  }
+}

@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
   std::string share_layers;
   int64_t world = 1, batch_size = 8, seq_len = 128, layers = 0, vocab_size = 0, top = 10;
   bool as_json = false, measure = false;
-  std::string out, device = "cpu";
+  std::string out, device = "cpu", measure_mesh;
   app.add_option("--model", model, "Model family: gpt2 | llama")->capture_default_str();
   app.add_option(
          "--preset", preset,
@@ -44,14 +44,25 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "Where --measure writes the profile (JSON)");
   app.add_option("--device", device, "What --measure times: cpu | cuda (this rank's GPU)")
       ->capture_default_str();
+  app.add_option("--measure-mesh", measure_mesh,
+                 "With --measure: also time all-reduces over each dimension's groups of this "
+                 "layout's mesh, e.g. 'tp=2,pp=2' (dp: what the others leave of the world), and "
+                 "write them as the profile's per-dimension links");
   std::optional<loom::dist::Runtime> runtime;
   return loom::apps::run_app(app, argc, argv, [&] {
     LOOM_CHECK(top >= 1, "--top {} must be at least 1", top);
+    LOOM_CHECK(measure || measure_mesh.empty(),
+               "--measure-mesh '{}' says which groups --measure times: give --measure too",
+               measure_mesh);
     if (measure) {
       LOOM_CHECK(!out.empty(), "--measure writes a profile: give it --out FILE");
       LOOM_CHECK(device == "cpu" || device == "cuda", "--device '{}' is not valid: cpu or cuda",
                  device);
+      // The layout is checked before the (longer) measurement.
+      std::optional<loom::dist::MeshShape> mesh_shape;
+      if (!measure_mesh.empty()) mesh_shape = loom::dist::MeshShape::parse(measure_mesh);
       runtime.emplace();
+      if (mesh_shape) mesh_shape->resolve(runtime->size(), runtime->size());
       at::Device where = at::kCPU;
       if (device == "cuda") {
         const int gpu = runtime->local_rank() % std::max(1, loom::ops::cuda_device_count());
@@ -59,7 +70,9 @@ int main(int argc, char** argv) {
         where = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu));
       }
       const auto options = loom::plan::MeasureOptions::for_device(where, precision);
-      const auto profile = loom::plan::measure_machine(*runtime->world(), options);
+      auto profile = loom::plan::measure_machine(*runtime->world(), options);
+      if (mesh_shape)
+        profile.links = loom::plan::measure_mesh_links(runtime->world(), *mesh_shape, options);
       if (runtime->rank() == 0) {
         loom::core::write_file_atomic(out, profile.to_json() + "\n");
         std::printf("%s\nwrote %s\n", profile.to_json().c_str(), out.c_str());

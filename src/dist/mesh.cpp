@@ -1,6 +1,8 @@
 #include "loom/dist/mesh.h"
 
 #include <algorithm>
+#include <charconv>
+#include <set>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -45,6 +47,34 @@ std::string MeshShape::describe() const {
   auto s = fmt::format("dp {} x tp {} x pp {}", dp, tp, pp);
   if (cp != 1) s += fmt::format(" x cp {}", cp);
   return s;
+}
+
+MeshShape MeshShape::parse(const std::string& text) {
+  MeshShape shape;
+  std::set<std::string> seen;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string piece = text.substr(start, comma - start);
+    const size_t eq = piece.find('=');
+    const std::string name = piece.substr(0, eq);
+    int64_t value = 0;
+    const char* digits = eq == std::string::npos ? nullptr : piece.c_str() + eq + 1;
+    const auto [end, ec] = digits ? std::from_chars(digits, piece.c_str() + piece.size(), value)
+                                  : std::from_chars_result{nullptr, std::errc::invalid_argument};
+    LOOM_CHECK(digits && ec == std::errc() && end == piece.c_str() + piece.size() && value >= 1,
+               "mesh '{}': '{}' is not NAME=N with N a positive integer (e.g. tp=2,pp=2)", text,
+               piece);
+    LOOM_CHECK(name == "dp" || name == "tp" || name == "pp" || name == "cp",
+               "mesh '{}': '{}' is not a mesh dimension: dp, tp, pp or cp", text, name);
+    LOOM_CHECK(seen.insert(name).second, "mesh '{}': {} is given twice", text, name);
+    (name == "dp"   ? shape.dp
+     : name == "tp" ? shape.tp
+     : name == "pp" ? shape.pp
+                    : shape.cp) = value;
+    start = comma + 1;
+  }
+  return shape;
 }
 
 MeshShape MeshShape::resolve(int64_t world_size, int64_t ranks_per_node) const {

@@ -368,4 +368,19 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
   return p;
 }
 
+std::map<std::string, Link> measure_mesh_links(const dist::CommunicatorPtr& world,
+                                               const dist::MeshShape& shape,
+                                               const MeasureOptions& o) {
+  const dist::Mesh mesh(world, shape, /*ranks_per_node=*/world->size());
+  std::map<std::string, Link> links;
+  for (const auto dim : {dist::Dim::tp, dist::Dim::cp, dist::Dim::dp, dist::Dim::pp}) {
+    if (mesh.size(dim) < 2) continue;
+    const Link mine = measure_link(mesh.comm(dim), o);
+    // Every rank takes the slowest group's figures (and so writes the same profile).
+    links[dist::to_string(dim)] = {min_over(*world, mine.bandwidth),
+                                   max_over(*world, mine.latency)};
+  }
+  return links;
+}
+
 }  // namespace loom::plan

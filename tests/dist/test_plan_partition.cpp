@@ -11,6 +11,7 @@
 #include "loom/parallel/pipeline/partition.h"
 #include "loom/plan/cost_model.h"
 #include "loom/plan/machine_profile.h"
+#include "loom/plan/measure.h"
 #include "loom/train/trainer.h"
 #include "train_compare.h"
 
@@ -80,4 +81,42 @@ TEST(TrainerPipeline, PartitionsByTheCostModelAsThePlannerPredicts) {
   bad.pp_devices.clear();
   e = error_of([&] { bad.validate(); });
   EXPECT_TRUE(contains(e, "name it with --pp-devices PROFILE")) << e;
+}
+
+// loom-plan --measure --measure-mesh: each dimension of the layout larger than 1 gets a link of
+// its own, timed over the groups the trainer builds; every rank returns the same figures; the
+// profile carries them through its JSON (and predict takes a dimension's own link when there is
+// one: CostModel.* in loom_tests).
+TEST(Measure, MeshLinksForEachDimensionOfTheLayout) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  plan::MeasureOptions o;
+  o.repeats = 2;
+  o.large_bytes = 1 << 20;
+  const auto shape = loom::dist::MeshShape::parse("tp=2");
+  const auto links = plan::measure_mesh_links(loom::testing::runtime().world(), shape, o);
+  std::vector<std::string> dims;
+  for (const auto& [name, link] : links) {
+    dims.push_back(name);
+    EXPECT_GT(link.bandwidth, 0) << name;
+    EXPECT_GE(link.latency, 0) << name;
+    // The same on every rank.
+    auto mine = at::tensor({link.bandwidth, link.latency}, at::kDouble);
+    auto most = mine.clone();
+    world().all_reduce(most, loom::dist::ReduceOp::Max);
+    EXPECT_TRUE(at::equal(mine, most)) << name;
+  }
+  const std::vector<std::string> want =
+      world().size() == 2 ? std::vector<std::string>{"tp"} : std::vector<std::string>{"dp", "tp"};
+  EXPECT_EQ(dims, want);
+  auto profile = plan::MachineProfile::named("h100-node");
+  profile.links = links;
+  const auto back = plan::MachineProfile::from_json(profile.to_json(), "round trip");
+  EXPECT_EQ(back.links.size(), links.size());
+  EXPECT_DOUBLE_EQ(back.links.at("tp").bandwidth, links.at("tp").bandwidth);
+  // A layout that does not fit the world is refused before any collective, naming it.
+  EXPECT_TRUE(contains(error_of([&] {
+                         plan::measure_mesh_links(loom::testing::runtime().world(),
+                                                  loom::dist::MeshShape::parse("tp=3"), o);
+                       }),
+                       "tp 3"));
 }

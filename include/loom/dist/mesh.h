@@ -35,6 +35,9 @@ struct MeshShape {
   int64_t product() const { return dp * tp * pp * cp; }
   // "dp 2 x tp 2 x pp 1"
   std::string describe() const;
+  // "tp=2,pp=2" (any of dp, tp, pp, cp; the rest keep their defaults). A loom::Error names a
+  // piece that is not NAME=POSITIVE_INTEGER, an unknown name or one given twice.
+  static MeshShape parse(const std::string& text);
 };
 
 class Mesh {

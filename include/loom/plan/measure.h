@@ -5,10 +5,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "loom/dist/communicator.h"
+#include "loom/dist/mesh.h"
 #include "loom/plan/machine_profile.h"
 
 namespace loom::plan {
@@ -54,5 +56,15 @@ struct MeasureOptions {
 // all-reduces are of host buffers over the world's communicator (MPI): on GPUs they measure MPI
 // between hosts, not NVLink or NCCL; write a GPU node's links into the file by hand.
 MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& options = {});
+
+// The links of one layout's mesh dimensions, for the profile's "links": for each dimension of
+// `shape` larger than 1 ("dp", "tp", "pp", "cp"), an all-reduce over its groups (every group of
+// that dimension at once, as in training), bandwidth and latency fitted as the node links are,
+// the slowest group's. Its groups are those the trainer builds (dist::Mesh: tp innermost), so a
+// dimension whose groups span nodes is timed across them. Collective over `world`; every rank
+// returns the same links. `shape` must fit the world (dp 0: what the others leave).
+std::map<std::string, Link> measure_mesh_links(const dist::CommunicatorPtr& world,
+                                               const dist::MeshShape& shape,
+                                               const MeasureOptions& options = {});
 
 }  // namespace loom::plan
