@@ -12,7 +12,14 @@ Fails (exit 1) when the median tokens/s error exceeds --max-time-error or any ru
 exceeds --max-memory-error, or when a run or a prediction fails. Prints the table either way.
 
   TOOLS=build/examples MPIEXEC=mpirun python3 tests/plan_validation.py            # the fixed set
-  TOOLS=... MPIEXEC=... python3 tests/plan_validation.py --sweep --world 1 2 4     # docs' table
+  TOOLS=... MPIEXEC=... python3 tests/plan_validation.py --sweep --world 1 2 4     # planner's best
+  TOOLS=... MPIEXEC=... python3 tests/plan_validation.py --shapes --world 1 2 3 4 5 6 7 8 \
+      --results shapes.json                    # every parallel shape: docs/plan-validation.md
+
+--shapes runs, for each world size and preset, the planner's best layout of every (dp, tp, pp,
+cp) it lists, one profile per (world, preset) so that the shapes are ranked on one profile, and
+reports how well the prediction orders them: the rank correlation, and how far the measured
+throughput of the planner's first choice is from the fastest measured shape.
 """
 import argparse
 import json
@@ -85,13 +92,37 @@ def measure(args, world, work):
     return profile
 
 
-def plans(args, preset, world, profile):
+def plan_command(args, preset, world, profile):
     family = preset.split("-")[0]
-    out = run([f"{args.tools}/loom-plan", "--model", family, "--preset", preset,
-               "--world", str(world), "--batch-size", str(args.batch_size),
-               "--seq-len", str(args.seq_len), "--precision", "fp32", "--vocab-size", "256",
-               "--profile", profile, "--json", "--top", "100000"], "loom-plan")
-    return json.loads(out)
+    return [f"{args.tools}/loom-plan", "--model", family, "--preset", preset,
+            "--world", str(world), "--batch-size", str(args.batch_size),
+            "--seq-len", str(args.seq_len), "--precision", "fp32", "--vocab-size", "256",
+            "--profile", profile, "--json", "--top", "100000"]
+
+
+def plans(args, preset, world, profile):
+    return json.loads(run(plan_command(args, preset, world, profile), "loom-plan"))
+
+
+def shape_of(layout):
+    return tuple(layout[k] for k in ("dp", "tp", "pp", "cp"))
+
+
+def best_of_each_shape(args, preset, world, profile):
+    """The planner's first layout of each (dp, tp, pp, cp), best first; None and the planner's
+    reason where no layout of `world` ranks can run the preset (it prints why and exits 2)."""
+    out = subprocess.run(plan_command(args, preset, world, profile), capture_output=True,
+                         text=True)
+    if out.returncode == 2 and "no layout" in out.stderr:
+        return None, out.stderr.strip().splitlines()[-1]
+    if out.returncode != 0:
+        sys.exit(f"loom-plan failed (status {out.returncode}):\n{out.stderr[-3000:]}")
+    seen, best = set(), []
+    for q in json.loads(out.stdout):
+        if shape_of(q) not in seen:
+            seen.add(shape_of(q))
+            best.append(q)
+    return best, None
 
 
 def matches(plan, layout):
@@ -124,7 +155,116 @@ def measure_run(args, preset, layout, world, work):
     return max(timed), statistics.median(timed), peak
 
 
-def main():
+def rank_correlation(xs, ys):
+    """Spearman's rho (ties get their mean rank); None for fewer than 3 points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else None
+
+
+def shapes_main(args, work):
+    """Every parallel shape at every --world: see the module's docstring."""
+    print(f"| Layout ({args.batch_size} x {args.seq_len} tokens, fp32) | ranks | tokens/s "
+          "predicted | best step | error | median step | peak memory predicted | measured "
+          "| error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows, groups, failures = [], [], []
+    for world in args.world:
+        for preset in args.presets:
+            profile = measure(args, world, work)
+            listed, why_none = best_of_each_shape(args, preset, world, profile)
+            if listed is None:
+                groups.append({"preset": preset, "world": world, "shapes": 0, "none": why_none})
+                print(f"| {preset}: no layout of {world} ranks ({why_none}) | {world} "
+                      "| | | | | | | |", flush=True)
+                continue
+            group = []
+            for plan in listed:
+                layout = {k: plan[k] for k in DEFAULTS}
+                try:
+                    best, median, peak = measure_run(args, preset, layout, world, work)
+                except SystemExit as failed:  # a listed layout that does not train: a finding
+                    failures.append(f"{describe(preset, layout)} at {world}: {failed}")
+                    print(f"| {describe(preset, layout)} | {world} | FAILED | | | | | | |",
+                          flush=True)
+                    continue
+                row = {"preset": preset, "world": world, "layout": layout,
+                       "describe": describe(preset, layout),
+                       "predicted_tokens_per_s": plan["tokens_per_s"],
+                       "best_tokens_per_s": best, "median_tokens_per_s": median,
+                       "predicted_peak_bytes": plan["rank_memory_bytes"][0], "peak_bytes": peak}
+                row["time_error"] = row["predicted_tokens_per_s"] / best - 1
+                row["memory_error"] = row["predicted_peak_bytes"] / peak - 1
+                rows.append(row)
+                group.append(row)
+                print(f"| {row['describe']} | {world} | {row['predicted_tokens_per_s']:.0f} | "
+                      f"{best:.0f} | {100 * row['time_error']:+.1f} % | {median:.0f} | "
+                      f"{row['predicted_peak_bytes'] / 2**20:.1f} MiB | {peak / 2**20:.1f} MiB | "
+                      f"{100 * row['memory_error']:+.1f} % |", flush=True)
+            if not group:
+                groups.append({"preset": preset, "world": world, "shapes": 0,
+                               "none": f"all {len(listed)} shapes failed to train"})
+                continue
+            fastest = max(group, key=lambda r: r["best_tokens_per_s"])
+            # Listed best first: the planner's choice is listed[0], measured only if it trained.
+            choice = describe(preset, {k: listed[0][k] for k in DEFAULTS})
+            chosen = [r for r in group if r["describe"] == choice]
+            groups.append({
+                "preset": preset, "world": world, "shapes": len(group),
+                "rank_correlation": rank_correlation(
+                    [r["predicted_tokens_per_s"] for r in group],
+                    [r["best_tokens_per_s"] for r in group]),
+                "choice": choice, "fastest": fastest["describe"],
+                "choice_vs_fastest": (chosen[0]["best_tokens_per_s"] / fastest["best_tokens_per_s"]
+                                      if chosen else None),
+            })
+
+    print("\n| model | ranks | shapes | rank correlation | planner's choice | its measured "
+          "tokens/s against the fastest shape's | fastest shape measured |")
+    print("|---|---|---|---|---|---|---|")
+    for g in groups:
+        if not g["shapes"]:
+            print(f"| {g['preset']} | {g['world']} | 0 | | {g['none']} | | |")
+            continue
+        rho, ratio = g["rank_correlation"], g["choice_vs_fastest"]
+        print(f"| {g['preset']} | {g['world']} | {g['shapes']} | "
+              f"{'' if rho is None else f'{rho:+.2f}'} | {g['choice']} | "
+              f"{'failed' if ratio is None else f'{100 * ratio:.0f} %'} | {g['fastest']} |")
+    if rows:
+        te = [abs(r["time_error"]) for r in rows]
+        me = [abs(r["memory_error"]) for r in rows]
+        print(f"\n{len(rows)} runs: median |tokens/s error| {100 * statistics.median(te):.1f} % "
+              f"(90th percentile {100 * sorted(te)[int(0.9 * (len(te) - 1))]:.1f} %, largest "
+              f"{100 * max(te):.1f} %); |peak memory error| median "
+              f"{100 * statistics.median(me):.1f} %, largest {100 * max(me):.1f} %")
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump({"rows": rows, "groups": groups, "failures": failures}, f, indent=1)
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    return 1 if failures else 0
+
+
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tools", default=os.environ.get("TOOLS", "build/examples"))
@@ -138,13 +278,22 @@ def main():
     p.add_argument("--sweep", action="store_true",
                    help="every layout the planner lists for --presets at each --world")
     p.add_argument("--world", type=int, nargs="+", default=[2])
-    p.add_argument("--presets", nargs="+", default=["gpt2-tiny", "llama-tiny", "gpt2-mini"])
+    p.add_argument("--presets", nargs="+",
+                   default=["gpt2-tiny", "llama-tiny", "gpt2-mini", "llama-mini"])
     p.add_argument("--top", type=int, default=8, help="with --sweep: the planner's best N each")
+    p.add_argument("--shapes", action="store_true",
+                   help="the planner's best layout of every (dp, tp, pp, cp) at each --world")
+    p.add_argument("--results", help="with --shapes: every row and summary as JSON")
     p.add_argument("--data", help="a prepared data directory (default: a generated corpus)")
     p.add_argument("--no-retry", action="store_true",
                    help="fail on the first measurement outside the bounds")
     args = p.parse_args()
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} leaves no step after the {args.warmup} of --warmup")
+    return args
 
+
+def main(args):
     with tempfile.TemporaryDirectory() as work:
         if args.data:
             os.symlink(os.path.abspath(args.data), os.path.join(work, "data"))
@@ -156,6 +305,8 @@ def main():
                 f.write(text)
             run([f"{args.tools}/loom-prepare", "--input", os.path.join(work, "corpus.txt"),
                  "--out-dir", os.path.join(work, "data")], "loom-prepare")
+        if args.shapes:
+            return shapes_main(args, work)
         # Each case is predicted from a profile measured just before it runs: this machine's
         # speed drifts (a shared VM's by 20 % over minutes), and the model is judged, not the
         # drift between a measurement and a run minutes later.
@@ -203,13 +354,14 @@ def main():
 
 
 def main_with_retry():
+    args = parse_args()
     # Memory is deterministic; time is measured on a machine that others may share. A time
     # error past the bound is measured once more, all cases again, and fails only if it
     # repeats: a model that is off fails both times, a noisy minute does not.
-    status = main()
-    if status != 0 and "--no-retry" not in sys.argv and "--sweep" not in sys.argv:
+    status = main(args)
+    if status != 0 and not (args.no_retry or args.sweep or args.shapes):
         print("\nOutside the bounds: measuring every case once more.", flush=True)
-        status = main()
+        status = main(args)
     return status
 
 

@@ -160,6 +160,15 @@ TEST(Models, PresetSizesMatchThePublishedModels) {
   EXPECT_EQ(models::ModelConfig::preset("llama-1b").num_parameters(), 1100048384);  // TinyLlama
   // Meta Llama 3 8B: 8,030,261,248 parameters (untied 128256-token embedding and head).
   EXPECT_EQ(models::ModelConfig::preset("llama-8b").num_parameters(), 8030261248);
+  // llama-mini: gpt2-mini's width and depth; its count checked against the model's own.
+  auto llama_mini = models::ModelConfig::preset("llama-mini");
+  EXPECT_EQ(llama_mini.d_model, 256);
+  EXPECT_EQ(llama_mini.n_layers, 6);
+  {
+    int64_t n = 0;
+    for (const auto& p : make(llama_mini)->parameters()) n += p.numel();
+    EXPECT_EQ(n, llama_mini.num_parameters());
+  }
   auto llama_tiny = models::ModelConfig::preset("llama-tiny");
   EXPECT_LT(llama_tiny.n_kv_heads, llama_tiny.n_heads);  // grouped-query attention
   EXPECT_EQ(llama_tiny.dropout, 0.0);

@@ -309,6 +309,43 @@ TEST(MachineProfile, RateCurvesInterpolate) {
   EXPECT_DOUBLE_EQ(d.attention_rate(1024, 128), 8e12);
 }
 
+// Ring attention's time: without a block curve, the fused rate at the rank's slice (two
+// chunks); with one, 2 cp - 1 full blocks and 2 causal ones at the curve's rate.
+TEST(MachineProfile, RingAttentionTakesTheBlockRate) {
+  plan::DeviceProfile d;
+  d.attention_flops = 5e12;
+  d.attention_curve = {{128, 32, 1e12}, {512, 32, 3e12}};
+  EXPECT_DOUBLE_EQ(d.ring_attention_seconds(1e12, 2, 64, 32), 1.0);  // 1e12 at a slice of 128
+  d.block_attention_curve = {{16, 32, 1e11}, {64, 32, 4e11}};
+  d.causal_block_cost = 1;  // a CPU's: 2 cp + 1 blocks for 2 cp's FLOPs
+  EXPECT_DOUBLE_EQ(d.ring_attention_seconds(1e12, 2, 32, 32), 1e12 * 5 / 4 / 2.5e11);
+  d.causal_block_cost = 0.5;  // a kernel that skips the masked half: the FLOPs' time
+  EXPECT_DOUBLE_EQ(d.ring_attention_seconds(1e12, 4, 16, 40), 1e12 / 1e11);
+}
+
+// Context parallelism's attention is timed at the block rate: blocks 4x slower than the fused
+// attention make a cp step's compute slower and leave a step without cp as it was; a block curve
+// at the fused rate, with causal blocks at half a full one's cost, predicts what no curve does.
+// Per-op and elementwise costs are zeroed so that the kernels set the compute.
+TEST(CostModel, RingAttentionRunsAtTheBlockRate) {
+  const auto w = mini(8, 128);  // gpt2-mini: head_dim 32; at cp 2 a slice of 64, chunks of 32
+  auto machine = plan::builtin_profile("h100-node");
+  auto& dev = machine.devices.front();
+  dev.pointwise_s = dev.activation_s = dev.norm_s = dev.op_s = 0;
+  dev.attention_curve = {{64, 32, 1e14}, {128, 32, 2e14}};
+  plan::Layout cp;
+  cp.cp = 2;
+  plan::Layout one;
+  const auto before = plan::predict(w, cp, machine), one_before = plan::predict(w, one, machine);
+  dev.block_attention_curve = {{32, 32, 1e14 / 4}};
+  const auto after = plan::predict(w, cp, machine);
+  EXPECT_GT(after.compute_s, before.compute_s);
+  EXPECT_EQ(plan::predict(w, one, machine).compute_s, one_before.compute_s);
+  dev.block_attention_curve = {{32, 32, 1e14}};
+  dev.causal_block_cost = 0.5;
+  EXPECT_DOUBLE_EQ(plan::predict(w, cp, machine).compute_s, before.compute_s);
+}
+
 TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   const auto h100 = plan::builtin_profile("h100-node");
   const auto back = plan::MachineProfile::from_json(h100.to_json(), "back");
@@ -344,10 +381,14 @@ TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   auto& dev = extras.devices.front();
   dev.matmul_curve = {{128, 1e12}, {1024, 5e12}};
   dev.attention_curve = {{512, 64, 2e12}};
+  dev.block_attention_curve = {{128, 64, 1e12}};
+  dev.causal_block_cost = 0.9;
   dev.compute_scale = 1.25;
   const auto read = plan::MachineProfile::from_json(extras.to_json(), "x").devices.front();
   EXPECT_EQ(read.matmul_curve, dev.matmul_curve);
   EXPECT_EQ(read.attention_curve, dev.attention_curve);
+  EXPECT_EQ(read.block_attention_curve, dev.block_attention_curve);
+  EXPECT_EQ(read.causal_block_cost, 0.9);
   EXPECT_EQ(read.compute_scale, 1.25);
   EXPECT_EQ(read.op_s, dev.op_s);
   EXPECT_EQ(read.pointwise_s, dev.pointwise_s);
@@ -364,6 +405,17 @@ TEST(MachineProfile, ReadsWritesAndRefusesBadFiles) {
   j = with_extras;
   j["devices"][0]["attention_curve"] = {{512, 64}};
   refused(j.dump(), "each point is [seq, head_dim, flops]");
+  j = with_extras;
+  j["devices"][0]["block_attention_curve"] = {{128, 0, 1e12}};
+  refused(j.dump(),
+          "block_attention_curve point [128, 0, 1000000000000]; length, head_dim and "
+          "rate must be positive");
+  j = with_extras;
+  j["devices"][0]["block_attention_curve"] = {{128}};
+  refused(j.dump(), "each point is [chunk, head_dim, flops]");
+  j = with_extras;
+  j["devices"][0]["causal_block_cost"] = 3;
+  refused(j.dump(), "causal_block_cost = 3; it must be in (0, 2]");
   j = with_extras;
   j["devices"][0]["compute_scale"] = 0;
   refused(j.dump(), "'compute_scale' is 0");
@@ -418,6 +470,7 @@ TEST(MachineProfile, MeasuresThisProcess) {
   options.matmul_tokens = 64;
   options.attention_seqs = {32};
   options.attention_head_dims = {16, 32};
+  options.block_attention_chunks = {8, 16, 32};
   options.pointwise_elements = 4096;
   options.reference_batch = 1;
   options.reference_repeats = 1;
@@ -429,6 +482,10 @@ TEST(MachineProfile, MeasuresThisProcess) {
   EXPECT_GT(p.devices[0].memory_bytes, 1e6);
   EXPECT_EQ(p.devices[0].matmul_curve.size(), 2u);
   EXPECT_EQ(p.devices[0].attention_curve.size(), 2u);
+  ASSERT_EQ(p.devices[0].block_attention_curve.size(), 6u);  // per head_dim, per chunk
+  for (const auto& [chunk, hd, flops] : p.devices[0].block_attention_curve) EXPECT_GT(flops, 1e6);
+  EXPECT_EQ(p.devices[0].block_attention_curve.front()[0], 8);
+  EXPECT_TRUE(p.devices[0].causal_block_cost > 0 && p.devices[0].causal_block_cost <= 2);
   EXPECT_GT(p.devices[0].pointwise_s, 0);
   EXPECT_GT(p.devices[0].activation_s, 0);
   EXPECT_GT(p.devices[0].norm_s, 0);

@@ -18,9 +18,9 @@ int main(int argc, char** argv) {
   bool as_json = false, measure = false;
   std::string out, device = "cpu", measure_mesh;
   app.add_option("--model", model, "Model family: gpt2 | llama")->capture_default_str();
-  app.add_option(
-         "--preset", preset,
-         "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b, llama-8b")
+  app.add_option("--preset", preset,
+                 "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-mini, "
+                 "llama-1b, llama-8b")
       ->capture_default_str();
   app.add_option("--layers", layers, "Transformer blocks (0: the preset's)");
   app.add_option("--vocab-size", vocab_size, "Vocabulary size (0: the preset's)");

@@ -15,9 +15,9 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
   auto& c = config;
   app.set_config("--config", "", "Read flags from a TOML/INI file (keys are flag names)");
   app.add_option("--model", c.model, "Model family: gpt2 | llama")->capture_default_str();
-  app.add_option(
-         "--preset", c.preset,
-         "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b, llama-8b")
+  app.add_option("--preset", c.preset,
+                 "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-mini, "
+                 "llama-1b, llama-8b")
       ->capture_default_str();
   app.add_option("--init-from-hf", c.init_from_hf,
                  "Start from a Hugging Face directory (config.json + model.safetensors); its "

@@ -206,7 +206,8 @@ ModelConfig llama(int64_t d, int64_t layers, int64_t heads, int64_t kv_heads, in
 }  // namespace
 
 std::vector<std::string> ModelConfig::preset_names() {
-  return {"gpt2-tiny", "gpt2-mini", "gpt2-124m", "gpt2-350m", "llama-tiny", "llama-1b", "llama-8b"};
+  return {"gpt2-tiny",  "gpt2-mini",  "gpt2-124m", "gpt2-350m",
+          "llama-tiny", "llama-mini", "llama-1b",  "llama-8b"};
 }
 
 ModelConfig ModelConfig::preset(const std::string& name) {
@@ -217,6 +218,8 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   if (name == "gpt2-124m") return gpt2(768, 12, 12, 1024, 50257);
   if (name == "gpt2-350m") return gpt2(1024, 24, 16, 1024, 50257);
   if (name == "llama-tiny") return llama(128, 4, 4, 2, 352, 256, 32000);
+  // gpt2-mini's width and depth with grouped-query attention: the planner's CPU validation.
+  if (name == "llama-mini") return llama(256, 6, 8, 4, 704, 512, 32000);
   if (name == "llama-1b") {  // TinyLlama-1.1B's shape
     auto c = llama(2048, 22, 32, 4, 5632, 2048, 32000);
     return c;

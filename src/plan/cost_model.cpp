@@ -203,8 +203,7 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   const auto mode = models::parse_activation_checkpointing(l.checkpointing);
   const double act_bytes = tokens * d * e;  // one [micro, seq, d] activation of this rank
   const double boundary = l.sequence_parallel ? act_bytes / tp : act_bytes;
-  const double kv_bytes = 2.0 * tokens * static_cast<double>(m.n_kv_heads * m.head_dim()) * e /
-                          std::min(tp, static_cast<double>(m.n_kv_heads));
+  const double kv_bytes = 2.0 * tokens * kv_elements(m, tp) * e;
   // What a blocking collective costs beyond its bytes (handing it over, waiting for the group),
   // where the group has more than one rank.
   auto collective = [&](int64_t ranks) { return ranks > 1 ? machine.collective_s : 0.0; };
@@ -276,7 +275,9 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
   }
 
   // Memory per pipeline rank: its chunks' model state, ZeRO-3's gathered units, activations.
-  const double layer_full = tokens * e * block_saved_elements(m, tp, l.sequence_parallel);
+  const double layer_full =
+      tokens * e *
+      block_saved_elements(m, tp, l.sequence_parallel, l.cp, accumulation_per_element(w.precision));
   const double layer_input = l.sequence_parallel ? act_bytes / tp : act_bytes;
   double worst_memory = -1;
   double worst_grad_bytes = 0, worst_params = 0;
@@ -299,9 +300,10 @@ Prediction predict(const Workload& w, const Layout& l, const MachineProfile& mac
     }
     if (mode == models::ActivationCheckpointing::kFull) activations += layer_full;  // recompute
     // At the peak, in a block's backward: the gradients of its MLP's hidden activations (the
-    // GELU's input; SwiGLU's gate and up), beside everything still saved.
-    activations += tokens * e * static_cast<double>(m.d_ff) / tp *
-                   (m.family == models::Family::kGpt2 ? 1.0 : 2.0);
+    // GELU's input; SwiGLU's gate and up), or ring attention's buffers, beside everything still
+    // saved.
+    activations += tokens * e *
+                   block_backward_peak_elements(m, tp, l.cp, accumulation_per_element(w.precision));
     double p = 0, g = 0, o = 0;
     const double n = static_cast<double>(l.dp);
     switch (l.zero) {

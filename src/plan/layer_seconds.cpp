@@ -24,8 +24,7 @@ double Elementwise::seconds(const DeviceProfile& dev, double tokens) const {
 Elementwise block_elementwise(const models::ModelConfig& m, double tp, bool sp) {
   const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff) / tp;
   const double residual = sp ? d / tp : d;
-  const double heads = d / tp, kv = static_cast<double>(m.n_kv_heads * m.head_dim()) /
-                                    std::min(tp, static_cast<double>(m.n_kv_heads));
+  const double heads = d / tp, kv = kv_elements(m, tp);
   Elementwise e;
   if (m.family == models::Family::kGpt2) {
     // Two LayerNorms, the GELU (its bias fused), two residual adds, the attention output's
@@ -44,27 +43,58 @@ Elementwise block_elementwise(const models::ModelConfig& m, double tp, bool sp) 
   return e;
 }
 
+double kv_elements(const models::ModelConfig& m, double tp) {
+  return static_cast<double>(m.n_kv_heads * m.head_dim()) /
+         std::min(tp, static_cast<double>(m.n_kv_heads));
+}
+
 // Elements per token one block keeps for its backward, counted from the tensors autograd saves
 // in loom's blocks (and checked against the peak of a 2- and a 4-layer model: docs/planner.md).
 // Those on the residual stream are whole on each tp rank (1/tp of the sequence with sequence
 // parallelism); the rest are split by tp. loom's attention kernels keep no [T, T] scores, only
 // a log-sum-exp per head.
-//   GPT-2: the two LayerNorms' inputs and outputs (4 d); q, k, v (3 d), the attention output
-//          in [B, T, D] (d), the MLP's input to the GELU and its output (2 d_ff); a dropout mask
-//          per residual branch.
-//   Llama: the two RMSNorms' inputs and outputs (4 d); q, k, v after RoPE (d + 2 kv), the
-//          attention output and its copy (2 d), one more [T, d] copy of q; gate, SiLU, up and
-//          their product (4 d_ff).
-double block_saved_elements(const models::ModelConfig& m, double tp, bool sp) {
+// The norms' outputs are kept whole by the column-parallel matmuls they feed: with sequence
+// parallelism, as the all-gathered tensor (a gpt2-mini tp 2 run keeps 11.6 MiB less with it,
+// not the 24 MiB that splitting the outputs too would save).
+//   GPT-2: the two LayerNorms' inputs (2 d on the residual stream) and outputs (2 d); q, k, v
+//          (3 d), the attention output in [B, T, D] (d), the MLP's input to the GELU and its
+//          output (2 d_ff); a dropout mask per residual branch.
+//   Llama: the two RMSNorms' inputs and outputs (the same 2 + 2 d); q, k, v after RoPE
+//          (d + 2 kv), the attention output and its copy (2 d), one more [T, d] copy of q; gate,
+//          SiLU, up and their product (4 d_ff).
+//   Under cp, ring attention's output in [B, H, T, hd] too, in the accumulation dtype, beside
+//   the [B, T, D] copy the projection reads.
+double block_saved_elements(const models::ModelConfig& m, double tp, bool sp, int64_t cp,
+                            double acc) {
   const double d = static_cast<double>(m.d_model), f = static_cast<double>(m.d_ff);
   const double heads = static_cast<double>(m.n_heads);
   const double residual = sp ? d / tp : d;
+  const double norms = 2 * residual + 2 * d;
+  const double ring_output = cp > 1 ? acc * d / tp : 0.0;
   if (m.family == models::Family::kGpt2)
-    return 4 * residual + (4 * d + 2 * f + 2 * heads) / tp + (m.dropout > 0 ? 2 * residual : 0.0);
-  // Keys and values split by tp only down to one head each (more tp ranks replicate them).
-  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim()) /
-                    std::min(tp, static_cast<double>(m.n_kv_heads));
-  return 4 * residual + (4 * d + 4 * f + heads) / tp + 2 * kv;
+    return norms + (4 * d + 2 * f + 2 * heads) / tp + (m.dropout > 0 ? 2 * residual : 0.0) +
+           ring_output;
+  return norms + (4 * d + 4 * f + heads) / tp + 2 * kv_elements(m, tp) + ring_output;
+}
+
+// Ring attention's backward (parallel/context/ring_attention.cpp), in the accumulation dtype:
+// the query gradient (and the output's gradient converted to it under bf16), this rank's own
+// key/value gradient, the one carried round the ring and the one arriving, and a block pair's
+// gradients (half the slice each); in the run's dtype: the key/value block held and, with more
+// than 2 ranks, the next one arriving beside it (at cp 2 the last step, which holds the most
+// gradients, receives no block).
+double block_backward_peak_elements(const models::ModelConfig& m, double tp, int64_t cp,
+                                    double acc) {
+  const double mlp = static_cast<double>(m.d_ff) / tp * (m.family == models::Family::kGpt2 ? 1 : 2);
+  if (cp == 1) return mlp;
+  const double q = static_cast<double>(m.d_model) / tp, kv = 2 * kv_elements(m, tp);
+  const double accumulated = q * (acc > 1 ? 2 : 1) + 3 * kv + (q + kv) / 2;
+  const double blocks = (cp > 2 ? 2 : 1) * kv;
+  return std::max(mlp, acc * accumulated + blocks);
+}
+
+double accumulation_per_element(const std::string& precision) {
+  return precision == "bf16" ? 2.0 : 1.0;
 }
 
 Elementwise embedding_elementwise(const models::ModelConfig& m, double tp, bool sp) {
@@ -119,6 +149,7 @@ PipelineCosts pipeline_costs(const Workload& w, const Layout& l, const MachinePr
   const auto& m = w.model;
   const auto mode = models::parse_activation_checkpointing(l.checkpointing);
   const double e = activation_element_bytes(w.precision);
+  const double acc = accumulation_per_element(w.precision);
   const auto state = loom_state_bytes(w.precision);
   const double d = static_cast<double>(m.d_model), v = static_cast<double>(m.vocab_size);
   const double tp = static_cast<double>(l.tp);
@@ -139,7 +170,11 @@ PipelineCosts pipeline_costs(const Workload& w, const Layout& l, const MachinePr
   auto block_seconds = [&](const DeviceProfile& dev, size_t layer) {
     const double mm =
         (flops.layer_time[layer] - local_attention) * tokens / tp / dev.matmul_rate(width);
-    const double attn = attention / dev.attention_rate(static_cast<double>(local_seq), head_dim);
+    // Under cp, ring attention's blocks of half a rank's slice (their rate: the profile's).
+    const double attn =
+        l.cp > 1 ? dev.ring_attention_seconds(attention, l.cp, static_cast<double>(local_seq) / 2,
+                                              head_dim)
+                 : attention / dev.attention_rate(static_cast<double>(local_seq), head_dim);
     return split(mm + attn, attn, block.seconds(dev, tokens), block.ops * dev.op_s, dev, mode);
   };
   // The reference: the pipeline rank fastest at a block; the others' speeds relative to it.
@@ -158,9 +193,10 @@ PipelineCosts pipeline_costs(const Workload& w, const Layout& l, const MachinePr
   // Bytes: training state as ZeRO shards it over dp (tp splits it), activations in flight.
   const double block_params = static_cast<double>(m.block_parameters()) / tp;
   const double residual_input = tokens * d * e / (l.sequence_parallel ? tp : 1.0);
-  const double kept = mode == models::ActivationCheckpointing::kFull
-                          ? residual_input
-                          : tokens * e * block_saved_elements(m, tp, l.sequence_parallel);
+  const double kept =
+      mode == models::ActivationCheckpointing::kFull
+          ? residual_input
+          : tokens * e * block_saved_elements(m, tp, l.sequence_parallel, l.cp, acc);
   const double in = static_cast<double>(in_flight);
   for (size_t i = 0; i < flops.layer_time.size(); ++i) {
     out.layers.push_back(block_seconds(ref, i));
@@ -184,7 +220,7 @@ PipelineCosts pipeline_costs(const Workload& w, const Layout& l, const MachinePr
   // block at a time (recomputed) with its logits.
   if (m.mtp_heads > 0)
     c.last_bytes += in * residual_input +
-                    tokens * e * block_saved_elements(m, tp, l.sequence_parallel) +
+                    tokens * e * block_saved_elements(m, tp, l.sequence_parallel, l.cp, acc) +
                     2 * tokens * v / tp * 4;
   for (int64_t r = 0; r < l.pp; ++r) {
     const auto& dev = machine.device_of_stage(r, l.pp);

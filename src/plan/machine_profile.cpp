@@ -57,11 +57,15 @@ std::vector<std::array<double, N>> curve(const json& j, const char* key, const s
   std::vector<std::array<double, N>> out;
   if (!j.contains(key)) return out;
   const auto& list = j.at(key);
-  LOOM_CHECK(list.is_array(), "{}: '{}' must be a list of [{}] points; got {}", where, key,
-             N == 2 ? "width, flops" : "seq, head_dim, flops", list.dump());
+  const std::string fields = N == 2 ? "width, flops"
+                             : std::string(key) == "block_attention_curve"
+                                 ? "chunk, head_dim, flops"
+                                 : "seq, head_dim, flops";
+  LOOM_CHECK(list.is_array(), "{}: '{}' must be a list of [{}] points; got {}", where, key, fields,
+             list.dump());
   for (const auto& point : list) {
     LOOM_CHECK(point.is_array() && point.size() == N, "{}: '{}' holds {}; each point is [{}]",
-               where, key, point.dump(), N == 2 ? "width, flops" : "seq, head_dim, flops");
+               where, key, point.dump(), fields);
     std::array<double, N> p{};
     for (size_t i = 0; i < N; ++i) {
       LOOM_CHECK(point[i].is_number(), "{}: '{}' holds {}, which is not all numbers", where, key,
@@ -82,17 +86,37 @@ double DeviceProfile::matmul_rate(double width) const {
   return interpolate_log(points, width);
 }
 
-double DeviceProfile::attention_rate(double seq, double head_dim) const {
-  if (attention_curve.empty()) return attention_flops;
-  double nearest = attention_curve.front()[1];
-  for (const auto& p : attention_curve)
+namespace {
+
+// A (length, head_dim, rate) curve at (length, head_dim): the measured head_dim nearest in log,
+// interpolated in log length.
+double curve_rate(const std::vector<std::array<double, 3>>& curve, double length, double head_dim) {
+  double nearest = curve.front()[1];
+  for (const auto& p : curve)
     if (std::abs(std::log(p[1] / head_dim)) < std::abs(std::log(nearest / head_dim)))
       nearest = p[1];
   std::vector<std::pair<double, double>> points;
-  for (const auto& p : attention_curve)
+  for (const auto& p : curve)
     if (p[1] == nearest) points.emplace_back(p[0], p[2]);
   std::sort(points.begin(), points.end());
-  return interpolate_log(points, seq);
+  return interpolate_log(points, length);
+}
+
+}  // namespace
+
+double DeviceProfile::attention_rate(double seq, double head_dim) const {
+  if (attention_curve.empty()) return attention_flops;
+  return curve_rate(attention_curve, seq, head_dim);
+}
+
+double DeviceProfile::ring_attention_seconds(double flops, int64_t cp, double chunk,
+                                             double head_dim) const {
+  if (block_attention_curve.empty()) return flops / attention_rate(2 * chunk, head_dim);
+  // The rank's FLOPs are 2 cp full blocks' worth (its 2 causal blocks make one); its time is
+  // 2 cp - 1 full blocks' and 2 causal ones'.
+  const double c = static_cast<double>(cp);
+  const double blocks = (2 * c - 1 + 2 * causal_block_cost) / (2 * c);
+  return flops * blocks / curve_rate(block_attention_curve, chunk, head_dim);
 }
 
 const DeviceProfile& MachineProfile::device_of_stage(int64_t stage, int64_t stages) const {
@@ -137,6 +161,11 @@ void MachineProfile::validate(const std::string& source) const {
       LOOM_CHECK(std::isfinite(v) && v >= 0,
                  "machine profile '{}': device '{}' has {} = {}; it must be >= 0 seconds", source,
                  d.name, what, v);
+    LOOM_CHECK(
+        std::isfinite(d.causal_block_cost) && d.causal_block_cost > 0 && d.causal_block_cost <= 2,
+        "machine profile '{}': device '{}' has causal_block_cost = {}; it must be in (0, "
+        "2] (a causal block's time over a full one's)",
+        source, d.name, d.causal_block_cost);
     LOOM_CHECK(std::isfinite(d.compute_scale) && d.compute_scale > 0,
                "machine profile '{}': device '{}' has compute_scale = {}; it must be positive",
                source, d.name, d.compute_scale);
@@ -148,12 +177,14 @@ void MachineProfile::validate(const std::string& source) const {
                  "rates must be positive, widths increasing",
                  source, d.name, w, flops);
     }
-    for (const auto& [seq, hd, flops] : d.attention_curve)
-      LOOM_CHECK(std::isfinite(seq) && seq > 0 && std::isfinite(hd) && hd > 0 &&
-                     std::isfinite(flops) && flops > 0,
-                 "machine profile '{}': device '{}' has attention_curve point [{}, {}, {}]; "
-                 "sequence, head_dim and rate must be positive",
-                 source, d.name, seq, hd, flops);
+    for (const auto& [key, curve] : {std::pair{"attention_curve", &d.attention_curve},
+                                     {"block_attention_curve", &d.block_attention_curve}})
+      for (const auto& [length, hd, flops] : *curve)
+        LOOM_CHECK(std::isfinite(length) && length > 0 && std::isfinite(hd) && hd > 0 &&
+                       std::isfinite(flops) && flops > 0,
+                   "machine profile '{}': device '{}' has {} point [{}, {}, {}]; length, "
+                   "head_dim and rate must be positive",
+                   source, d.name, key, length, hd, flops);
     LOOM_CHECK(std::count_if(devices.begin(), devices.end(),
                              [&](const DeviceProfile& o) { return o.name == d.name; }) == 1,
                "machine profile '{}': device '{}' is defined twice", source, d.name);
@@ -196,6 +227,10 @@ std::string MachineProfile::to_json() const {
               {"adamw_params_per_s", d.adamw_params_per_s}};
     if (!d.matmul_curve.empty()) o["matmul_curve"] = d.matmul_curve;
     if (!d.attention_curve.empty()) o["attention_curve"] = d.attention_curve;
+    if (!d.block_attention_curve.empty()) {
+      o["block_attention_curve"] = d.block_attention_curve;
+      o["causal_block_cost"] = d.causal_block_cost;
+    }
     for (const auto& [key, v] : {std::pair{"pointwise_s", d.pointwise_s},
                                  {"activation_s", d.activation_s},
                                  {"norm_s", d.norm_s},
@@ -241,6 +276,9 @@ MachineProfile MachineProfile::from_json(const std::string& text, const std::str
     p.adamw_params_per_s = positive_number(d, "adamw_params_per_s", where);
     p.matmul_curve = curve<2>(d, "matmul_curve", where);
     p.attention_curve = curve<3>(d, "attention_curve", where);
+    p.block_attention_curve = curve<3>(d, "block_attention_curve", where);
+    if (d.contains("causal_block_cost"))
+      p.causal_block_cost = positive_number(d, "causal_block_cost", where);
     p.pointwise_s = optional_seconds(d, "pointwise_s", where);
     p.activation_s = optional_seconds(d, "activation_s", where);
     p.norm_s = optional_seconds(d, "norm_s", where);

@@ -16,6 +16,7 @@
 #include "loom/ops/activation.h"
 #include "loom/ops/adamw.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/attention_partial.h"
 #include "loom/ops/cuda.h"
 #include "loom/plan/cost_model.h"
 
@@ -216,6 +217,7 @@ MeasureOptions MeasureOptions::for_device(at::Device device, const std::string& 
     o.matmul_tokens = 8192;
     o.attention_seqs = {512, 2048, 8192};
     o.attention_head_dims = {64, 128};
+    o.block_attention_chunks = {256, 1024, 4096};
     o.pointwise_elements = int64_t{1} << 24;
   }
   return o;
@@ -240,6 +242,8 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
     LOOM_CHECK(v >= 1, "measure: attention sequence length {} must be at least 1", v);
   for (const auto v : o.attention_head_dims)
     LOOM_CHECK(v >= 1, "measure: attention head_dim {} must be at least 1", v);
+  for (const auto v : o.block_attention_chunks)
+    LOOM_CHECK(v >= 1, "measure: ring attention chunk {} must be at least 1", v);
   const auto on = at::TensorOptions().device(o.device).dtype(o.dtype);
   DeviceProfile d;
   d.name = o.device.is_cuda() ? "cuda" : "cpu";
@@ -280,6 +284,40 @@ MachineProfile measure_machine(dist::Communicator& world, const MeasureOptions& 
           {static_cast<double>(seq), static_cast<double>(hd),
            min_over(world, 3 * 2.0 * static_cast<double>(heads * seq * seq * hd) / t)});
     }
+  }
+  // Ring attention's blocks, as RingAttention runs them: the partial forward merged into the
+  // running result, and the partial backward with its gradients added into the rank's own. Full
+  // blocks give the curve; causal (diagonal) ones, timed beside them, their cost relative to a
+  // full one's (the median over the points).
+  std::vector<double> causal_costs;
+  for (const int64_t hd : o.attention_head_dims) {
+    for (const int64_t chunk : o.block_attention_chunks) {
+      const int64_t batch = 4, heads = 8;
+      auto q = at::randn({batch, heads, chunk, hd}, on), k = at::randn_like(q),
+           v = at::randn_like(q), dout = at::randn_like(q);
+      auto dq = at::zeros_like(q), dk = at::zeros_like(q), dv = at::zeros_like(q);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      auto block_seconds = [&](ops::BlockMask mask) {
+        return median_seconds(o.repeats, o.device, [&] {
+          auto acc = ops::empty_partial_attention(q);
+          ops::merge_partial_attention(acc, ops::attention_partial_forward(q, k, v, mask, scale));
+          const auto g =
+              ops::attention_partial_backward(q, k, v, acc.out, acc.lse, dout, mask, scale);
+          dq.add_(g.dq), dk.add_(g.dk), dv.add_(g.dv);
+        });
+      };
+      const double full = max_over(world, block_seconds(ops::BlockMask::kFull));
+      const double causal = max_over(world, block_seconds(ops::BlockMask::kCausal));
+      d.block_attention_curve.push_back(
+          {static_cast<double>(chunk), static_cast<double>(hd),
+           3 * 4.0 * static_cast<double>(batch * heads * chunk * chunk * hd) / full});
+      causal_costs.push_back(std::clamp(causal / full, 0.05, 2.0));
+    }
+  }
+  if (!causal_costs.empty()) {
+    std::nth_element(causal_costs.begin(), causal_costs.begin() + causal_costs.size() / 2,
+                     causal_costs.end());
+    d.causal_block_cost = causal_costs[causal_costs.size() / 2];
   }
   {
     // Elementwise ops, forward and backward, per element.

@@ -39,7 +39,6 @@ void CheckpointWriter::start(std::function<void()> write, std::string what) {
 std::exception_ptr CheckpointWriter::wait() {
   if (!pending()) return nullptr;
   thread_.join();  // orders the thread's writes of failure_ and running_seconds_ before ours
-  last_seconds_ = running_seconds_;
   total_seconds_ += running_seconds_;
   auto failure = failure_;
   failure_ = nullptr;

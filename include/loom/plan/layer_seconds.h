@@ -35,8 +35,25 @@ Elementwise block_elementwise(const models::ModelConfig& m, double tp, bool sp);
 Elementwise embedding_elementwise(const models::ModelConfig& m, double tp, bool sp);
 Elementwise head_elementwise(const models::ModelConfig& m, double tp, bool sp);
 
-// Elements per token one block keeps for its backward (docs/planner.md lists them).
-double block_saved_elements(const models::ModelConfig& m, double tp, bool sp);
+// Key (or value) elements per token on a tp rank: split by tp only down to one head each (more
+// tp ranks replicate them).
+double kv_elements(const models::ModelConfig& m, double tp);
+
+// Elements per token one block keeps for its backward (docs/planner.md lists them); under
+// context parallelism (cp > 1) ring attention's own output too. `acc`: bytes of the accumulation
+// dtype over the run's element bytes (accumulation_per_element).
+double block_saved_elements(const models::ModelConfig& m, double tp, bool sp, int64_t cp,
+                            double acc);
+
+// Elements per token a block's backward holds at its peak beside what is saved: the gradients of
+// its MLP's hidden activations; under context parallelism ring attention's buffers when they are
+// more (the gradients carried round the ring, the blocks in flight).
+double block_backward_peak_elements(const models::ModelConfig& m, double tp, int64_t cp,
+                                    double acc);
+
+// The accumulation dtype's bytes over the run's element bytes: 2 under bf16 (fp32 partial
+// results and gradients), else 1.
+double accumulation_per_element(const std::string& precision);
 
 // Bytes per element of the activations and the messages they make (bf16 2, fp64 8, else 4).
 double activation_element_bytes(const std::string& precision);

@@ -9,6 +9,7 @@
 //                 // optional (loom-plan --measure writes them):
 //                 "matmul_curve": [[256, 2.1e14], [4096, 6.0e14]],
 //                 "attention_curve": [[512, 64, 1.9e14], [4096, 128, 4.2e14]],
+//                 "block_attention_curve": [[64, 64, 1.1e14]], "causal_block_cost": 0.5,
 //                 "pointwise_s": 8e-12, "activation_s": 6e-12, "norm_s": 7e-12,
 //                 "op_s": 1e-5, "ops_overlap_kernels": true, "compute_scale": 1.2}],
 //    "stage_devices": ["h100", "a100"],          // optional: one per pipeline rank
@@ -43,6 +44,15 @@ struct DeviceProfile {
   // head_dim, FLOP/s) of causal attention forward and backward, FLOPs counted as 3x forward's.
   std::vector<std::array<double, 2>> matmul_curve;
   std::vector<std::array<double, 3>> attention_curve;
+  // block_attention_curve: (chunk, head_dim, FLOP/s) of ring attention's full chunk x chunk
+  // blocks (context parallelism): partial forward, the merge into the running result and
+  // backward, FLOPs counted as 3x the forward's 4 chunk^2 head_dim per head. These blocks run
+  // outside the fused kernel on some devices (loom's CPU path materializes their scores), so
+  // their rate is their own. causal_block_cost: a causal (diagonal) block's time over a full
+  // one's: about 1/2 where a kernel skips the masked half, about 1 where the scores are computed
+  // whole (a rank runs 2 cp - 1 full blocks and 2 causal ones).
+  std::vector<std::array<double, 3>> block_attention_curve;
+  double causal_block_cost = 0.5;
   // Seconds per element of one op's forward and backward: an elementwise product (pointwise),
   // the tanh GELU (activation), a LayerNorm over rows (norm); and per op (forward and
   // backward) whatever its size: the framework's dispatch and autograd bookkeeping.
@@ -62,6 +72,11 @@ struct DeviceProfile {
   // nearest in log, interpolated in log seq; attention_flops without a curve).
   double matmul_rate(double width) const;
   double attention_rate(double seq, double head_dim) const;
+  // Seconds of the forward share of a cp rank's ring attention: `flops` (its causal attention's
+  // forward FLOPs) over `cp` ranks in blocks of `chunk` tokens. With a block curve: 2 cp - 1 full
+  // blocks and 2 causal ones at the curve's rate (read as attention_rate reads its own); without
+  // one, the fused kernel's rate at the rank's slice of two chunks.
+  double ring_attention_seconds(double flops, int64_t cp, double chunk, double head_dim) const;
 };
 
 struct Link {

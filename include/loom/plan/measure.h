@@ -27,6 +27,9 @@ struct MeasureOptions {
   int64_t matmul_tokens = 4096;
   std::vector<int64_t> attention_seqs{128, 512};
   std::vector<int64_t> attention_head_dims{32, 64, 128};
+  // Ring attention's blocks (context parallelism), for each chunk length and head_dim:
+  // [4, 8 heads, chunk, head_dim], a full and a causal one, forward, merge and backward.
+  std::vector<int64_t> block_attention_chunks{16, 64, 256};
   // Elements of the elementwise ops timed (a product, the tanh GELU, a LayerNorm of rows of
   // 256), and the chain of tiny ops whose forward and backward give the per-op time.
   int64_t pointwise_elements = int64_t{1} << 20;

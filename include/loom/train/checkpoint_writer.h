@@ -29,15 +29,14 @@ class CheckpointWriter {
   std::exception_ptr wait();
   // The same where nobody can be told: a failure is logged as an error.
   void finish_quietly() noexcept;
-  // Seconds the last finished write took on its thread, and all of them together.
-  double last_seconds() const { return last_seconds_; }
+  // Seconds the finished writes took on their thread, all of them together.
   double total_seconds() const { return total_seconds_; }
 
  private:
   std::thread thread_;
   std::exception_ptr failure_;
   std::string what_;
-  double last_seconds_ = 0, total_seconds_ = 0, running_seconds_ = 0;
+  double total_seconds_ = 0, running_seconds_ = 0;
 };
 
 }  // namespace loom::train
