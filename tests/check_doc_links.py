@@ -2,7 +2,7 @@
 name a file or folder inside the repository that exists. A link that leaves the repository (the
 project points at nothing outside it) or names a missing file fails, with its file and line.
 Web links (http, https, mailto) and in-page anchors are not checked; a link's own #anchor is cut
-off before the check. Then every mention of a page as `docs/NAME.md` in the tracked sources,
+off before the check. Then every mention of a page as `docs/<page>.md` in the tracked sources,
 scripts and pages (comments and prose, where a page that was split or renamed leaves a stale
 pointer) must name a page that exists.
 
