@@ -64,7 +64,8 @@ struct ModelConfig {
   nlohmann::json to_json() const;
   static ModelConfig from_json(const nlohmann::json& j);
 
-  // Presets: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-1b, llama-8b.
+  // Presets: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, llama-mini, llama-1b,
+  // llama-8b.
   // Unknown names throw loom::Error listing the valid ones.
   static ModelConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
