@@ -2,7 +2,7 @@
 // fp16 (half the bytes of fp32 on the wire). Registered in the program that links this file, it
 // is chosen like a built-in one: --comm-hook fp16 or --comm-hook fp16:prescale=false. Being
 // constructible from the OptionSpec, it reads and checks its own options; an unknown one is an
-// error before any collective (docs/distributed.md, "Communication hooks").
+// error before any collective (docs/distributed.md, "Data parallelism").
 #include <loom/loom.h>
 
 #include <ATen/ATen.h>

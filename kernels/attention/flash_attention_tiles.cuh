@@ -3,8 +3,9 @@
 // layout, element conversions, fragment loads from shared memory (ldmatrix), tile copies between
 // global and shared memory (cp.async) and the float2 atomic add. Device code, included by
 // flash_attention_forward.cuh and flash_attention_backward.cuh only; the kernel-emulation tests
-// inline it with them (tests/kernel_emulation/transform.py). The layouts are described at the top
-// of flash_attention.cu.
+// inline it with them (tests/kernel_emulation/transform.py). The instructions' layouts are
+// written out beside their wrappers (common/ptx.h), and the ones each helper builds on them beside
+// the helper below; the kernels' design is at the top of flash_attention.cu.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -8,11 +8,12 @@
 // whether a kernel rounds more than its design needs. Any FlashAttention on mma.sync (or wgmma)
 // must give P and dS to the tensor cores as 16-bit elements, must take the forward's output in
 // that type back as the backward's input (Delta = rowsum(dO * O) uses it), and must write 16-bit
-// outputs; its sums and softmax statistics can stay in fp32, whose roundings are 2^15 times finer
-// than bf16's. minimal_rounding_attention does exactly those 16-bit roundings, in fp64 otherwise.
-// A kernel whose error against exact attention is about that reference's (ratio near 1) rounds
-// no more than it must; one more 16-bit rounding (say of dQ's partial sum per key tile) adds to
-// the error budget and raises the ratio (flash_attention_emulated.cpp states the bound).
+// outputs; its sums and softmax statistics can stay in fp32, whose roundings are 2^16 times finer
+// than bf16's (2^13 than fp16's). minimal_rounding_attention does exactly those 16-bit roundings,
+// in fp64 otherwise. A kernel whose error against exact attention is about that reference's (ratio
+// near 1) rounds no more than it must; one more 16-bit rounding (say of dQ's partial sum per key
+// tile) adds to the error budget and raises the ratio (flash_attention_emulated.cpp states the
+// bound).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -136,16 +137,14 @@ inline NaiveAttention naive_attention(const Config& c, const std::vector<float>&
 }
 
 // ||got - want|| / ||want|| over all elements (0 when want is all zeros).
-inline double rms_error(const std::vector<float>& got, const std::vector<double>& want) {
+template <typename T>
+double rms_error(const std::vector<T>& got, const std::vector<double>& want) {
   double error = 0, norm = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     error += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
     norm += want[i] * want[i];
   }
   return norm > 0 ? std::sqrt(error / norm) : 0.0;
-}
-inline double rms_error(const std::vector<double>& got, const std::vector<double>& want) {
-  return rms_error(std::vector<float>(got.begin(), got.end()), want);
 }
 
 // max |got - want| / max |want|; *non_finite counts the elements of `got` that are not finite.

@@ -195,12 +195,15 @@ std::string describe(const Config& c) {
 
 // The kernel's rms error against exact attention over the minimal-rounding reference's
 // (attention_references.h), for o, dq, dk and dv. The two round the same values the same way up
-// to the few roundings that land differently (the forward's P is rounded relative to the running
-// max, fp32 values fall on the other side of a rounding boundary): even if every rounding landed
-// independently, an rms over n >= 2048 elements moves by about 1 / sqrt(2 n) <= 1.6 %, so 1.10
-// is over 6 sigma. Measured: 0.982-1.004. A rounding the design does not need adds to the error
-// budget: the rounding mutant (kernels.flash_attention_emulated_rounding_mutant, each key tile's
-// dQ contribution rounded before the fp32 sum) reads up to 1.25 on dq.
+// to the roundings that land differently (the forward's P is rounded relative to the running
+// max; fp32 values fall on the other side of a rounding boundary), so the ratio sits near 1:
+// measured 0.982-1.004 (`all`: 0.979-1.004). Even if every rounding landed independently, the
+// ratio of two rms over n >= 2048 elements, whose errors scale with their magnitudes (n / 3
+// effective), would spread by about 1 / sqrt(n / 3), 3.8 %: 1.10 is over 2.5 times that, and
+// five times the measured spread. The inputs come from a fixed seed, so the figures do not move
+// between runs. A rounding the design does not need adds to the error budget: the rounding
+// mutant (kernels.flash_attention_emulated_rounding_mutant, each key tile's dQ contribution
+// rounded before the fp32 sum) reads up to 1.25 on dq.
 constexpr double kRoundingRatioBound = 1.10;
 // Outputs with fewer elements (or no error at all) are reported, not checked.
 constexpr size_t kRoundingMinElements = 2048;
@@ -234,8 +237,11 @@ RoundingCheck check_rounding(const Config& c, const std::vector<float>& q,
   return r;
 }
 
+// What one configuration's checks found.
+enum class Outcome { kPass, kOnlyRounding, kFail };
+
 template <typename E>
-bool run(const Config& c) {
+Outcome run(const Config& c) {
   constexpr bool kBf16 = std::is_same_v<E, __nv_bfloat16>;
   // Relative to max |reference|; measured worst: 5.8e-3 (bf16), 6.4e-4 (fp16). The kernel rounds
   // P and dS to the element type for its tensor-core products; the references stay in fp32/fp64.
@@ -294,7 +300,7 @@ bool run(const Config& c) {
   Status s = loom::kernels::flash_attention_forward(p, nullptr);
   if (!s.ok()) {
     std::printf("FAIL %s | forward: %s\n", describe(c).c_str(), s.message.c_str());
-    return false;
+    return Outcome::kFail;
   }
   const size_t workspace_bytes = loom::kernels::flash_attention_backward_workspace_bytes(p);
   GuardedBuffer workspace(workspace_bytes);
@@ -303,7 +309,7 @@ bool run(const Config& c) {
                                               workspace_bytes, nullptr);
   if (!s.ok()) {
     std::printf("FAIL %s | backward: %s\n", describe(c).c_str(), s.message.c_str());
-    return false;
+    return Outcome::kFail;
   }
   bool padding_untouched[4];
   std::vector<float> kernel_o = o.read<E>(&padding_untouched[0]);
@@ -336,7 +342,7 @@ bool run(const Config& c) {
   if (s.ok()) s = loom::kernels::flash_attention_backward_host(hp);
   if (!s.ok()) {
     std::printf("FAIL %s | host reference: %s\n", describe(c).c_str(), s.message.c_str());
-    return false;
+    return Outcome::kFail;
   }
   const NaiveAttention naive =
       naive_attention(c, q_values, k_values, v_values, d_o_values, kernel_o);
@@ -356,11 +362,12 @@ bool run(const Config& c) {
   const RoundingCheck rounding =
       check_rounding<E>(c, q_values, k_values, v_values, d_o_values, kernel_o, kernel_grad);
 
-  bool ok = non_finite == 0 && host_lse_error <= lse_tolerance &&
-            naive_lse_error <= lse_tolerance && emulation::error_count == errors_before &&
-            rounding.ok;
+  bool others_ok = non_finite == 0 && host_lse_error <= lse_tolerance &&
+                   naive_lse_error <= lse_tolerance && emulation::error_count == errors_before;
   for (int i = 0; i < 4; ++i)
-    ok = ok && host_errors[i] <= tolerance && naive_errors[i] <= tolerance && padding_untouched[i];
+    others_ok = others_ok && host_errors[i] <= tolerance && naive_errors[i] <= tolerance &&
+                padding_untouched[i];
+  const bool ok = others_ok && rounding.ok;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
@@ -379,7 +386,7 @@ bool run(const Config& c) {
   if (non_finite > 0) std::printf("  %d outputs not finite\n", non_finite);
   for (int i = 0; i < 4; ++i)
     if (!padding_untouched[i]) std::printf("  %s: written outside its elements\n", kOutputs[i]);
-  return ok;
+  return ok ? Outcome::kPass : others_ok ? Outcome::kOnlyRounding : Outcome::kFail;
 }
 
 // ---- Partial results, as ring attention uses them ----------------------------------------------
@@ -613,8 +620,12 @@ int main(int argc, char** argv) {
   }
 
   const auto start = std::chrono::steady_clock::now();
-  int failed = 0;
-  for (const Config& c : configs) failed += !(c.bf16 ? run<__nv_bfloat16>(c) : run<__half>(c));
+  int failed = 0, only_rounding = 0;
+  for (const Config& c : configs) {
+    const Outcome outcome = c.bf16 ? run<__nv_bfloat16>(c) : run<__half>(c);
+    failed += outcome != Outcome::kPass;
+    only_rounding += outcome == Outcome::kOnlyRounding;
+  }
   int partial = 0;
   if (set != "custom")
     for (const PartialConfig& c : partial_configs()) {
@@ -624,9 +635,11 @@ int main(int argc, char** argv) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf(
-      "%zu configurations and %d of partial results, %d failed, %d emulation errors; %ld blocks, "
-      "%ld warp-wide instructions, %ld cp.async copies emulated in %.1f s\n",
-      configs.size(), partial, failed, emulation::error_count, emulation::blocks_run,
-      emulation::warp_instructions, emulation::async_copies, seconds);
+      "%zu configurations and %d of partial results, %d failed (%d only the minimal-rounding "
+      "check, %d other), %d emulation errors; %ld blocks, %ld warp-wide instructions, %ld "
+      "cp.async copies emulated in %.1f s\n",
+      configs.size(), partial, failed, only_rounding, failed - only_rounding,
+      emulation::error_count, emulation::blocks_run, emulation::warp_instructions,
+      emulation::async_copies, seconds);
   return failed > 0 || emulation::error_count > 0 ? 1 : 0;
 }

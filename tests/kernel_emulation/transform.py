@@ -31,10 +31,11 @@ naming it. A kernel edit that breaks the emulation stops the build instead of be
 
 Usage: transform.py INPUT.cu OUTPUT [--wrappers NAME,...] [--no-shared] [--mutate OLD NEW]...
 --wrappers names the PTX wrappers the kernel must define (default: DEFAULT_WRAPPERS, which is
-flash_attention.cu's set; an empty list for a kernel without inline PTX); --no-shared: the
+flash attention's set, in flash_attention_tiles.cuh; an empty list for a kernel without inline PTX); --no-shared: the
 kernel has no extern __shared__ array. Either way a wrapper or array the kernel has but the
 command line does not name is left behind and caught by the leftover checks.
---mutate replaces the first occurrence of OLD by NEW in the input first (OLD must occur): a
+--mutate replaces the first occurrence of OLD by NEW in the input, its headers inlined, before
+the rewrites (OLD must occur): a
 deliberately broken kernel, to check that the test catches it (docs/gpu.md).
 """
 import argparse
@@ -46,14 +47,15 @@ import sys
 EMULATED_WRAPPERS = {
     "atomic_add2": "emulated_atomics.h",
 }
-# The default --wrappers: flash_attention.cu's own (the others are in common/ptx.h).
+# The default --wrappers: flash attention's own, in flash_attention_tiles.cuh (the others are in
+# common/ptx.h).
 DEFAULT_WRAPPERS = ["atomic_add2"]
 RUNTIME_INCLUDE = "#include <cuda_runtime.h>"
 EMULATED_RUNTIME_INCLUDE = '#include "emulated_cuda_runtime.h"'
 # The shared PTX wrappers (kernels/common/ptx.h) and their emulation.
 PTX_INCLUDE = '#include "common/ptx.h"'
 EMULATED_PTX_INCLUDE = '#include "emulated_ptx.h"'
-LOCAL_HEADER_INCLUDE = re.compile(r'^#include "([\w/]+\.cuh)"$')
+LOCAL_HEADER_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w/.-]+\.cuh)"\s*(?://.*)?$')
 EXTERN_SHARED = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?unsigned char (\w+)\[\];")
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
 
@@ -115,14 +117,13 @@ def remove_function(lines, name):
 def transform(source, wrappers, shared):
     lines = source.split("\n")
 
+    # Each may appear again in an inlined header; the emulated ones are #pragma once.
     runtime = [i for i, line in enumerate(lines) if line == RUNTIME_INCLUDE]
-    if len(runtime) != 1:
-        raise TransformError(
-            f"anchor '{RUNTIME_INCLUDE}' found {len(runtime)} times (expected once)")
-    lines[runtime[0]] = EMULATED_RUNTIME_INCLUDE
+    if not runtime:
+        raise TransformError(f"anchor '{RUNTIME_INCLUDE}' not found")
+    for i in runtime:
+        lines[i] = EMULATED_RUNTIME_INCLUDE
     ptx = [i for i, line in enumerate(lines) if line == PTX_INCLUDE]
-    if len(ptx) > 1:
-        raise TransformError(f"'{PTX_INCLUDE}' found {len(ptx)} times (expected at most once)")
     for i in ptx:
         if i < runtime[0]:
             raise TransformError(f"'{PTX_INCLUDE}' comes before '{RUNTIME_INCLUDE}'")
@@ -155,6 +156,8 @@ def transform(source, wrappers, shared):
         r"__shared__": "a __shared__ variable other than one extern dynamic array",
         r"<<<": "a kernel launch the launch pattern did not match",
         r"__CUDA_ARCH__": "a __CUDA_ARCH__ branch (the emulation would take the host branch)",
+        r"#\s*include.*\.cuh": "a kernel header include not inlined (write it as "
+                                '#include "dir/name.cuh")',
     }
     for number, line in enumerate(text.split("\n"), start=1):
         code = line.split("//")[0]

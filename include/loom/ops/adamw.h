@@ -49,7 +49,8 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
 // one; the others (CUDA tensors, strided ones) are updated together by ATen's multi-tensor
 // (`_foreach_`) ops per device and dtype, with the same formulas as adamw_update_'s ATen path:
 // about ten kernel launches for the whole list instead of eight per tensor. (GPT-2 124M spent
-// 25 ms of an 83 ms step in the per-tensor form on an H200, 148 tensors: docs/benchmarks.md.)
+// 25 ms of an 83 ms step in the per-tensor form on an H200, 148 tensors:
+// docs/benchmarks-gpu.md.)
 // On the CPU the results equal adamw_update_'s bit for bit; on a GPU the multi-tensor kernels
 // may round the scalar products differently in the last bit.
 struct AdamWTensors {

@@ -1,7 +1,7 @@
 #pragma once
 // 2:4 structured-sparse weights for LibTorch tensors: compression into the form sparse tensor
 // cores read, and the product y = x W^T, on CUDA by loom's mma.sp kernel and on the CPU by its
-// host reference (kernels/sparse/sparse24.h; docs/sparsity.md, "2:4 kernels"). A weight pruned
+// host reference (kernels/sparse/sparse24.h; docs/sparsity.md, "The 2:4 kernel"). A weight pruned
 // with --prune-pattern 2:4 (ops/sparsity.h) is 2:4 along its input features, which is what this
 // takes. No autograd here: the product is the forward of a linear layer.
 #include <ATen/core/Tensor.h>
