@@ -36,19 +36,6 @@ std::shared_ptr<models::CausalLM> make(const models::ModelConfig& c, uint64_t se
 using loom::parallel::memory::checkpoint;
 using models::ActivationCheckpointing;
 
-// The message of whatever a call throws (errors raised inside backward come back through the
-// autograd engine); empty, and a test failure, if it does not throw.
-template <typename F>
-std::string any_error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
-
 // One training step's loss and parameter gradients, and the dropout stream's position after
 // backward (where it was left).
 struct StepResult {
@@ -148,7 +135,7 @@ TEST(ActivationCheckpoint, GivesThePlainFunctionsInputAndParameterGradients) {
 
   // torch::autograd::grad cannot see the parameters' gradients: refused, not silently wrong.
   auto again = checkpoint(fn, inputs, {.generators = {dropout_gen}});
-  auto msg = any_error_of([&] { torch::autograd::grad({again.sum()}, {x}); });
+  auto msg = error_of<std::exception>([&] { torch::autograd::grad({again.sum()}, {x}); });
   EXPECT_TRUE(contains(msg, "supports .backward() only")) << msg;
 }
 

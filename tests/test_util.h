@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <type_traits>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
@@ -36,15 +37,18 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-// Runs f and returns the loom::Error message it throws; fails the test if it does not throw.
-template <typename F>
+// Runs f and returns the message of the `Exception` it throws (by default a loom::Error; pass
+// std::exception for errors that come back through the autograd engine); fails the test if it
+// does not throw one.
+template <typename Exception = loom::Error, typename F>
 std::string error_of(F&& f) {
   try {
     f();
-  } catch (const loom::Error& e) {
+  } catch (const Exception& e) {
     return e.what();
   }
-  ADD_FAILURE() << "expected a loom::Error";
+  ADD_FAILURE() << (std::is_same_v<Exception, loom::Error> ? "expected a loom::Error"
+                                                           : "expected an exception");
   return "";
 }
 
