@@ -98,6 +98,16 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "on fp32 CPU tensors (head dim a multiple of 16, no attention dropout), else "
                  "PyTorch's SDPA")
       ->capture_default_str();
+  app.add_option("--loss", c.loss,
+                 "auto | fused | math: how the cross-entropy is computed. fused: loom's kernels "
+                 "(CUDA; on the CPU their host reference) read the logits once forward and once "
+                 "backward, writing the gradient over them in their own dtype; math: ATen's "
+                 "log-softmax in fp32; auto: fused on CUDA, math on the CPU")
+      ->capture_default_str();
+  app.add_option("--z-loss", c.z_loss,
+                 "Weight of the z-loss, mean(logsumexp(logits)^2), added to the loss (PaLM; "
+                 "keeps the softmax normaliser near 1 in low precision); 0: none")
+      ->capture_default_str();
   app.add_option("--peak-tflops", c.peak_tflops,
                  "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "
                  "name (H100/H200 989, A100 312, ...)")

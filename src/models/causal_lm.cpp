@@ -172,9 +172,21 @@ at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
 }
 
 at::Tensor CausalLM::token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  if (tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
+  const bool fused = ops::uses_fused_loss(loss_backend_, logits);
+  if (!fused && z_loss_ == 0 && tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
     return next_token_loss(logits, targets);
-  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_);
+  pt::VocabLossOptions options;
+  options.backend = fused ? ops::LossBackend::kFused : ops::LossBackend::kMath;
+  options.z_loss = z_loss_;
+  options.overwrite_logits =
+      own_logits_ != nullptr && logits.unsafeGetTensorImpl() == own_logits_;
+  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_, options);
+}
+
+void CausalLM::set_z_loss(double weight) {
+  LOOM_CHECK(std::isfinite(weight) && weight >= 0,
+             "z-loss weight {} is not valid: a finite value >= 0 (0: no z-loss)", weight);
+  z_loss_ = weight;
 }
 
 at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
@@ -202,11 +214,7 @@ at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor
                logits.size(1) * group.size(), logits.sizes(), targets.sizes());
     // Every rank holds as many tokens: the mean of the ranks' means is the whole mean.
     const auto local = group.slice_sequence(targets, 1);
-    const auto mean =
-        tp_->size() == 1 && logits.size(-1) == config_.vocab_size
-            ? next_token_loss(logits, local)
-            : pt::vocab_parallel_cross_entropy(logits, local, config_.vocab_size, *tp_);
-    return parallel::context::context_mean(mean, group);
+    return parallel::context::context_mean(token_loss(logits, local), group);
   }
   return token_loss(logits, targets);
 }
@@ -367,7 +375,12 @@ at::Tensor CausalLM::forward(const at::Tensor& tokens) {
 at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {
   LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
              targets.sizes(), tokens.sizes());
-  return loss_from_logits(logits_shard(tokens), targets);
+  const auto logits = logits_shard(tokens);
+  // GPT-2's and Llama's heads end in a product, which saves its inputs, not its output; a
+  // custom model's head may save its output (a soft cap's tanh), so its logits stay intact.
+  if (config_.family != Family::kCustom) own_logits_ = logits.unsafeGetTensorImpl();
+  const auto forget = c10::make_scope_exit([this] { own_logits_ = nullptr; });
+  return loss_from_logits(logits, targets);
 }
 
 const std::map<std::string, pt::ShardSpec>& CausalLM::shard_specs() const {

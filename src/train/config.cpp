@@ -15,6 +15,7 @@
 #include "loom/models/config.h"
 #include "loom/models/hf_config.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/cross_entropy.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/pipeline/activation_codec.h"
@@ -205,6 +206,11 @@ void TrainConfig::validate() const {
   const auto backends = ops::attention_backend_names();
   LOOM_CHECK(std::find(backends.begin(), backends.end(), attention) != backends.end(),
              "--attention '{}' is not valid: {}", attention, fmt::join(backends, ", "));
+  const auto losses = ops::loss_backend_names();
+  LOOM_CHECK(std::find(losses.begin(), losses.end(), loss) != losses.end(),
+             "--loss '{}' is not valid: {}", loss, fmt::join(losses, ", "));
+  LOOM_CHECK(std::isfinite(z_loss) && z_loss >= 0,
+             "--z-loss {} is not valid: a finite weight >= 0 (0: no z-loss)", z_loss);
   LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
              peak_tflops);
   LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
@@ -275,6 +281,8 @@ nlohmann::json TrainConfig::to_json() const {
   j["save_every_s"] = save_every_s;
   j["keep_checkpoints"] = keep_checkpoints;
   j["async_save"] = async_save;
+  j["loss"] = loss;
+  j["z_loss"] = z_loss;
   return j;
 }
 
@@ -304,6 +312,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--grad-clip", saved.grad_clip, grad_clip);
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
+  same("--z-loss", saved.z_loss, z_loss);
   same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
   same("--ffn-rank", saved.ffn_rank, ffn_rank);
   same("--mtp", saved.mtp, mtp);
@@ -340,6 +349,8 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.save_every_s = j.value("save_every_s", 0.0);
     c.keep_checkpoints = j.value("keep_checkpoints", int64_t{2});
     c.async_save = j.value("async_save", false);
+    c.loss = j.value("loss", std::string("auto"));
+    c.z_loss = j.value("z_loss", 0.0);
     return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());

@@ -256,16 +256,83 @@ TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
     loss_ref.backward();
     const int64_t padded = tp->padded_vocab(vocab), local = padded / n;
     auto padded_logits = at::cat({logits, at::full({2, 4, padded - vocab}, 1e4)}, -1);
-    auto mine = padded_logits.narrow(-1, tp->rank() * local, local).clone().requires_grad_();
-    tp->stats().reset();
-    auto loss = pt::vocab_parallel_cross_entropy(mine, tokens, vocab, *tp);
-    EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>(), kFp64Close * loss_ref.item<double>());
-    EXPECT_EQ(tp->stats().loss_elements, n > 1 ? 3 * tokens.numel() : 0);
-    loss.backward();
     auto grad_want = at::cat({logits_ref.grad(), at::zeros({2, 4, padded - vocab})}, -1)
                          .narrow(-1, tp->rank() * local, local);
-    EXPECT_CLOSE(mine.grad(), grad_want, "cross-entropy gradient");
+    // Both backends: the math one (ATen ops) and the fused one (the kernels' host reference on
+    // each shard, the group's max and sum between its passes).
+    for (const auto backend : {loom::ops::LossBackend::kMath, loom::ops::LossBackend::kFused}) {
+      const auto what = loom::ops::to_string(backend);
+      auto mine = padded_logits.narrow(-1, tp->rank() * local, local).clone().requires_grad_();
+      tp->stats().reset();
+      pt::VocabLossOptions options;
+      options.backend = backend;
+      auto loss = pt::vocab_parallel_cross_entropy(mine, tokens, vocab, *tp, options);
+      EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>(),
+                  kFp64Close * loss_ref.item<double>())
+          << what;
+      // math: max (N) + sum of 2N; fused: max (N) + sum of 3N (sums, target logits, found).
+      const int64_t per_row = backend == loom::ops::LossBackend::kMath ? 3 : 4;
+      EXPECT_EQ(tp->stats().loss_elements, n > 1 ? per_row * tokens.numel() : 0) << what;
+      loss.backward();
+      EXPECT_CLOSE(mine.grad(), grad_want, "cross-entropy gradient (" + what + ")");
+      // z-loss: + z mean(lse^2), lse over the whole (unpadded) vocabulary.
+      auto z_ref = logits.clone().requires_grad_();
+      const double z = 0.05;
+      auto z_loss_ref = at::cross_entropy_loss(z_ref.view({-1, vocab}), tokens.view({-1})) +
+                        z * at::logsumexp(z_ref, -1).square().mean();
+      z_loss_ref.backward();
+      auto z_mine = padded_logits.narrow(-1, tp->rank() * local, local).clone().requires_grad_();
+      options.z_loss = z;
+      auto z_loss = pt::vocab_parallel_cross_entropy(z_mine, tokens, vocab, *tp, options);
+      EXPECT_NEAR(z_loss.item<double>(), z_loss_ref.item<double>(),
+                  kFp64Close * z_loss_ref.item<double>())
+          << what;
+      z_loss.backward();
+      EXPECT_CLOSE(z_mine.grad(),
+                   at::cat({z_ref.grad(), at::zeros({2, 4, padded - vocab})}, -1)
+                       .narrow(-1, tp->rank() * local, local),
+                   "z-loss gradient (" + what + ")");
+    }
   }
+}
+
+// The fused loss on each vocabulary shard of a whole model (the kernels' host reference, the
+// group's max and sum between its passes) against the math path of the same sharded model:
+// loss and every gradient, fp64, with and without vocabulary padding, with z-loss.
+TEST(TpLayers, ModelsWithTheFusedLossEqualTheMathPath) {
+  for (const auto family : {models::Family::kGpt2, models::Family::kLlama})
+    for (const int64_t pad_multiple : {1, 8}) {
+      auto tp = world_group(false, pad_multiple);
+      auto config = small_config(family, tp->size());
+      auto model = models::make_model(config, tp);
+      model->to(at::kDouble);
+      models::init_parameters(*model, 42);
+      model->eval();
+      model->set_z_loss(family == models::Family::kLlama ? 1e-3 : 0.0);
+      auto tokens = at::randint(0, config.vocab_size, {3, 12}, at::kLong);
+      auto targets = at::randint(0, config.vocab_size, {3, 12}, at::kLong);
+      world().broadcast(tokens, 0);
+      world().broadcast(targets, 0);
+      std::map<std::string, at::Tensor> want;
+      double want_loss = 0;
+      for (const auto backend : {loom::ops::LossBackend::kMath, loom::ops::LossBackend::kFused}) {
+        model->zero_grad();
+        model->set_loss_backend(backend);
+        auto loss = model->loss(tokens, targets);
+        loss.backward();
+        const auto what = fmt::format("{} pad {} {}", models::to_string(family), pad_multiple,
+                                      loom::ops::to_string(backend));
+        if (backend == loom::ops::LossBackend::kMath) {
+          want_loss = loss.item<double>();
+          for (const auto& item : model->named_parameters())
+            want.emplace(item.key(), item.value().grad().clone());
+          continue;
+        }
+        EXPECT_NEAR(loss.item<double>(), want_loss, kFp64Close * want_loss) << what;
+        for (const auto& item : model->named_parameters())
+          EXPECT_CLOSE(item.value().grad(), want.at(item.key()), what + " " + item.key());
+      }
+    }
 }
 
 // --- Whole models against one process -----------------------------------------------------

@@ -13,6 +13,7 @@
 
 #include "loom/models/config.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/cross_entropy.h"
 #include "loom/parallel/context/context_group.h"
 #include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
@@ -161,6 +162,15 @@ class CausalLM : public torch::nn::Module {
     mtp_execution_->attention = backend;
   }
   ops::AttentionBackend attention_backend() const { return execution_->attention; }
+  // Which implementation computes the cross-entropy (ops/cross_entropy.h; default kAuto: the
+  // fused kernels on CUDA, the math path on the CPU). loss() lets the fused backward write the
+  // gradient over the logits it made itself; loss_from_logits() leaves a caller's logits alone.
+  void set_loss_backend(ops::LossBackend backend) { loss_backend_ = backend; }
+  ops::LossBackend loss_backend() const { return loss_backend_; }
+  // PaLM's z-loss: adds weight * mean(lse^2) to the next-token loss (and to each multi-token
+  // head's). 0 (the default): none. loom::Error unless finite and >= 0.
+  void set_z_loss(double weight);
+  double z_loss() const { return z_loss_; }
   // Activation offload: with kFull, each block's saved input goes to host memory in forward and
   // comes back (prefetched one block ahead) for its recompute in backward. Null turns it off;
   // throws loom::Error when set while checkpointing is not kFull.
@@ -270,6 +280,11 @@ class CausalLM : public torch::nn::Module {
   int64_t owner_of(const std::string& name) const;
   // Gathered across tp, vocabulary padding dropped.
   at::Tensor whole_logits(const at::Tensor& shard);
+  ops::LossBackend loss_backend_ = ops::LossBackend::kAuto;
+  double z_loss_ = 0;
+  // The logits loss() made and hands to loss_from_logits: nothing else holds them, so the
+  // fused backward may overwrite them with their gradient. Null outside loss().
+  const c10::TensorImpl* own_logits_ = nullptr;
   // Multi-token prediction: the heads' execution settings, modules and loss weights, and the
   // trunk the last forward_part kept for them (with the logits it returned, to pair them).
   std::shared_ptr<BlockExecution> mtp_execution_ = std::make_shared<BlockExecution>();

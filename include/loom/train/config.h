@@ -123,6 +123,8 @@ struct TrainConfig {
   // GPU N); the mesh's groups go over NCCL or staged MPI (dist/backend_plan.h).
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
+  std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
+  double z_loss = 0;               // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
   double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
 
   // Registered strategies (train/strategy.h), each "NAME[:key=value,...]" (--strategy,

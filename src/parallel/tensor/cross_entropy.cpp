@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "loom/core/error.h"
@@ -26,7 +28,8 @@ void count_loss_op(TpGroup& tp, const at::Tensor& t) {
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   // logits2d: [N, V_local] any float dtype; targets: [N] int64.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits2d,
-                            const at::Tensor& targets, int64_t vocab, int64_t tp_ptr) {
+                            const at::Tensor& targets, int64_t vocab, int64_t tp_ptr,
+                            double z_loss) {
     auto& tp = *reinterpret_cast<TpGroup*>(tp_ptr);
     const int64_t n = logits2d.size(0), v_local = logits2d.size(1);
     const int64_t start = tp.rank() * v_local;
@@ -56,10 +59,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     }
     auto sum_exp = sums[0];
     auto loss = (sum_exp.log() - sums[1]).mean();
+    // z-loss: z * mean(lse^2), lse = max + log(sum of exponentials).
+    const auto lse = row_max + sum_exp.log();
+    if (z_loss != 0) loss = loss + z_loss * lse.square().mean();
 
     // Saved for backward: this rank's softmax shard and where the targets fall in it.
     auto softmax = exp.div_(sum_exp.unsqueeze(1));
-    ctx->save_for_backward({softmax, local_target, in_range});
+    ctx->save_for_backward({softmax, local_target, in_range, lse});
+    ctx->saved_data["z_loss"] = z_loss;
     ctx->saved_data["v_local"] = v_local;
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits2d.scalar_type());
     return loss;
@@ -72,31 +79,60 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     const auto& in_range = saved[2];
     const int64_t n = softmax.size(0), valid = softmax.size(1);
     const int64_t v_local = ctx->saved_data["v_local"].toInt();
-    // d(mean loss)/d logit = (softmax - onehot(target)) / N, on this rank's columns.
-    auto grad = softmax.clone();
+    // d(mean loss)/d logit = (softmax (1 + 2 z lse) - onehot(target)) / N, on this rank's
+    // columns.
+    const double z_loss = ctx->saved_data["z_loss"].toDouble();
+    auto grad = z_loss != 0 ? softmax * (1 + 2 * z_loss * saved[3]).unsqueeze(1) : softmax.clone();
     if (valid > 0)
       grad.scatter_add_(1, local_target.unsqueeze(1),
                         -in_range.to(grad.scalar_type()).unsqueeze(1));
     grad.mul_(grad_out[0] / static_cast<double>(n));
     if (valid < v_local) grad = at::cat({grad, at::zeros({n, v_local - valid}, grad.options())}, 1);
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// The fused kernels on this rank's columns, the group's max and sum between their passes.
+at::Tensor fused_vocab_parallel(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                                TpGroup& tp, const VocabLossOptions& options) {
+  const int64_t v_local = logits.size(-1);
+  ops::FusedCrossEntropyOptions o;
+  o.col_offset = tp.rank() * v_local;
+  o.valid = std::clamp<int64_t>(vocab - o.col_offset, 0, v_local);
+  o.z_loss = options.z_loss;
+  o.overwrite_logits = options.overwrite_logits;
+  if (tp.size() > 1) {
+    o.reduce.max = [&tp](at::Tensor& t) {
+      count_loss_op(tp, t);
+      tp.comm()->all_reduce(t, dist::ReduceOp::Max);
+    };
+    o.reduce.sum = [&tp](at::Tensor& t) {
+      count_loss_op(tp, t);
+      tp.comm()->all_reduce(t, dist::ReduceOp::Sum);
+    };
+  }
+  return ops::fused_cross_entropy(logits, targets, o);
+}
 
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                        int64_t vocab, TpGroup& tp) {
+                                        int64_t vocab, TpGroup& tp,
+                                        const VocabLossOptions& options) {
   LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
              "cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
              logits.sizes(), targets.sizes());
   LOOM_CHECK(logits.size(-1) * tp.size() >= vocab,
              "cross-entropy: {} columns on each of {} ranks cannot hold a vocabulary of {}",
              logits.size(-1), tp.size(), vocab);
+  LOOM_CHECK(std::isfinite(options.z_loss) && options.z_loss >= 0,
+             "cross-entropy: z-loss {} must be a finite value >= 0", options.z_loss);
+  if (ops::uses_fused_loss(options.backend, logits))
+    return fused_vocab_parallel(logits, targets, vocab, tp, options);
   auto logits2d = logits.reshape({-1, logits.size(-1)});
   return VocabParallelCrossEntropy::apply(logits2d, targets.reshape({-1}), vocab,
-                                          reinterpret_cast<int64_t>(&tp));
+                                          reinterpret_cast<int64_t>(&tp), options.z_loss);
 }
 
 }  // namespace loom::parallel::tensor

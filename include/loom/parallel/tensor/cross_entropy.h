@@ -5,15 +5,27 @@
 // the saved softmax shard. Padded vocabulary columns (ids >= vocab) are left out of both.
 #include <ATen/core/Tensor.h>
 
+#include "loom/ops/cross_entropy.h"
 #include "loom/parallel/tensor/tp_group.h"
 
 namespace loom::parallel::tensor {
 
+struct VocabLossOptions {
+  // kFused: ops::fused_cross_entropy on each shard, with the group's reductions between its
+  // passes; kMath: the ATen operations below; kAuto: as ops::uses_fused_loss decides.
+  ops::LossBackend backend = ops::LossBackend::kAuto;
+  double z_loss = 0;  // adds z_loss * mean(lse^2) (PaLM's z-loss)
+  // The fused backend's backward writes the gradient over the logits (ops/cross_entropy.h).
+  bool overwrite_logits = false;
+};
+
 // logits: [..., V_local], this rank's columns [rank * V_local, (rank + 1) * V_local) of the
 // padded vocabulary; targets: [...] ids < vocab, the same on every rank. Returns the mean loss
-// (fp32 scalar), the same on every rank. Collectives: one all-reduce (max) and one (sum) of
-// 2 x targets.numel() fp32 values.
+// (fp32 scalar; fp64 for fp64 logits), the same on every rank. Collectives: one all-reduce
+// (max) of targets.numel() values and one (sum) of 2 (math) or 3 (fused: the rescaled sums,
+// target logits and found flags) x targets.numel().
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                        int64_t vocab, TpGroup& tp);
+                                        int64_t vocab, TpGroup& tp,
+                                        const VocabLossOptions& options = {});
 
 }  // namespace loom::parallel::tensor

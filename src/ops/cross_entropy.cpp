@@ -1,0 +1,266 @@
+#include "loom/ops/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "loom/core/error.h"
+#include "loom/core/format.h"
+#include "loom/ops/cuda.h"
+#include "loom/ops/precision.h"
+#include "loss/cross_entropy.h"
+
+#ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace loom::ops {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+kernels::LogitsDtype logits_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::LogitsDtype::kFloat32;
+    case at::kDouble:
+      return kernels::LogitsDtype::kFloat64;
+    case at::kHalf:
+      return kernels::LogitsDtype::kFloat16;
+    case at::kBFloat16:
+      return kernels::LogitsDtype::kBFloat16;
+    default:
+      fail("fused cross-entropy: logits of {} are not supported (fp32, fp64, fp16, bf16)",
+           c10::toString(t));
+  }
+}
+
+kernels::CrossEntropyRows describe(const at::Tensor& logits2d, const at::Tensor& targets,
+                                   int64_t col_offset, int64_t valid, int64_t ignore_index) {
+  kernels::CrossEntropyRows r;
+  r.dtype = logits_dtype(logits2d.scalar_type());
+  r.logits = logits2d.const_data_ptr();
+  r.rows = logits2d.size(0);
+  r.ld = logits2d.size(1);
+  r.valid = valid;
+  r.col_offset = col_offset;
+  r.targets = targets.const_data_ptr<int64_t>();
+  r.ignore_index = ignore_index;
+  const auto status = kernels::cross_entropy_check(r);
+  LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
+  return r;
+}
+
+// Rows per parallel task on the CPU: about 32k logits each.
+int64_t cpu_grain(int64_t columns) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, columns)); }
+
+template <typename Acc>
+void stats_on_cpu(const kernels::CrossEntropyRows& r, at::Tensor& stats) {
+  Acc* p = stats.data_ptr<Acc>();
+  const kernels::CrossEntropyStats<Acc> out{p, p + r.rows, p + 2 * r.rows, p + 3 * r.rows};
+  at::parallel_for(0, r.rows, cpu_grain(r.ld), [&](int64_t begin, int64_t end) {
+    const auto status = kernels::cross_entropy_stats_host(r, out, begin, end);
+    LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
+  });
+}
+
+// Per row: max, sum of exp(x - max), target logit, target found: [4, rows] in the accumulation
+// dtype.
+at::Tensor row_stats(const kernels::CrossEntropyRows& r, const at::Tensor& logits2d) {
+  auto stats = at::empty({4, r.rows}, logits2d.options().dtype(accumulation_dtype(
+                                          logits2d.scalar_type())));
+  if (logits2d.is_cuda()) {
+#ifdef LOOM_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(logits2d.device());
+    float* p = stats.data_ptr<float>();
+    const auto status = kernels::cross_entropy_stats_apply(
+        r, {p, p + r.rows, p + 2 * r.rows, p + 3 * r.rows},
+        c10::cuda::getCurrentCUDAStream().stream());
+    LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
+#endif
+  } else if (stats.scalar_type() == at::kDouble) {
+    stats_on_cpu<double>(r, stats);
+  } else {
+    stats_on_cpu<float>(r, stats);
+  }
+  return stats;
+}
+
+// Writes d loss / d logits into grad ([rows, ld] in the logits' dtype; may be the logits).
+void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const at::Tensor& scale,
+               double z_loss, at::Tensor& grad) {
+  if (grad.is_cuda()) {
+#ifdef LOOM_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(grad.device());
+    const kernels::CrossEntropyGradArgs<float> args{lse.const_data_ptr<float>(),
+                                                    scale.const_data_ptr<float>(), float(z_loss),
+                                                    grad.data_ptr()};
+    const auto status =
+        kernels::cross_entropy_grad_apply(r, args, c10::cuda::getCurrentCUDAStream().stream());
+    LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
+#endif
+    return;
+  }
+  const auto run = [&](auto zero) {
+    using Acc = decltype(zero);
+    const kernels::CrossEntropyGradArgs<Acc> args{lse.const_data_ptr<Acc>(),
+                                                  scale.const_data_ptr<Acc>(), Acc(z_loss),
+                                                  grad.data_ptr()};
+    at::parallel_for(0, r.rows, cpu_grain(r.ld), [&](int64_t begin, int64_t end) {
+      const auto status = kernels::cross_entropy_grad_host(r, args, begin, end);
+      LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
+    });
+  };
+  if (lse.scalar_type() == at::kDouble)
+    run(0.0);
+  else
+    run(0.0f);
+}
+
+struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
+  // logits2d: [N, V_local] contiguous; targets: [N] int64 contiguous, on the logits' device.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits2d,
+                            const at::Tensor& targets, const FusedCrossEntropyOptions& o) {
+    const int64_t valid = o.valid < 0 ? logits2d.size(1) : o.valid;
+    const auto rows = describe(logits2d, targets, o.col_offset, valid, o.ignore_index);
+    const auto stats = row_stats(rows, logits2d);
+    at::Tensor row_max = stats[0], row_sum = stats[1], target_logit = stats[2],
+               found = stats[3];
+    if (o.reduce.max) {
+      // Each shard's sum rescaled to the row's max over every shard, then one sum of the
+      // rescaled sums, target logits and found flags (an empty shard's sum stays 0).
+      auto global_max = row_max.clone();
+      o.reduce.max(global_max);
+      auto packed = at::stack({at::where(row_sum == 0, at::zeros_like(row_sum),
+                                         row_sum * (row_max - global_max).exp()),
+                               target_logit, found});
+      o.reduce.sum(packed);
+      row_max = global_max;
+      row_sum = packed[0];
+      target_logit = packed[1];
+      found = packed[2];
+    }
+    const auto lse = (row_max + row_sum.log()).contiguous();
+    const auto counted = targets != o.ignore_index;
+    auto per_row = lse - target_logit;
+    if (o.z_loss != 0) per_row = per_row + o.z_loss * lse.square();
+    // No shard holds the target: an id outside the vocabulary (the CPU path checks ids before;
+    // on a GPU this keeps the error visible as a NaN loss instead of a wrong number).
+    per_row = at::where(found > 0, per_row, std::numeric_limits<double>::quiet_NaN());
+    per_row = at::where(counted, per_row, 0.0);
+    const auto count = counted.sum().to(lse.scalar_type());
+    ctx->save_for_backward({logits2d, targets, lse, count});
+    ctx->saved_data["col_offset"] = o.col_offset;
+    ctx->saved_data["valid"] = valid;
+    ctx->saved_data["ignore_index"] = o.ignore_index;
+    ctx->saved_data["z_loss"] = o.z_loss;
+    ctx->saved_data["overwrite"] = o.overwrite_logits;
+    ctx->saved_data["consumed"] = false;
+    return per_row.sum() / count;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const bool overwrite = ctx->saved_data["overwrite"].toBool();
+    LOOM_CHECK(!ctx->saved_data["consumed"].toBool(),
+               "fused cross-entropy: backward already ran and wrote the gradient over the logits "
+               "(overwrite_logits); a second backward through this loss (a retained graph) "
+               "cannot read them again");
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor logits2d = saved[0];
+    const auto& targets = saved[1];
+    const auto& lse = saved[2];
+    const auto& count = saved[3];
+    const auto rows = describe(logits2d, targets, ctx->saved_data["col_offset"].toInt(),
+                               ctx->saved_data["valid"].toInt(),
+                               ctx->saved_data["ignore_index"].toInt());
+    const auto scale = (grad_out[0].to(lse.scalar_type()) / count).contiguous();
+    at::Tensor grad = overwrite ? logits2d : at::empty_like(logits2d);
+    row_grads(rows, lse, scale, ctx->saved_data["z_loss"].toDouble(), grad);
+    if (overwrite) {
+      // Anything else that saved these logits now sees them changed, as after an in-place op.
+      logits2d.unsafeGetTensorImpl()->bump_version();
+      ctx->saved_data["consumed"] = true;
+    }
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::string to_string(LossBackend backend) {
+  switch (backend) {
+    case LossBackend::kAuto:
+      return "auto";
+    case LossBackend::kFused:
+      return "fused";
+    case LossBackend::kMath:
+      return "math";
+  }
+  return "unknown";
+}
+
+std::vector<std::string> loss_backend_names() { return {"auto", "fused", "math"}; }
+
+LossBackend parse_loss_backend(const std::string& name) {
+  for (const auto backend : {LossBackend::kAuto, LossBackend::kFused, LossBackend::kMath})
+    if (to_string(backend) == name) return backend;
+  fail("loss backend '{}' is not valid: {}", name, fmt::join(loss_backend_names(), ", "));
+}
+
+bool uses_fused_loss(LossBackend backend, const at::Tensor& logits) {
+  const auto dtype = logits.scalar_type();
+  switch (backend) {
+    case LossBackend::kMath:
+      return false;
+    case LossBackend::kAuto:
+      return logits.is_cuda() && built_with_cuda() && kernel_dtype(dtype);
+    case LossBackend::kFused:
+      break;
+  }
+  if (logits.is_cuda()) {
+    LOOM_CHECK(built_with_cuda(), "--loss fused on {}: this loom was built without CUDA",
+               logits.device().str());
+    LOOM_CHECK(kernel_dtype(dtype),
+               "--loss fused on CUDA takes fp32, fp16 or bf16 logits; got {} (use --loss math "
+               "or auto)",
+               c10::toString(dtype));
+    return true;
+  }
+  LOOM_CHECK(logits.is_cpu(), "--loss fused: CPU and CUDA tensors only; got {}",
+             logits.device().str());
+  LOOM_CHECK(kernel_dtype(dtype) || dtype == at::kDouble,
+             "--loss fused takes fp32, fp64, fp16 or bf16 logits; got {}", c10::toString(dtype));
+  return true;
+}
+
+at::Tensor fused_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                               const FusedCrossEntropyOptions& options) {
+  LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+             "fused cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
+             logits.sizes(), targets.sizes());
+  LOOM_CHECK(targets.scalar_type() == at::kLong && targets.device() == logits.device(),
+             "fused cross-entropy: targets must be int64 on the logits' device ({}); got {} on {}",
+             logits.device().str(), c10::toString(targets.scalar_type()), targets.device().str());
+  LOOM_CHECK(options.valid <= logits.size(-1),
+             "fused cross-entropy: valid {} columns exceed the logits' {}", options.valid,
+             logits.size(-1));
+  LOOM_CHECK(static_cast<bool>(options.reduce.max) == static_cast<bool>(options.reduce.sum),
+             "fused cross-entropy: the row reductions come as a pair (max and sum)");
+  LOOM_CHECK(std::isfinite(options.z_loss) && options.z_loss >= 0,
+             "fused cross-entropy: z_loss {} must be a finite value >= 0", options.z_loss);
+  const auto logits2d = logits.reshape({-1, logits.size(-1)}).contiguous();
+  return FusedCrossEntropy::apply(logits2d, targets.reshape({-1}).contiguous(), options);
+}
+
+}  // namespace loom::ops

@@ -1,0 +1,287 @@
+// The fused cross-entropy (ops/cross_entropy.h) on the CPU, where it runs the kernels' host
+// reference: against plain ATen math in fp64 (loss and gradient, with ignored targets, padding
+// columns, z-loss), in fp32/fp16/bf16 against fp64 math within the error of its fp32 sums, the
+// gradient written over the logits, NaN for a target no column holds, the errors; and whole
+// GPT-2 / Llama models whose loss runs fused against the same models on the math path (fp64,
+// loss and every gradient), with and without vocabulary padding and z-loss.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "loom/core/error.h"
+#include "loom/models/causal_lm.h"
+#include "loom/ops/cross_entropy.h"
+#include "loom/parallel/tensor/tp_group.h"
+#include "model_test_util.h"
+#include "test_util.h"
+
+namespace {
+
+using loom::testing::contains;
+using loom::testing::error_of;
+using loom::testing::max_rel_diff;
+namespace ops = loom::ops;
+namespace models = loom::models;
+
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed, at::ScalarType dtype = at::kDouble) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return (at::randn(shape, g, at::kDouble) * 3).to(dtype);
+}
+
+// Targets over [0, vocab), with a few rows set to ignore_index.
+at::Tensor make_targets(std::vector<int64_t> shape, int64_t vocab, uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto t = at::randint(0, vocab, shape, g, at::kLong);
+  t.view({-1})[1] = -100;
+  t.view({-1})[4] = -100;
+  return t;
+}
+
+// The plain math: mean over the counted rows of logsumexp - x[target] + z logsumexp^2.
+at::Tensor plain_loss(const at::Tensor& logits, const at::Tensor& targets, double z_loss) {
+  auto x = logits.reshape({-1, logits.size(-1)});
+  auto t = targets.reshape({-1});
+  auto loss = at::cross_entropy_loss(x, t);  // ignore_index -100 by default
+  if (z_loss == 0) return loss;
+  const auto counted = t != -100;
+  const auto lse = at::logsumexp(x, 1);
+  return loss + z_loss * (lse.square() * counted).sum() / counted.sum();
+}
+
+// Loss and gradient of `fused` (true: ops::fused_cross_entropy, else plain_loss) at these logits.
+std::pair<at::Tensor, at::Tensor> loss_and_grad(const at::Tensor& logits, const at::Tensor& targets,
+                                                const ops::FusedCrossEntropyOptions& o,
+                                                bool fused) {
+  auto x = logits.clone().requires_grad_();
+  auto loss = fused ? ops::fused_cross_entropy(x, targets, o) : plain_loss(x, targets, o.z_loss);
+  loss.backward();
+  return {loss.detach(), x.grad()};
+}
+
+// fp64 sums of a few hundred terms: within ~1e-14 relative; bound 1e-12.
+constexpr double kFp64Bound = 1e-12;
+
+TEST(FusedCrossEntropy, Fp64EqualsPlainMathWithIgnoredTargetsAndZLoss) {
+  for (const int64_t vocab : {37, 300, 1000})
+    for (const double z : {0.0, 1e-2}) {
+      const auto logits = randn({3, 5, vocab}, 1 + vocab);
+      const auto targets = make_targets({3, 5}, vocab, 2);
+      ops::FusedCrossEntropyOptions o;
+      o.z_loss = z;
+      const auto [want_loss, want_grad] = loss_and_grad(logits, targets, o, false);
+      const auto [loss, grad] = loss_and_grad(logits, targets, o, true);
+      EXPECT_EQ(loss.scalar_type(), at::kDouble);
+      EXPECT_LE(std::fabs(loss.item<double>() - want_loss.item<double>()),
+                kFp64Bound * std::fabs(want_loss.item<double>()))
+          << "vocab " << vocab << " z " << z;
+      EXPECT_LE(max_rel_diff(grad, want_grad), kFp64Bound) << "vocab " << vocab << " z " << z;
+      // Ignored rows: no gradient at all.
+      EXPECT_EQ(grad.view({-1, vocab})[1].abs().max().item<double>(), 0.0);
+    }
+}
+
+TEST(FusedCrossEntropy, PaddingColumnsAreLeftOutAndGetNoGradient) {
+  const int64_t vocab = 45, padded = 64;
+  const auto logits = randn({4, 6, vocab}, 3);
+  const auto targets = make_targets({4, 6}, vocab, 4);
+  // Padding with huge values: they would swamp the softmax if they were counted.
+  const auto padded_logits = at::cat({logits, at::full({4, 6, padded - vocab}, 1e4, at::kDouble)}, -1);
+  ops::FusedCrossEntropyOptions o;
+  const auto [want_loss, want_grad] = loss_and_grad(logits, targets, o, false);
+  o.valid = vocab;
+  const auto [loss, grad] = loss_and_grad(padded_logits, targets, o, true);
+  EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), kFp64Bound * want_loss.item<double>());
+  EXPECT_LE(max_rel_diff(grad.narrow(-1, 0, vocab), want_grad), kFp64Bound);
+  EXPECT_EQ(grad.narrow(-1, vocab, padded - vocab).abs().max().item<double>(), 0.0);
+}
+
+TEST(FusedCrossEntropy, NarrowDtypesAreWithinTheErrorOfTheirFp32Sums) {
+  // The same rounded logits in fp64 are the reference. The loss: each host "thread" folds
+  // ceil(V / 256) values, then 10 butterfly levels, each step a few fp32 roundings: the
+  // log-sum-exp is within (V / 256 + 11) * 5 * 2^-24 (plus 2 roundings of |lse|); the mean adds
+  // one rounding per row. The gradient: fp32 arithmetic (|x - lse| + 6) * 2^-24 relative to p,
+  // then one rounding to the element type (2^-8 bf16, 2^-11 fp16, 2^-24 fp32).
+  const int64_t vocab = 1000, rows = 24;
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const auto logits = randn({rows, vocab}, 5, dtype);
+    const auto exact = logits.to(at::kDouble);
+    const auto targets = make_targets({rows}, vocab, 6);
+    ops::FusedCrossEntropyOptions o;
+    const auto [want_loss, want_grad] = loss_and_grad(exact, targets, o, false);
+    const auto [loss, grad] = loss_and_grad(logits, targets, o, true);
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);
+    EXPECT_EQ(grad.scalar_type(), dtype);
+    const double u32 = std::ldexp(1.0, -24);
+    const double lse_max = at::logsumexp(exact, 1).abs().max().item<double>();
+    const double loss_bound = (double(vocab) / 256 + 11) * 5 * u32 + 2 * u32 * lse_max +
+                              double(rows) * u32 * std::fabs(want_loss.item<double>());
+    EXPECT_LE(std::fabs(loss.item<double>() - want_loss.item<double>()), loss_bound)
+        << c10::toString(dtype);
+    const double unit = dtype == at::kBFloat16 ? std::ldexp(1.0, -8)
+                        : dtype == at::kHalf   ? std::ldexp(1.0, -11)
+                                               : u32;
+    const double spread = (exact - at::logsumexp(exact, 1, true)).abs().max().item<double>();
+    const double scale = 1.0 / double(rows - 2);  // two rows ignored
+    const auto err = (grad.to(at::kDouble) - want_grad).abs();
+    const auto bound = want_grad.abs() * unit * 1.01 +
+                       scale * ((want_grad.abs() / scale + 1) * (spread + 6) * u32 + 4 * u32);
+    EXPECT_TRUE((err <= bound).all().item<bool>())
+        << c10::toString(dtype) << ": worst excess " << (err - bound).max().item<double>();
+  }
+}
+
+TEST(FusedCrossEntropy, OverwritingTheLogitsGivesTheSameGradientAndRefusesASecondBackward) {
+  const int64_t vocab = 50;
+  const auto logits = randn({2, 7, vocab}, 7);
+  const auto targets = make_targets({2, 7}, vocab, 8);
+  ops::FusedCrossEntropyOptions o;
+  const auto [want_loss, want_grad] = loss_and_grad(logits, targets, o, true);
+
+  // A non-leaf (as a model's head output is): its memory becomes the gradient.
+  auto w = at::ones({}, at::kDouble).requires_grad_();
+  auto x = logits * w;
+  o.overwrite_logits = true;
+  auto loss = ops::fused_cross_entropy(x, targets, o);
+  const auto x_grad = at::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
+  EXPECT_TRUE(at::equal(x_grad, want_grad));
+  EXPECT_TRUE(at::equal(x.detach(), want_grad)) << "the gradient was not written over the logits";
+  const auto msg = error_of<std::exception>([&] { loss.backward(); });
+  EXPECT_TRUE(contains(msg, "second backward")) << msg;
+
+  // Without overwrite_logits the caller's logits are left alone.
+  auto y = logits * w;
+  o.overwrite_logits = false;
+  ops::fused_cross_entropy(y, targets, o).backward();
+  EXPECT_TRUE(at::equal(y.detach(), logits));
+
+  // Another node that saved the logits sees them changed: autograd refuses, loudly.
+  auto z = logits * w;
+  o.overwrite_logits = true;
+  auto total = ops::fused_cross_entropy(z, targets, o) + (z * z).sum();
+  const auto saved_msg = error_of<std::exception>([&] { total.backward(); });
+  EXPECT_TRUE(contains(saved_msg, "modified by an inplace operation")) << saved_msg;
+}
+
+TEST(FusedCrossEntropy, NaNWhereNoColumnHoldsTheTargetOrEveryRowIsIgnored) {
+  const int64_t vocab = 20;
+  const auto logits = randn({3, vocab}, 9);
+  ops::FusedCrossEntropyOptions o;
+  o.valid = 16;  // ids 16..19 are padding here
+  auto outside = at::tensor({3, 17, 5}, at::kLong);
+  EXPECT_TRUE(std::isnan(ops::fused_cross_entropy(logits, outside, o).item<double>()));
+  auto ignored = at::full({3}, -100, at::kLong);
+  EXPECT_TRUE(std::isnan(ops::fused_cross_entropy(logits, ignored, {}).item<double>()));
+  // A NaN logit reaches the loss.
+  auto with_nan = logits.clone();
+  with_nan[1][4] = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(
+      std::isnan(ops::fused_cross_entropy(with_nan, at::tensor({0, 1, 2}, at::kLong), {}).item<double>()));
+}
+
+TEST(FusedCrossEntropy, BadInputIsNamed) {
+  const auto logits = randn({2, 8}, 10);
+  const auto targets = at::tensor({1, 2}, at::kLong);
+  auto msg = error_of([&] { ops::fused_cross_entropy(logits, targets.to(at::kInt), {}); });
+  EXPECT_TRUE(contains(msg, "targets must be int64")) << msg;
+  msg = error_of([&] { ops::fused_cross_entropy(logits, at::tensor({1, 2, 3}, at::kLong), {}); });
+  EXPECT_TRUE(contains(msg, "do not match")) << msg;
+  ops::FusedCrossEntropyOptions o;
+  o.z_loss = -1;
+  msg = error_of([&] { ops::fused_cross_entropy(logits, targets, o); });
+  EXPECT_TRUE(contains(msg, "z_loss -1")) << msg;
+  o = {};
+  o.valid = 9;
+  msg = error_of([&] { ops::fused_cross_entropy(logits, targets, o); });
+  EXPECT_TRUE(contains(msg, "valid 9")) << msg;
+  msg = error_of([&] { ops::parse_loss_backend("fast"); });
+  EXPECT_TRUE(contains(msg, "'fast'") && contains(msg, "auto, fused, math")) << msg;
+  msg = error_of([&] { ops::uses_fused_loss(ops::LossBackend::kFused, targets); });
+  EXPECT_TRUE(contains(msg, "Long")) << msg;
+  EXPECT_FALSE(ops::uses_fused_loss(ops::LossBackend::kAuto, logits));  // CPU: math
+  EXPECT_TRUE(ops::uses_fused_loss(ops::LossBackend::kFused, logits));
+}
+
+// --- Whole models: fused against math, fp64 ----------------------------------------------
+
+struct ModelCase {
+  models::Family family;
+  int64_t pad_multiple;  // the vocabulary padded to a multiple of this (1: none)
+  double z_loss;
+};
+
+class FusedLossModel : public ::testing::TestWithParam<ModelCase> {};
+
+// Loss and every gradient (by name) of one forward and backward.
+std::pair<double, std::map<std::string, at::Tensor>> step(models::CausalLM& m,
+                                                          const at::Tensor& tokens,
+                                                          const at::Tensor& targets) {
+  m.zero_grad();
+  auto loss = m.loss(tokens, targets);
+  loss.backward();
+  std::map<std::string, at::Tensor> grads;
+  for (const auto& item : m.named_parameters()) grads.emplace(item.key(), item.value().grad().clone());
+  return {loss.item<double>(), grads};
+}
+
+TEST_P(FusedLossModel, LossAndEveryGradientEqualTheMathPathInFp64) {
+  const auto [family, pad_multiple, z_loss] = GetParam();
+  auto config = loom::testing::tiny_model_config(family, 61);
+  auto tp = std::make_shared<loom::parallel::tensor::TpGroup>(
+      nullptr, loom::parallel::tensor::TpOptions{false, pad_multiple});
+  auto model = models::make_model(config, tp);
+  models::init_parameters(*model, 3);
+  model->to(at::kDouble);
+  model->eval();
+  model->set_z_loss(z_loss);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(11);
+  const auto tokens = at::randint(0, config.vocab_size, {3, 16}, g, at::kLong);
+  const auto targets = at::randint(0, config.vocab_size, {3, 16}, g, at::kLong);
+
+  model->set_loss_backend(ops::LossBackend::kMath);
+  const auto [want_loss, want] = step(*model, tokens, targets);
+  model->set_loss_backend(ops::LossBackend::kFused);
+  const auto [loss, got] = step(*model, tokens, targets);
+  // One forward and backward of a small model in another order of sums: ~1e-14; bound 1e-11
+  // (docs/testing.md).
+  EXPECT_NEAR(loss, want_loss, 1e-11 * want_loss);
+  for (const auto& [name, grad] : want)
+    EXPECT_LE(max_rel_diff(got.at(name), grad), 1e-11) << name;
+
+  // The z-loss term itself, against the whole logits' log-sum-exp.
+  if (z_loss > 0) {
+    torch::NoGradGuard no_grad;
+    const auto logits = model->forward(tokens);
+    const double ce = at::cross_entropy_loss(logits.reshape({-1, config.vocab_size}),
+                                             targets.reshape({-1}))
+                          .item<double>();
+    const double z = at::logsumexp(logits, -1).square().mean().item<double>();
+    EXPECT_NEAR(loss, ce + z_loss * z, 1e-11 * loss);
+  }
+
+  // loss_from_logits leaves the caller's logits alone; loss() may overwrite its own.
+  auto logits = model->logits_shard(tokens);
+  const auto before = logits.detach().clone();
+  model->loss_from_logits(logits, targets).backward();
+  EXPECT_TRUE(at::equal(logits.detach(), before));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, FusedLossModel,
+    ::testing::Values(ModelCase{models::Family::kGpt2, 1, 0.0}, ModelCase{models::Family::kGpt2, 64, 0.0},
+                      ModelCase{models::Family::kLlama, 1, 1e-3}, ModelCase{models::Family::kLlama, 64, 0.0},
+                      ModelCase{models::Family::kGpt2, 1, 1e-3}),
+    [](const ::testing::TestParamInfo<ModelCase>& info) {
+      return fmt::format("{}_pad{}{}", models::to_string(info.param.family), info.param.pad_multiple,
+                         info.param.z_loss > 0 ? "_zloss" : "");
+    });
+
+TEST(FusedLossModel, ZLossWeightIsChecked) {
+  auto model = loom::testing::make_initialized(loom::testing::tiny_model_config(models::Family::kGpt2));
+  const auto msg = error_of([&] { model->set_z_loss(-0.5); });
+  EXPECT_TRUE(contains(msg, "z-loss weight -0.5")) << msg;
+}
+
+}  // namespace
