@@ -34,7 +34,7 @@ struct Options {
   int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (kernel_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
-  std::string device = "cpu", precision = "fp32", attention = "auto";
+  std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto";
   double peak_tflops = 0;  // 0: from the GPU's name
 };
 
@@ -82,6 +82,7 @@ void run(const Options& o) {
   loom::models::init_parameters(*model, o.seed);
   model->to(device);
   model->set_attention_backend(loom::ops::parse_attention_backend(o.attention));
+  model->set_loss_backend(loom::ops::parse_loss_backend(o.loss));
   model->train();
   loom::core::NamedTensors named;
   std::vector<at::Tensor> params;
@@ -207,6 +208,7 @@ void run(const Options& o) {
     out["device"] = loom::ops::cuda_device_name(device.has_index() ? device.index() : 0);
     out["precision"] = o.precision;
     out["attention"] = o.attention;
+    out["loss"] = o.loss;
     // The allocator's peak over the timed and profiled steps (from the first timed step on).
     out["device_peak_bytes"] = loom::core::memory_counters(device).peak_bytes;
     const double peak =
@@ -253,6 +255,9 @@ int main(int argc, char** argv) {
   app.add_option("--precision", o.precision, "fp32 | bf16 (autocast, fp32 master weights)")
       ->capture_default_str();
   app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
+  app.add_option("--loss", o.loss,
+                 "auto | fused | math: the cross-entropy (auto: loom's fused kernels on CUDA)")
+      ->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops,
                  "Device bf16 peak for MFU (0: from the GPU's name)")
       ->capture_default_str();

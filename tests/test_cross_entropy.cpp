@@ -14,6 +14,7 @@
 #include "loom/core/error.h"
 #include "loom/models/causal_lm.h"
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/cuda.h"
 #include "loom/parallel/tensor/tp_group.h"
 #include "model_test_util.h"
 #include "test_util.h"
@@ -202,6 +203,52 @@ TEST(FusedCrossEntropy, BadInputIsNamed) {
   EXPECT_TRUE(contains(msg, "Long")) << msg;
   EXPECT_FALSE(ops::uses_fused_loss(ops::LossBackend::kAuto, logits));  // CPU: math
   EXPECT_TRUE(ops::uses_fused_loss(ops::LossBackend::kFused, logits));
+}
+
+// --- On a GPU (scripts/gpu-check; skipped elsewhere) ------------------------------------
+
+// The kernels against their host reference (the same algorithm; only expf's last bits differ)
+// and against fp64 math, at GPT-2's head width (odd: scalar loads) and padded (16-byte vector
+// loads), with ignored rows and z-loss.
+TEST(FusedCrossEntropyGpu, KernelsMatchTheHostReferenceAndFp64Math) {
+  if (!ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  struct Case {
+    at::ScalarType dtype;
+    int64_t rows, vocab;
+    double z;
+  };
+  for (const auto& c : {Case{at::kBFloat16, 257, 50257, 0.0}, Case{at::kBFloat16, 256, 50304, 1e-4},
+                        Case{at::kHalf, 64, 1000, 0.0}, Case{at::kFloat, 64, 1001, 1e-3}}) {
+    const auto what = fmt::format("{} {} x {}", c10::toString(c.dtype), c.rows, c.vocab);
+    const auto logits = randn({c.rows, c.vocab}, 21, c.dtype);
+    const auto targets = make_targets({c.rows}, c.vocab, 22);
+    ops::FusedCrossEntropyOptions o;
+    o.z_loss = c.z;
+    const auto [host_loss, host_grad] = loss_and_grad(logits, targets, o, true);
+    const auto [gpu_loss, gpu_grad] = loss_and_grad(logits.cuda(), targets.cuda(), o, true);
+    const auto [want_loss, want_grad] = loss_and_grad(logits.to(at::kDouble), targets, o, false);
+    const double u32 = std::ldexp(1.0, -24);
+    // GPU expf within 2 ulp of the host's: each row's sum within ~2u relative, each gradient
+    // within 2u before its rounding to the element type (then one unit apart at most).
+    EXPECT_NEAR(gpu_loss.item<double>(), host_loss.item<double>(),
+                8 * u32 * std::fabs(host_loss.item<double>()) + 1e-6)
+        << what;
+    const double unit = c.dtype == at::kBFloat16 ? std::ldexp(1.0, -8)
+                        : c.dtype == at::kHalf   ? std::ldexp(1.0, -11)
+                                                 : u32;
+    const auto host = host_grad.to(at::kDouble);
+    const auto gpu = gpu_grad.cpu().to(at::kDouble);
+    EXPECT_TRUE(((gpu - host).abs() <= host.abs() * 2.01 * unit + 1e-9).all().item<bool>())
+        << what << ": worst " << (gpu - host).abs().max().item<double>();
+    // fp64 math: the bound of NarrowDtypesAreWithinTheErrorOfTheirFp32Sums.
+    const double lse_max = at::logsumexp(logits.to(at::kDouble), 1).abs().max().item<double>();
+    const double loss_bound = (double(c.vocab) / 256 + 11) * 5 * u32 + 2 * u32 * lse_max +
+                              double(c.rows) * u32 * std::fabs(want_loss.item<double>()) +
+                              c.z * 4 * lse_max * ((double(c.vocab) / 256 + 11) * 5 * u32);
+    EXPECT_NEAR(gpu_loss.item<double>(), want_loss.item<double>(), loss_bound) << what;
+    EXPECT_LE(max_rel_diff(gpu, want_grad), 3 * unit + 1e-5) << what;
+  }
 }
 
 // --- Whole models: fused against math, fp64 ----------------------------------------------
