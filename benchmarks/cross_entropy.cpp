@@ -59,8 +59,7 @@ void run(const Options& o) {
   for (const auto& shape : shapes) {
     const int64_t tokens = std::max<int64_t>(1, int64_t(double(shape.tokens) * o.scale));
     const auto base = (at::randn({tokens, shape.vocab}, gen, at::kFloat) * 2).to(options);
-    const auto targets =
-        at::randint(0, shape.vocab, {tokens}, gen, at::kLong).to(options.device());
+    const auto targets = at::randint(0, shape.vocab, {tokens}, gen, at::kLong).to(options.device());
     // Each call: the logits as a fresh leaf (no copy), the loss, its backward.
     struct Impl {
       const char* name;

@@ -30,7 +30,7 @@ struct Options {
   int64_t d_model = 0, layers = 0, heads = 0;  // 0: the preset's
   int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
-  int64_t profile_steps = 0;  // > 0: that many more steps under op hooks (step_profile.h)
+  int64_t profile_steps = 0;         // > 0: that many more steps under op hooks (step_profile.h)
   int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (kernel_profile.h)
   int threads = 2;
   uint64_t seed = 1337;

@@ -178,8 +178,7 @@ at::Tensor CausalLM::token_loss(const at::Tensor& logits, const at::Tensor& targ
   pt::VocabLossOptions options;
   options.backend = fused ? ops::LossBackend::kFused : ops::LossBackend::kMath;
   options.z_loss = z_loss_;
-  options.overwrite_logits =
-      own_logits_ != nullptr && logits.unsafeGetTensorImpl() == own_logits_;
+  options.overwrite_logits = own_logits_ != nullptr && logits.unsafeGetTensorImpl() == own_logits_;
   return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_, options);
 }
 

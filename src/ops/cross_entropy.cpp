@@ -63,7 +63,9 @@ kernels::CrossEntropyRows describe(const at::Tensor& logits2d, const at::Tensor&
 }
 
 // Rows per parallel task on the CPU: about 32k logits each.
-int64_t cpu_grain(int64_t columns) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, columns)); }
+int64_t cpu_grain(int64_t columns) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, columns));
+}
 
 template <typename Acc>
 void stats_on_cpu(const kernels::CrossEntropyRows& r, at::Tensor& stats) {
@@ -78,15 +80,15 @@ void stats_on_cpu(const kernels::CrossEntropyRows& r, at::Tensor& stats) {
 // Per row: max, sum of exp(x - max), target logit, target found: [4, rows] in the accumulation
 // dtype.
 at::Tensor row_stats(const kernels::CrossEntropyRows& r, const at::Tensor& logits2d) {
-  auto stats = at::empty({4, r.rows}, logits2d.options().dtype(accumulation_dtype(
-                                          logits2d.scalar_type())));
+  auto stats =
+      at::empty({4, r.rows}, logits2d.options().dtype(accumulation_dtype(logits2d.scalar_type())));
   if (logits2d.is_cuda()) {
 #ifdef LOOM_WITH_CUDA
     const c10::cuda::CUDAGuard guard(logits2d.device());
     float* p = stats.data_ptr<float>();
-    const auto status = kernels::cross_entropy_stats_apply(
-        r, {p, p + r.rows, p + 2 * r.rows, p + 3 * r.rows},
-        c10::cuda::getCurrentCUDAStream().stream());
+    const auto status =
+        kernels::cross_entropy_stats_apply(r, {p, p + r.rows, p + 2 * r.rows, p + 3 * r.rows},
+                                           c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
 #endif
   } else if (stats.scalar_type() == at::kDouble) {
@@ -103,9 +105,8 @@ void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const 
   if (grad.is_cuda()) {
 #ifdef LOOM_WITH_CUDA
     const c10::cuda::CUDAGuard guard(grad.device());
-    const kernels::CrossEntropyGradArgs<float> args{lse.const_data_ptr<float>(),
-                                                    scale.const_data_ptr<float>(), float(z_loss),
-                                                    grad.data_ptr()};
+    const kernels::CrossEntropyGradArgs<float> args{
+        lse.const_data_ptr<float>(), scale.const_data_ptr<float>(), float(z_loss), grad.data_ptr()};
     const auto status =
         kernels::cross_entropy_grad_apply(r, args, c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
@@ -114,9 +115,8 @@ void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const 
   }
   const auto run = [&](auto zero) {
     using Acc = decltype(zero);
-    const kernels::CrossEntropyGradArgs<Acc> args{lse.const_data_ptr<Acc>(),
-                                                  scale.const_data_ptr<Acc>(), Acc(z_loss),
-                                                  grad.data_ptr()};
+    const kernels::CrossEntropyGradArgs<Acc> args{
+        lse.const_data_ptr<Acc>(), scale.const_data_ptr<Acc>(), Acc(z_loss), grad.data_ptr()};
     at::parallel_for(0, r.rows, cpu_grain(r.ld), [&](int64_t begin, int64_t end) {
       const auto status = kernels::cross_entropy_grad_host(r, args, begin, end);
       LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
@@ -135,16 +135,15 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
     const int64_t valid = o.valid < 0 ? logits2d.size(1) : o.valid;
     const auto rows = describe(logits2d, targets, o.col_offset, valid, o.ignore_index);
     const auto stats = row_stats(rows, logits2d);
-    at::Tensor row_max = stats[0], row_sum = stats[1], target_logit = stats[2],
-               found = stats[3];
+    at::Tensor row_max = stats[0], row_sum = stats[1], target_logit = stats[2], found = stats[3];
     if (o.reduce.max) {
       // Each shard's sum rescaled to the row's max over every shard, then one sum of the
       // rescaled sums, target logits and found flags (an empty shard's sum stays 0).
       auto global_max = row_max.clone();
       o.reduce.max(global_max);
-      auto packed = at::stack({at::where(row_sum == 0, at::zeros_like(row_sum),
-                                         row_sum * (row_max - global_max).exp()),
-                               target_logit, found});
+      auto packed = at::stack(
+          {at::where(row_sum == 0, at::zeros_like(row_sum), row_sum * (row_max - global_max).exp()),
+           target_logit, found});
       o.reduce.sum(packed);
       row_max = global_max;
       row_sum = packed[0];
@@ -181,9 +180,9 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
     const auto& targets = saved[1];
     const auto& lse = saved[2];
     const auto& count = saved[3];
-    const auto rows = describe(logits2d, targets, ctx->saved_data["col_offset"].toInt(),
-                               ctx->saved_data["valid"].toInt(),
-                               ctx->saved_data["ignore_index"].toInt());
+    const auto rows =
+        describe(logits2d, targets, ctx->saved_data["col_offset"].toInt(),
+                 ctx->saved_data["valid"].toInt(), ctx->saved_data["ignore_index"].toInt());
     const auto scale = (grad_out[0].to(lse.scalar_type()) / count).contiguous();
     at::Tensor grad = overwrite ? logits2d : at::empty_like(logits2d);
     row_grads(rows, lse, scale, ctx->saved_data["z_loss"].toDouble(), grad);
@@ -210,7 +209,9 @@ std::string to_string(LossBackend backend) {
   return "unknown";
 }
 
-std::vector<std::string> loss_backend_names() { return {"auto", "fused", "math"}; }
+std::vector<std::string> loss_backend_names() {
+  return {"auto", "fused", "math"};
+}
 
 LossBackend parse_loss_backend(const std::string& name) {
   for (const auto backend : {LossBackend::kAuto, LossBackend::kFused, LossBackend::kMath})

@@ -319,9 +319,13 @@ TEST(TpLayers, ModelsWithTheFusedLossEqualTheMathPath) {
         model->zero_grad();
         model->set_loss_backend(backend);
         auto loss = model->loss(tokens, targets);
-        loss.backward();
         const auto what = fmt::format("{} pad {} {}", models::to_string(family), pad_multiple,
                                       loom::ops::to_string(backend));
+        // The backend asked for is the one that ran.
+        EXPECT_EQ(loss.grad_fn()->name().find("FusedCrossEntropy") != std::string::npos,
+                  backend == loom::ops::LossBackend::kFused)
+            << what << ": " << loss.grad_fn()->name();
+        loss.backward();
         if (backend == loom::ops::LossBackend::kMath) {
           want_loss = loss.item<double>();
           for (const auto& item : model->named_parameters())

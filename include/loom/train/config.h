@@ -132,10 +132,10 @@ struct TrainConfig {
   std::vector<std::string> strategies;
 
   // Output.
-  std::string metrics_out;  // JSON lines; empty = none
-  std::string save_dir;     // checkpoints; empty = none
-  int64_t save_every = 0;   // 0 = only at the end
-  double save_every_s = 0;  // also (or only) once this many seconds have passed since the last
+  std::string metrics_out;       // JSON lines; empty = none
+  std::string save_dir;          // checkpoints; empty = none
+  int64_t save_every = 0;        // 0 = only at the end
+  double save_every_s = 0;       // also (or only) once this many seconds have passed since the last
   int64_t keep_checkpoints = 2;  // the newest this many stay in save_dir (0 = all)
   bool async_save = false;  // rank 0 writes the files on a background thread (checkpoint_writer.h)
   std::string resume;       // save directory or checkpoint directory
