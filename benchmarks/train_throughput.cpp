@@ -136,7 +136,8 @@ void run(const Options& o) {
     at::Tensor loss;
     {
       loom::core::Bf16Autocast autocast(o.precision == "bf16", device.type());
-      loss = loom::models::next_token_loss(model->forward(input), target);
+      // The model's own loss: the backend --loss names (the fused kernels by default on CUDA).
+      loss = model->loss(input, target);
     }
     profile.phase(kBackward);
     loss.backward();

@@ -222,6 +222,23 @@ Status launch_grad(const CrossEntropyRows& r, const CrossEntropyGradArgs<float>&
   return launch_status("cross_entropy_grad");
 }
 
+// launch(T()) with T the element type of `dtype` (fp64 is refused before: device_dtype).
+template <typename Launch>
+Status by_dtype(LogitsDtype dtype, Launch&& launch) {
+  switch (dtype) {
+    case LogitsDtype::kFloat32:
+      return launch(float());
+    case LogitsDtype::kFloat16:
+      return launch(__half());
+    case LogitsDtype::kBFloat16:
+      return launch(__nv_bfloat16());
+    case LogitsDtype::kFloat64:
+      break;
+  }
+  return Status::invalid_argument("cross_entropy kernel: unknown dtype " +
+                                  std::to_string(int(dtype)));
+}
+
 Status device_dtype(const CrossEntropyRows& r) {
   if (r.dtype == LogitsDtype::kFloat64)
     return Status::invalid_argument(
@@ -237,17 +254,9 @@ Status cross_entropy_stats_apply(const CrossEntropyRows& r, const CrossEntropySt
   if (r.rows == 0) return Status::success();
   if (!out.row_max || !out.row_sum || !out.target_logit || !out.target_found)
     return Status::invalid_argument("cross_entropy stats: an output pointer is null");
-  switch (r.dtype) {
-    case LogitsDtype::kFloat32:
-      return launch_stats<float>(r, out, stream, max_blocks);
-    case LogitsDtype::kFloat16:
-      return launch_stats<__half>(r, out, stream, max_blocks);
-    case LogitsDtype::kBFloat16:
-      return launch_stats<__nv_bfloat16>(r, out, stream, max_blocks);
-    case LogitsDtype::kFloat64:
-      break;
-  }
-  return Status::invalid_argument("cross_entropy stats: unknown dtype");
+  return by_dtype(r.dtype, [&](auto element) {
+    return launch_stats<decltype(element)>(r, out, stream, max_blocks);
+  });
 }
 
 Status cross_entropy_grad_apply(const CrossEntropyRows& r, const CrossEntropyGradArgs<float>& args,
@@ -256,17 +265,9 @@ Status cross_entropy_grad_apply(const CrossEntropyRows& r, const CrossEntropyGra
   if (r.rows == 0) return Status::success();
   if (!args.lse || !args.scale || !args.grad)
     return Status::invalid_argument("cross_entropy grad: lse, scale and grad must not be null");
-  switch (r.dtype) {
-    case LogitsDtype::kFloat32:
-      return launch_grad<float>(r, args, stream, max_blocks);
-    case LogitsDtype::kFloat16:
-      return launch_grad<__half>(r, args, stream, max_blocks);
-    case LogitsDtype::kBFloat16:
-      return launch_grad<__nv_bfloat16>(r, args, stream, max_blocks);
-    case LogitsDtype::kFloat64:
-      break;
-  }
-  return Status::invalid_argument("cross_entropy grad: unknown dtype");
+  return by_dtype(r.dtype, [&](auto element) {
+    return launch_grad<decltype(element)>(r, args, stream, max_blocks);
+  });
 }
 
 }  // namespace loom::kernels

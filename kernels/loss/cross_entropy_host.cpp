@@ -149,7 +149,8 @@ template <typename Acc>
 Status cross_entropy_grad_host(const CrossEntropyRows& r, const CrossEntropyGradArgs<Acc>& a,
                                int64_t row_begin, int64_t row_end) {
   if (Status s = check_acc<Acc>(r); !s.ok()) return s;
-  if (r.rows > 0 && (a.lse == nullptr || a.scale == nullptr || a.grad == nullptr))
+  if (row_begin >= row_end) return Status::success();
+  if (a.lse == nullptr || a.scale == nullptr || a.grad == nullptr)
     return Status::invalid_argument("cross_entropy grad: lse, scale and grad must not be null");
   const Acc scale = *a.scale;
   for (int64_t row = row_begin; row < row_end; ++row) {

@@ -34,29 +34,21 @@ LOOM_CE_FN float ce_exp(float a) {
 }
 #else
 #define LOOM_CE_FN inline
-inline float ce_add(float a, float b) {
+// float, and double for the host reference's fp64 logits (the kernel takes 16- and 32-bit ones).
+template <typename T>
+T ce_add(T a, T b) {
   return a + b;
 }
-inline float ce_sub(float a, float b) {
+template <typename T>
+T ce_sub(T a, T b) {
   return a - b;
 }
-inline float ce_mul(float a, float b) {
+template <typename T>
+T ce_mul(T a, T b) {
   return a * b;
 }
-inline float ce_exp(float a) {
-  return std::exp(a);
-}
-// fp64: the host reference only (the CUDA kernel takes 16- and 32-bit logits).
-inline double ce_add(double a, double b) {
-  return a + b;
-}
-inline double ce_sub(double a, double b) {
-  return a - b;
-}
-inline double ce_mul(double a, double b) {
-  return a * b;
-}
-inline double ce_exp(double a) {
+template <typename T>
+T ce_exp(T a) {
   return std::exp(a);
 }
 #endif

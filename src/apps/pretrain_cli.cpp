@@ -105,8 +105,9 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "log-softmax in fp32; auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
   app.add_option("--z-loss", c.z_loss,
-                 "Weight of the z-loss, mean(logsumexp(logits)^2), added to the loss (PaLM; "
-                 "keeps the softmax normaliser near 1 in low precision); 0: none")
+                 "Weight of the z-loss, mean(logsumexp(logits)^2), added to the training loss "
+                 "(PaLM; keeps the softmax normaliser near 1 in low precision; the validation "
+                 "loss stays the cross-entropy alone); 0: none")
       ->capture_default_str();
   app.add_option("--peak-tflops", c.peak_tflops,
                  "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "

@@ -173,11 +173,13 @@ at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
 
 at::Tensor CausalLM::token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   const bool fused = ops::uses_fused_loss(loss_backend_, logits);
-  if (!fused && z_loss_ == 0 && tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
+  // The z-loss is a training term: evaluation reports the cross-entropy alone.
+  const double z_loss = is_training() ? z_loss_ : 0.0;
+  if (!fused && z_loss == 0 && tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
     return next_token_loss(logits, targets);
   pt::VocabLossOptions options;
   options.backend = fused ? ops::LossBackend::kFused : ops::LossBackend::kMath;
-  options.z_loss = z_loss_;
+  options.z_loss = z_loss;
   options.overwrite_logits = own_logits_ != nullptr && logits.unsafeGetTensorImpl() == own_logits_;
   return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_, options);
 }

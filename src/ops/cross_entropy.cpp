@@ -90,6 +90,8 @@ at::Tensor row_stats(const kernels::CrossEntropyRows& r, const at::Tensor& logit
         kernels::cross_entropy_stats_apply(r, {p, p + r.rows, p + 2 * r.rows, p + 3 * r.rows},
                                            c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
+#else
+    fail("fused cross-entropy on {}: this loom was built without CUDA", logits2d.device().str());
 #endif
   } else if (stats.scalar_type() == at::kDouble) {
     stats_on_cpu<double>(r, stats);
@@ -110,6 +112,8 @@ void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const 
     const auto status =
         kernels::cross_entropy_grad_apply(r, args, c10::cuda::getCurrentCUDAStream().stream());
     LOOM_CHECK(status.ok(), "fused cross-entropy kernel: {}", status.message);
+#else
+    fail("fused cross-entropy on {}: this loom was built without CUDA", grad.device().str());
 #endif
     return;
   }
@@ -184,7 +188,9 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
         describe(logits2d, targets, ctx->saved_data["col_offset"].toInt(),
                  ctx->saved_data["valid"].toInt(), ctx->saved_data["ignore_index"].toInt());
     const auto scale = (grad_out[0].to(lse.scalar_type()) / count).contiguous();
-    at::Tensor grad = overwrite ? logits2d : at::empty_like(logits2d);
+    // detach(): the gradient handed to autograd shares the logits' memory (and version
+    // counter), not their autograd history.
+    at::Tensor grad = overwrite ? logits2d.detach() : at::empty_like(logits2d);
     row_grads(rows, lse, scale, ctx->saved_data["z_loss"].toDouble(), grad);
     if (overwrite) {
       // Anything else that saved these logits now sees them changed, as after an in-place op.
@@ -260,6 +266,10 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
              "fused cross-entropy: the row reductions come as a pair (max and sum)");
   LOOM_CHECK(std::isfinite(options.z_loss) && options.z_loss >= 0,
              "fused cross-entropy: z_loss {} must be a finite value >= 0", options.z_loss);
+  LOOM_CHECK(logits.is_cpu() || (logits.is_cuda() && kernel_dtype(logits.scalar_type())),
+             "fused cross-entropy: takes CPU logits (fp32, fp64, fp16, bf16) or CUDA logits "
+             "(fp32, fp16, bf16); got {} on {}",
+             c10::toString(logits.scalar_type()), logits.device().str());
   const auto logits2d = logits.reshape({-1, logits.size(-1)}).contiguous();
   return FusedCrossEntropy::apply(logits2d, targets.reshape({-1}).contiguous(), options);
 }

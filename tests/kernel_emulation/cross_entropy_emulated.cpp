@@ -292,11 +292,9 @@ bool refused(const k::Status& s, const char* needle, const char* what) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const auto start = std::chrono::steady_clock::now();
-  int failed = 0, runs = 0;
-  for (const Config& c : configs()) {
-    failed += !run(c);
-    ++runs;
-  }
+  const auto all = configs();
+  int failed = emulated_test::count_failures(all, run);
+  int runs = int(all.size());
   double dummy[4] = {};
   float out[4] = {};
   const int64_t target = 0;

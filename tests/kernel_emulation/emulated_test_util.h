@@ -62,10 +62,9 @@ inline std::string check_product(bool bf16, const uint16_t* y, const std::vector
         magnitude += std::fabs(p);
       }
       // |y - exact| <= u |exact| + (1 + u) E, with 1% on each term.
-      const double bound = unit * std::fabs(exact) * 1.01 +
-                           1.01 * (double(roundings) * 0x1p-24 + double(cols) * 0x1p-53) *
-                               magnitude +
-                           1e-30;
+      const double bound =
+          unit * std::fabs(exact) * 1.01 +
+          1.01 * (double(roundings) * 0x1p-24 + double(cols) * 0x1p-53) * magnitude + 1e-30;
       const double error = std::fabs(double(to_float(bf16, got)) - exact);
       if (error > bound) ++out_of_bound;
       if (magnitude > 0) *worst = std::max(*worst, error / magnitude);
@@ -74,6 +73,14 @@ inline std::string check_product(bool bf16, const uint16_t* y, const std::vector
   return std::to_string(differ) + " elements differ from the reference, " +
          std::to_string(unwritten) + " not written, " + std::to_string(out_of_bound) +
          " outside the fp64 bound";
+}
+
+// run(config) for each configuration; how many failed.
+template <typename Config, typename Run>
+int count_failures(const std::vector<Config>& configs, Run&& run) {
+  int failed = 0;
+  for (const Config& c : configs) failed += !run(c);
+  return failed;
 }
 
 // The closing line, and the exit status: 0 when nothing failed and the emulator saw no error.

@@ -154,11 +154,9 @@ bool run_scatter(int64_t max_blocks) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const auto start = std::chrono::steady_clock::now();
-  int failed = 0, runs = 0;
-  for (const Config& c : configs()) {
-    failed += !run(c);
-    ++runs;
-  }
+  const auto all = configs();
+  int failed = emulated_test::count_failures(all, run);
+  int runs = int(all.size());
   for (const int64_t max_blocks : {0, 1}) {
     failed += !run_scatter(max_blocks);
     ++runs;

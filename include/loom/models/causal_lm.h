@@ -168,7 +168,8 @@ class CausalLM : public torch::nn::Module {
   void set_loss_backend(ops::LossBackend backend) { loss_backend_ = backend; }
   ops::LossBackend loss_backend() const { return loss_backend_; }
   // PaLM's z-loss: adds weight * mean(lse^2) to the next-token loss (and to each multi-token
-  // head's). 0 (the default): none. loom::Error unless finite and >= 0.
+  // head's) while training; in eval mode the loss is the cross-entropy alone (validation loss
+  // stays comparable). 0 (the default): none. loom::Error unless finite and >= 0.
   void set_z_loss(double weight);
   double z_loss() const { return z_loss_; }
   // Activation offload: with kFull, each block's saved input goes to host memory in forward and

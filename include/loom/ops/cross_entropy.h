@@ -49,8 +49,9 @@ struct FusedCrossEntropyOptions {
   double z_loss = 0;
   // Backward writes the gradient over the logits' memory instead of a new buffer. The caller
   // must not read the logits after backward; the logits' version counter is bumped so that an
-  // autograd node that saved them fails loudly, and a second backward through this loss (a
-  // retained graph) is refused.
+  // autograd node that saved them and whose backward runs after this one fails loudly (one that
+  // runs before still read them intact), and a second backward through this loss (a retained
+  // graph) is refused.
   bool overwrite_logits = false;
   RowReductions reduce;
 };
