@@ -8,6 +8,13 @@ model under torch.compile (inductor) instead: a second reference, reported as su
 
 --profile N adds N steps under torch.profiler and reports each op's self time by phase and op
 class, with the same phases and classes as loom-bench-train's (benchmarks/step_profile.h).
+
+--device cuda --precision bf16 is the GPU reference for loom-bench-train's figures on the same
+GPU in the same run (scripts/gpu-check): the model on the GPU, forward and loss under bf16
+autocast with fp32 master weights (loom's --precision bf16), the fused CUDA AdamW, the device
+synchronised once a step in the metrics phase (as loom-bench-train does); eager, and with
+--compile the torch.compile reference. The device and precision are reported beside "config"
+(which scripts/bench compares between the two programs on the CPU).
 """
 import argparse
 import json
@@ -67,7 +74,7 @@ class Gpt2(nn.Module):
 
     def forward(self, tokens):
         tr = self.transformer
-        x = tr.wte(tokens) + tr.wpe(torch.arange(tokens.shape[1]))
+        x = tr.wte(tokens) + tr.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in tr.h:
             x = block(x)
         # Tied head, the same matmul loom does.
@@ -200,6 +207,9 @@ def main():
                     help="after the timed steps, this many steps under torch.profiler")
     ap.add_argument("--adamw", choices=["fused", "foreach", "loop"], default="fused",
                     help="torch.optim.AdamW implementation (fused: the fastest on the CPU)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: forward and loss under autocast, fp32 master weights")
     ap.add_argument("--compile", action="store_true",
                     help="the model under torch.compile (inductor): a second reference")
     args = ap.parse_args()
@@ -207,11 +217,16 @@ def main():
         fail(f"--profile {args.profile} must be >= 0")
     c = model_config(args)
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device is visible to this torch")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
 
     torch.manual_seed(args.seed)
     model = Gpt2(c["vocab_size"], c["max_seq_len"], c["d_model"], c["n_layers"], c["n_heads"],
                  c["d_ff"])
     init_parameters(model, c["n_layers"])
+    model.to(device)
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -255,15 +270,19 @@ def main():
             phase_ms = {p: walls[p] / args.steps for p in PHASES}
             phase_ms["minor_faults_per_step"] = (minor_faults() - faults) / args.steps
             walls = {p: 0.0 for p in PHASES}
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
         start = time.perf_counter()
         phase("data")
-        inp = tokens[i, :, :-1].contiguous()
-        tgt = tokens[i, :, 1:].contiguous()
+        inp = tokens[i, :, :-1].contiguous().to(device)
+        tgt = tokens[i, :, 1:].contiguous().to(device)
         phase("forward")
-        logits = forward(inp)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = forward(inp)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
         phase("backward")
         loss.backward()
         phase("clip")
@@ -274,6 +293,8 @@ def main():
         optimizer.zero_grad()  # set_to_none, as loom's AdamW::zero_grad
         phase("metrics")
         losses.append(loss.detach())
+        if cuda:
+            torch.cuda.synchronize()  # the step's device work, inside its time
         phase(None)
         stop = time.perf_counter()
         if args.warmup <= i < args.warmup + args.steps:
@@ -287,6 +308,8 @@ def main():
     med = statistics.median(step_ms)
     out = {
         "impl": "pytorch-compile" if args.compile else "pytorch",
+        "device": args.device,
+        "precision": args.precision,
         "tokens_per_s": args.batch_size * args.seq_len / (med / 1000.0),
         "step_ms_median": med,
         "step_ms_mean": statistics.fmean(step_ms),
@@ -302,6 +325,8 @@ def main():
     }
     out["phase_ms"] = phase_ms
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if cuda:
+        out["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     if profiler is not None:
         out["op_self_ms"], out["top_ops_ms"] = op_tables(profiler.events(), walls, args.profile)
     print(json.dumps(out))
