@@ -78,29 +78,28 @@ __device__ __forceinline__ SoftmaxPartial<float> warp_combine(SoftmaxPartial<flo
   return p;
 }
 
-template <typename T>
+// The stats kernel's one argument: the rows as the caller described them, and its outputs.
 struct StatsArgs {
-  const T* logits;
-  const int64_t* targets;
-  int64_t rows, ld, valid, col_offset, ignore_index;
+  CrossEntropyRows rows;
   CrossEntropyStats<float> out;
 };
 
 template <typename T, int kChunk>
 __global__ void __launch_bounds__(kCrossEntropyThreads)
-    cross_entropy_stats_kernel(const StatsArgs<T> a) {
+    cross_entropy_stats_kernel(const StatsArgs a) {
+  const CrossEntropyRows& r = a.rows;
   extern __shared__ __align__(16) unsigned char stats_smem[];
   auto* warp_partials = reinterpret_cast<SoftmaxPartial<float>*>(stats_smem);
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
-  const int64_t chunks = (a.valid + kChunk - 1) / kChunk;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const T* x = a.logits + row * a.ld;
+  const int64_t chunks = (r.valid + kChunk - 1) / kChunk;
+  for (int64_t row = blockIdx.x; row < r.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(r.logits) + row * r.ld;
     SoftmaxPartial<float> p{-INFINITY, 0.0f};
     for (int64_t k = threadIdx.x; k < chunks; k += kCrossEntropyThreads) {
       const Chunk<T, kChunk> c = load_chunk<T, kChunk>(x + k * kChunk);
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)
-        if (k * kChunk + j < a.valid) softmax_add(p, widen(c.v[j]));
+        if (k * kChunk + j < r.valid) softmax_add(p, widen(c.v[j]));
     }
     p = warp_combine(p);
     if (lane == 0) warp_partials[warp] = p;
@@ -110,9 +109,9 @@ __global__ void __launch_bounds__(kCrossEntropyThreads)
           lane < kWarps ? warp_partials[lane] : SoftmaxPartial<float>{-INFINITY, 0.0f};
       q = warp_combine(q);
       if (lane == 0) {
-        const int64_t target = a.targets[row];
-        const int64_t local = target - a.col_offset;
-        const bool here = target != a.ignore_index && local >= 0 && local < a.valid;
+        const int64_t target = r.targets[row];
+        const int64_t local = target - r.col_offset;
+        const bool here = target != r.ignore_index && local >= 0 && local < r.valid;
         a.out.row_max[row] = q.max;
         a.out.row_sum[row] = q.sum;
         a.out.target_logit[row] = here ? widen(x[local]) : 0.0f;
@@ -178,14 +177,7 @@ Status launch_status(const char* kernel) {
 template <typename T>
 Status launch_stats(const CrossEntropyRows& r, const CrossEntropyStats<float>& out,
                     cudaStream_t stream, int64_t max_blocks) {
-  const StatsArgs<T> a{static_cast<const T*>(r.logits),
-                       r.targets,
-                       r.rows,
-                       r.ld,
-                       r.valid,
-                       r.col_offset,
-                       r.ignore_index,
-                       out};
+  const StatsArgs a{r, out};
   const unsigned grid = unsigned(grid_for(r.rows, max_blocks));
   const size_t smem = kWarps * sizeof(SoftmaxPartial<float>);
   constexpr int kVector = int(16 / sizeof(T));

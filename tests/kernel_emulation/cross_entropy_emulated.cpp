@@ -292,9 +292,7 @@ bool refused(const k::Status& s, const char* needle, const char* what) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const auto start = std::chrono::steady_clock::now();
-  const auto all = configs();
-  int failed = emulated_test::count_failures(all, run);
-  int runs = int(all.size());
+  auto [runs, failed] = emulated_test::run_each(configs(), run);
   double dummy[4] = {};
   float out[4] = {};
   const int64_t target = 0;

@@ -75,12 +75,21 @@ inline std::string check_product(bool bf16, const uint16_t* y, const std::vector
          " outside the fp64 bound";
 }
 
-// run(config) for each configuration; how many failed.
-template <typename Config, typename Run>
-int count_failures(const std::vector<Config>& configs, Run&& run) {
+// How many runs a program made and how many failed, for finish().
+struct Tally {
+  int runs = 0;
   int failed = 0;
-  for (const Config& c : configs) failed += !run(c);
-  return failed;
+};
+
+// run(config) for each configuration.
+template <typename Config, typename Run>
+Tally run_each(const std::vector<Config>& configs, Run&& run) {
+  Tally t;
+  for (const Config& c : configs) {
+    t.failed += !run(c);
+    ++t.runs;
+  }
+  return t;
 }
 
 // The closing line, and the exit status: 0 when nothing failed and the emulator saw no error.

@@ -102,9 +102,7 @@ bool run(const Config& c) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const auto start = std::chrono::steady_clock::now();
-  const auto all = configs();
-  int failed = emulated_test::count_failures(all, run);
-  int runs = int(all.size());
+  auto [runs, failed] = emulated_test::run_each(configs(), run);
   float dummy = 0;
   const int64_t zero = 0;
   for (const int64_t rank : {int64_t(0), int64_t(33)}) {

@@ -154,9 +154,7 @@ bool run_scatter(int64_t max_blocks) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const auto start = std::chrono::steady_clock::now();
-  const auto all = configs();
-  int failed = emulated_test::count_failures(all, run);
-  int runs = int(all.size());
+  auto [runs, failed] = emulated_test::run_each(configs(), run);
   for (const int64_t max_blocks : {0, 1}) {
     failed += !run_scatter(max_blocks);
     ++runs;
