@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/element_convert.cuh"
 #include "loss/cross_entropy.h"
 #include "loss/cross_entropy_math.h"
 
@@ -18,25 +19,6 @@ namespace loom::kernels {
 namespace {
 
 constexpr int kWarps = kCrossEntropyThreads / 32;
-
-__device__ __forceinline__ float widen(float v) {
-  return v;
-}
-__device__ __forceinline__ float widen(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-__device__ __forceinline__ float widen(__half v) {
-  return __half2float(v);
-}
-__device__ __forceinline__ void narrow(float* p, float v) {
-  *p = v;
-}
-__device__ __forceinline__ void narrow(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ void narrow(__half* p, float v) {
-  *p = __float2half_rn(v);
-}
 
 // kChunk consecutive elements, moved as one 16-byte access when kChunk > 1.
 template <typename T, int kChunk>

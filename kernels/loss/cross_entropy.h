@@ -25,6 +25,7 @@
 // expf's last bits. Accumulation is fp32 (fp64 for fp64 logits, host reference only).
 #include <cstdint>
 
+#include "common/element_dtype.h"
 #include "common/status.h"
 
 struct CUstream_st;
@@ -32,7 +33,7 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace loom::kernels {
 
-enum class LogitsDtype { kFloat32, kFloat16, kBFloat16, kFloat64 };  // kFloat64: host only
+using LogitsDtype = ElementDtype;  // kFloat64: the host reference only
 
 constexpr int kCrossEntropyThreads = 256;
 

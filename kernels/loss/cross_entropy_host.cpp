@@ -2,64 +2,15 @@
 // partition, fold order and combining tree, one row at a time, in plain C++.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 
-#include "common/float16.h"
+#include "common/host_elements.h"
 #include "loss/cross_entropy.h"
 #include "loss/cross_entropy_math.h"
 
 namespace loom::kernels {
 
 namespace {
-
-int64_t element_size(LogitsDtype dtype) {
-  switch (dtype) {
-    case LogitsDtype::kFloat32:
-      return 4;
-    case LogitsDtype::kFloat64:
-      return 8;
-    case LogitsDtype::kFloat16:
-    case LogitsDtype::kBFloat16:
-      return 2;
-  }
-  return 0;
-}
-
-// Element i of the logits (or of a gradient buffer of the same dtype), widened to Acc.
-template <typename Acc>
-Acc load(LogitsDtype dtype, const void* base, int64_t i) {
-  switch (dtype) {
-    case LogitsDtype::kFloat32:
-      return Acc(static_cast<const float*>(base)[i]);
-    case LogitsDtype::kFloat64:
-      return Acc(static_cast<const double*>(base)[i]);
-    case LogitsDtype::kFloat16:
-      return Acc(fp16_to_float(static_cast<const uint16_t*>(base)[i]));
-    case LogitsDtype::kBFloat16:
-      return Acc(bf16_to_float(static_cast<const uint16_t*>(base)[i]));
-  }
-  return Acc(0);
-}
-
-// Element i rounded to the dtype (to nearest, ties to even, as the kernel's conversions).
-template <typename Acc>
-void store(LogitsDtype dtype, void* base, int64_t i, Acc v) {
-  switch (dtype) {
-    case LogitsDtype::kFloat32:
-      static_cast<float*>(base)[i] = float(v);
-      return;
-    case LogitsDtype::kFloat64:
-      static_cast<double*>(base)[i] = double(v);
-      return;
-    case LogitsDtype::kFloat16:
-      static_cast<uint16_t*>(base)[i] = float_to_fp16(float(v));
-      return;
-    case LogitsDtype::kBFloat16:
-      static_cast<uint16_t*>(base)[i] = float_to_bf16(float(v));
-      return;
-  }
-}
 
 template <typename Acc>
 Status check_acc(const CrossEntropyRows& rows) {
@@ -71,16 +22,11 @@ Status check_acc(const CrossEntropyRows& rows) {
   return cross_entropy_check(rows);
 }
 
-// The butterfly over 32 partials that __shfl_xor_sync performs: at each offset every lane
-// combines its value with its partner's (both read before either changes).
 template <typename Acc>
 SoftmaxPartial<Acc> butterfly(SoftmaxPartial<Acc> (&v)[32]) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    SoftmaxPartial<Acc> next[32];
-    for (int l = 0; l < 32; ++l) next[l] = softmax_combine(v[l], v[l ^ offset]);
-    std::memcpy(static_cast<void*>(v), static_cast<const void*>(next), sizeof next);
-  }
-  return v[0];
+  return warp_butterfly(v, [](const SoftmaxPartial<Acc>& a, const SoftmaxPartial<Acc>& b) {
+    return softmax_combine(a, b);
+  });
 }
 
 }  // namespace
@@ -127,7 +73,7 @@ Status cross_entropy_stats_host(const CrossEntropyRows& r, const CrossEntropySta
         for (int64_t k = w * 32 + l; k < chunks; k += kCrossEntropyThreads)
           for (int64_t j = 0; j < chunk; ++j) {
             const int64_t c = k * chunk + j;
-            if (c < r.valid) softmax_add(p, load<Acc>(r.dtype, r.logits, base + c));
+            if (c < r.valid) softmax_add(p, load_element<Acc>(r.dtype, r.logits, base + c));
           }
         lanes[l] = p;
       }
@@ -139,7 +85,7 @@ Status cross_entropy_stats_host(const CrossEntropyRows& r, const CrossEntropySta
     const bool here = target != r.ignore_index && local >= 0 && local < r.valid;
     out.row_max[row] = total.max;
     out.row_sum[row] = total.sum;
-    out.target_logit[row] = here ? load<Acc>(r.dtype, r.logits, base + local) : Acc(0);
+    out.target_logit[row] = here ? load_element<Acc>(r.dtype, r.logits, base + local) : Acc(0);
     out.target_found[row] = here ? Acc(1) : Acc(0);
   }
   return Status::success();
@@ -156,17 +102,18 @@ Status cross_entropy_grad_host(const CrossEntropyRows& r, const CrossEntropyGrad
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t base = row * r.ld, target = r.targets[row];
     if (target == r.ignore_index) {
-      for (int64_t c = 0; c < r.ld; ++c) store(r.dtype, a.grad, base + c, Acc(0));
+      for (int64_t c = 0; c < r.ld; ++c) store_element(r.dtype, a.grad, base + c, Acc(0));
       continue;
     }
     const Acc lse = a.lse[row];
     const Acc factor = cross_entropy_grad_factor(lse, a.z_loss);
     const int64_t local = target - r.col_offset;
     for (int64_t c = 0; c < r.ld; ++c) {
-      const Acc g = c < r.valid ? cross_entropy_grad_value(load<Acc>(r.dtype, r.logits, base + c),
-                                                           lse, factor, c == local, scale)
-                                : Acc(0);
-      store(r.dtype, a.grad, base + c, g);
+      const Acc g = c < r.valid
+                        ? cross_entropy_grad_value(load_element<Acc>(r.dtype, r.logits, base + c),
+                                                   lse, factor, c == local, scale)
+                        : Acc(0);
+      store_element(r.dtype, a.grad, base + c, g);
     }
   }
   return Status::success();

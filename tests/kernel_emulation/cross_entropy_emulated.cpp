@@ -46,14 +46,6 @@ struct Config {
   bool specials;  // row 1 holds a NaN, row 2 holds -inf values
 };
 
-const char* name(k::LogitsDtype d) {
-  return d == k::LogitsDtype::kFloat32 ? "fp32" : d == k::LogitsDtype::kFloat16 ? "fp16" : "bf16";
-}
-
-int64_t element_bytes(k::LogitsDtype d) {
-  return d == k::LogitsDtype::kFloat32 ? 4 : 2;
-}
-
 // Unit roundoff of the gradient's storage type.
 double unit(k::LogitsDtype d) {
   return d == k::LogitsDtype::kFloat32 ? 0x1p-24 : d == k::LogitsDtype::kFloat16 ? 0x1p-11 : 0x1p-8;
@@ -100,7 +92,7 @@ std::vector<float> make_logits(const Config& c, std::mt19937& gen) {
 // Stored in the dtype: the values the kernel reads (and the fp64 math uses).
 void to_dtype(k::LogitsDtype d, const std::vector<float>& x, std::vector<unsigned char>& bytes,
               std::vector<double>& exact) {
-  const int64_t size = element_bytes(d);
+  const int64_t size = k::element_size(d);
   bytes.assign(x.size() * size_t(size), 0);
   exact.resize(x.size());
   for (size_t i = 0; i < x.size(); ++i) {
@@ -232,9 +224,9 @@ bool run(const Config& c) {
       const int64_t i = r * c.ld + j;
       const double v = element(c.dtype, g, i);
       const double w = element(c.dtype, want_grad.data(), i);
-      differ += !(std::memcmp(g + i * element_bytes(c.dtype),
-                              want_grad.data() + i * element_bytes(c.dtype),
-                              size_t(element_bytes(c.dtype))) == 0 ||
+      differ += !(std::memcmp(g + i * k::element_size(c.dtype),
+                              want_grad.data() + i * k::element_size(c.dtype),
+                              size_t(k::element_size(c.dtype))) == 0 ||
                   (std::isnan(v) && std::isnan(w)));
       if (j >= c.valid || ignored) {
         nonzero_padding += v != 0.0;
@@ -273,8 +265,8 @@ bool run(const Config& c) {
   std::printf(
       "%s  %s %lld x %lld (valid %lld, offset %lld)%s%s%s%s: worst lse %.2e (bound %.2e), "
       "grad %.2e%s%s\n",
-      problem.empty() ? "ok  " : "FAIL", name(c.dtype), (long long)c.rows, (long long)c.ld,
-      (long long)c.valid, (long long)c.col_offset,
+      problem.empty() ? "ok  " : "FAIL", k::element_dtype_name(c.dtype), (long long)c.rows,
+      (long long)c.ld, (long long)c.valid, (long long)c.col_offset,
       k::cross_entropy_chunk(rows) > 1 ? ", vector" : ", scalar", c.z_loss != 0 ? ", z-loss" : "",
       c.in_place ? ", in place" : "", c.max_blocks ? ", capped grid" : "", worst_lse, lse_bound,
       worst_grad, problem.empty() ? "" : ": ", problem.c_str());
