@@ -34,7 +34,7 @@ struct Options {
   int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (kernel_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
-  std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto";
+  std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto";
   double peak_tflops = 0;  // 0: from the GPU's name
 };
 
@@ -83,6 +83,7 @@ void run(const Options& o) {
   model->to(device);
   model->set_attention_backend(loom::ops::parse_attention_backend(o.attention));
   model->set_loss_backend(loom::ops::parse_loss_backend(o.loss));
+  model->set_norm_backend(loom::ops::parse_norm_backend(o.norm));
   model->train();
   loom::core::NamedTensors named;
   std::vector<at::Tensor> params;
@@ -210,6 +211,7 @@ void run(const Options& o) {
     out["precision"] = o.precision;
     out["attention"] = o.attention;
     out["loss"] = o.loss;
+    out["norm"] = o.norm;
     // The allocator's peak over the timed and profiled steps (from the first timed step on).
     out["device_peak_bytes"] = loom::core::memory_counters(device).peak_bytes;
     const double peak =
@@ -258,6 +260,10 @@ int main(int argc, char** argv) {
   app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
   app.add_option("--loss", o.loss,
                  "auto | fused | math: the cross-entropy (auto: loom's fused kernels on CUDA)")
+      ->capture_default_str();
+  app.add_option("--norm", o.norm,
+                 "auto | fused | math: the norms and residual adds (auto: loom's fused kernels "
+                 "on CUDA)")
       ->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops,
                  "Device bf16 peak for MFU (0: from the GPU's name)")

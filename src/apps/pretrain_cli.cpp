@@ -104,6 +104,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "backward, writing the gradient over them in their own dtype; math: ATen's "
                  "log-softmax in fp32; auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
+  app.add_option("--norm", c.norm,
+                 "auto | fused | math: how the norms (and the residual add before each block's "
+                 "second norm) are computed. fused: loom's kernels (CUDA; on the CPU their host "
+                 "reference) read the residual stream once and write the normed activation in "
+                 "the dtype the next matrix product reads; math: ATen's add and layer norm; "
+                 "auto: fused on CUDA, math on the CPU")
+      ->capture_default_str();
   app.add_option("--z-loss", c.z_loss,
                  "Weight of the z-loss, mean(logsumexp(logits)^2), added to the training loss "
                  "(PaLM; keeps the softmax normaliser near 1 in low precision; the validation "

@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/ops/activation.h"
+#include "loom/ops/norm.h"
 #include "loom/parallel/tensor/mappings.h"
 #include "loom/parallel/tensor/random.h"
 
@@ -13,6 +14,18 @@ namespace loom::models {
 
 namespace nn = torch::nn;
 namespace pt = parallel::tensor;
+
+namespace {
+
+ops::NormParams layer_norm_params(const nn::LayerNorm& ln) {
+  return {ops::NormKind::kLayerNorm, ln->weight, ln->bias, ln->options.eps()};
+}
+
+ops::NormBackend norm_backend(const BlockExecutionPtr& execution) {
+  return execution ? execution->norm : ops::NormBackend::kAuto;
+}
+
+}  // namespace
 
 Gpt2Block::Gpt2Block(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer,
                      BlockExecutionPtr execution)
@@ -64,7 +77,9 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer) {
   const int64_t h = config_.n_heads / tp.size(), hd = config_.head_dim();
   const double p = is_training() ? config_.dropout : 0.0;
   const int64_t seq_dim = tp.sequence_parallel() ? 1 : -1;  // what residual dropout slices
-  auto a = pt::enter_tp_region(ln_1_->forward(x), tp, 1);   // [B, T, D], the whole sequence
+  const auto norms = norm_backend(execution_);
+  // [B, T, D], the whole sequence
+  auto a = pt::enter_tp_region(ops::add_norm(norms, x, {}, layer_norm_params(ln_1_)).normed, tp, 1);
   const int64_t b = a.size(0), t = a.size(1);
   // [B, T, 3 * h * hd] (this rank's heads of q, then k, then v) -> [B, T, 3, h, hd]. Where
   // loom's CPU attention kernel runs, it adds the bias as it reads q, k, v (at::linear would
@@ -76,17 +91,21 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer) {
   auto y = causal_attention_packed(qkv, bias_in_attention ? c_attn_->bias : at::Tensor(), p, tp_,
                                    execution_, layer);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
-  auto out = x + pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim,
-                                     ops::dropout_site(layer, ops::DropoutPlace::kAttention));
+  // The residual add and ln_2 in one op (one read of the residual stream where fused).
+  const auto [out, normed] =
+      ops::add_norm(norms, x,
+                    pt::sharded_dropout(attn_c_proj_->forward(y), p, is_training(), tp, seq_dim,
+                                        ops::dropout_site(layer, ops::DropoutPlace::kAttention)),
+                    layer_norm_params(ln_2_));
   if (fc_blocks_) {
     // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
-    auto m = pt::enter_feature_blocks(ln_2_->forward(out), tp, 1);
+    auto m = pt::enter_feature_blocks(normed, tp, 1);
     m = pt::exit_feature_blocks(proj_blocks_->forward(ops::gelu_tanh(fc_blocks_->forward(m))), tp,
                                 1);
     return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
                                      ops::dropout_site(layer, ops::DropoutPlace::kMlp));
   }
-  auto m = pt::enter_tp_region(ln_2_->forward(out), tp, 1);
+  auto m = pt::enter_tp_region(normed, tp, 1);
   if (fc_low_) {
     m = proj_low_->forward(ops::gelu_tanh(fc_low_->forward(m)));
     return out + pt::sharded_dropout(m, p, is_training(), tp, seq_dim,
@@ -167,7 +186,7 @@ at::Tensor Gpt2::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Gpt2::head(const at::Tensor& x) {
-  return unembed(ln_f_->forward(x));
+  return unembed(ops::add_norm(execution()->norm, x, {}, layer_norm_params(ln_f_)).normed);
 }
 
 at::Tensor Gpt2::unembed(const at::Tensor& normed) {
@@ -177,7 +196,9 @@ at::Tensor Gpt2::unembed(const at::Tensor& normed) {
 
 at::Tensor Gpt2::mtp_hidden(int64_t index, const at::Tensor& trunk) {
   const auto i = static_cast<size_t>(index);
-  return mtp_norms_.at(i)->forward(mtp_blocks_.at(i)->forward(trunk));
+  return ops::add_norm(mtp_execution()->norm, mtp_blocks_.at(i)->forward(trunk), {},
+                       layer_norm_params(mtp_norms_.at(i)))
+      .normed;
 }
 
 ParamInit Gpt2::init_for(const std::string& name) const {

@@ -45,9 +45,7 @@ RmsNorm::RmsNorm(int64_t dim, double eps) : eps_(eps) {
 }
 
 at::Tensor RmsNorm::forward(const at::Tensor& x) {
-  auto xf = x.to(compute_type(x));
-  xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return weight_ * xf.to(x.scalar_type());
+  return ops::math_add_norm(x, {}, params()).normed;
 }
 
 LlamaBlock::LlamaBlock(const ModelConfig& config, pt::TpGroupPtr tp, int64_t layer,
@@ -109,7 +107,10 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   const int64_t heads = config_.n_heads / tp.size();
   const int64_t kv_heads = std::max<int64_t>(1, config_.n_kv_heads / tp.size());
   const double p = is_training() ? config_.dropout : 0.0;
-  auto hn = pt::enter_tp_region(input_layernorm_->forward(x), tp, 1);  // the whole sequence
+  const auto norms = execution_ ? execution_->norm : ops::NormBackend::kAuto;
+  // The whole sequence.
+  auto hn =
+      pt::enter_tp_region(ops::add_norm(norms, x, {}, input_layernorm_->params()).normed, tp, 1);
   const int64_t b = hn.size(0), t = hn.size(1);
   auto q = q_proj_->forward(hn).view({b, t, heads, hd}).transpose(1, 2);
   auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
@@ -118,14 +119,16 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
                             layer);
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
-  auto out = x + o_proj_->forward(y);
+  // The residual add and the second norm in one op (one read of the residual stream where fused).
+  const auto [out, normed] =
+      ops::add_norm(norms, x, o_proj_->forward(y), post_attention_layernorm_->params());
   if (gate_blocks_) {
     // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
-    auto m = pt::enter_feature_blocks(post_attention_layernorm_->forward(out), tp, 1);
+    auto m = pt::enter_feature_blocks(normed, tp, 1);
     m = down_blocks_->forward(at::silu(gate_blocks_->forward(m)) * up_blocks_->forward(m));
     return out + pt::exit_feature_blocks(m, tp, 1);
   }
-  auto m = pt::enter_tp_region(post_attention_layernorm_->forward(out), tp, 1);
+  auto m = pt::enter_tp_region(normed, tp, 1);
   if (gate_low_)
     return out + down_low_->forward(at::silu(gate_low_->forward(m)) * up_low_->forward(m));
   return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
@@ -225,7 +228,7 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Llama::head(const at::Tensor& x) {
-  return unembed(norm_->forward(x));
+  return unembed(ops::add_norm(execution()->norm, x, {}, norm_->params()).normed);
 }
 
 at::Tensor Llama::unembed(const at::Tensor& normed) {
@@ -236,7 +239,9 @@ at::Tensor Llama::unembed(const at::Tensor& normed) {
 at::Tensor Llama::mtp_hidden(int64_t index, const at::Tensor& trunk) {
   const auto i = static_cast<size_t>(index);
   const auto [cos, sin] = rope_tables(trunk);
-  return mtp_norms_.at(i)->forward(mtp_blocks_.at(i)->forward(trunk, cos, sin));
+  return ops::add_norm(mtp_execution()->norm, mtp_blocks_.at(i)->forward(trunk, cos, sin), {},
+                       mtp_norms_.at(i)->params())
+      .normed;
 }
 
 ParamInit Llama::init_for(const std::string& name) const {

@@ -203,26 +203,8 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
 
 }  // namespace
 
-std::string to_string(LossBackend backend) {
-  switch (backend) {
-    case LossBackend::kAuto:
-      return "auto";
-    case LossBackend::kFused:
-      return "fused";
-    case LossBackend::kMath:
-      return "math";
-  }
-  return "unknown";
-}
-
-std::vector<std::string> loss_backend_names() {
-  return {"auto", "fused", "math"};
-}
-
 LossBackend parse_loss_backend(const std::string& name) {
-  for (const auto backend : {LossBackend::kAuto, LossBackend::kFused, LossBackend::kMath})
-    if (to_string(backend) == name) return backend;
-  fail("loss backend '{}' is not valid: {}", name, fmt::join(loss_backend_names(), ", "));
+  return parse_fused_choice(name, "loss backend");
 }
 
 bool uses_fused_loss(LossBackend backend, const at::Tensor& logits) {

@@ -206,9 +206,11 @@ void TrainConfig::validate() const {
   const auto backends = ops::attention_backend_names();
   LOOM_CHECK(std::find(backends.begin(), backends.end(), attention) != backends.end(),
              "--attention '{}' is not valid: {}", attention, fmt::join(backends, ", "));
-  const auto losses = ops::loss_backend_names();
-  LOOM_CHECK(std::find(losses.begin(), losses.end(), loss) != losses.end(),
-             "--loss '{}' is not valid: {}", loss, fmt::join(losses, ", "));
+  const auto choices = ops::fused_choice_names();
+  LOOM_CHECK(std::find(choices.begin(), choices.end(), loss) != choices.end(),
+             "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
+  LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
+             "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
   LOOM_CHECK(std::isfinite(z_loss) && z_loss >= 0,
              "--z-loss {} is not valid: a finite weight >= 0 (0: no z-loss)", z_loss);
   LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
@@ -283,6 +285,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["async_save"] = async_save;
   j["loss"] = loss;
   j["z_loss"] = z_loss;
+  j["norm"] = norm;
   return j;
 }
 
@@ -351,6 +354,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.async_save = j.value("async_save", false);
     c.loss = j.value("loss", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
+    c.norm = j.value("norm", std::string("auto"));
     return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());

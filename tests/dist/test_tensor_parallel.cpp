@@ -299,10 +299,12 @@ TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
 // The fused loss on each vocabulary shard of a whole model (the kernels' host reference, the
 // group's max and sum between its passes) against the math path of the same sharded model:
 // loss and every gradient, fp64, with and without vocabulary padding, with z-loss.
-TEST(TpLayers, ModelsWithTheFusedLossEqualTheMathPath) {
+TEST(TpLayers, ModelsWithTheFusedLossAndNormsEqualTheMathPath) {
   for (const auto family : {models::Family::kGpt2, models::Family::kLlama})
     for (const int64_t pad_multiple : {1, 8}) {
-      auto tp = world_group(false, pad_multiple);
+      // Sequence parallel with padding: the fused norms' weight gradients are partial sums over
+      // this rank's tokens, summed across tp as the math path's are.
+      auto tp = world_group(pad_multiple > 1, pad_multiple);
       auto config = small_config(family, tp->size());
       config.dropout = 0;  // train mode (the z-loss is a training term) with nothing random
       auto model = models::make_model(config, tp);
@@ -319,8 +321,10 @@ TEST(TpLayers, ModelsWithTheFusedLossEqualTheMathPath) {
       for (const auto backend : {loom::ops::LossBackend::kMath, loom::ops::LossBackend::kFused}) {
         model->zero_grad();
         model->set_loss_backend(backend);
+        model->set_norm_backend(backend);
         auto loss = model->loss(tokens, targets);
-        const auto what = fmt::format("{} pad {} {}", models::to_string(family), pad_multiple,
+        const auto what = fmt::format("{} pad {}{} {}", models::to_string(family), pad_multiple,
+                                      tp->sequence_parallel() ? " sp" : "",
                                       loom::ops::to_string(backend));
         // The backend asked for is the one that ran.
         EXPECT_EQ(loss.grad_fn()->name().find("FusedCrossEntropy") != std::string::npos,

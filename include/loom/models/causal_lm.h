@@ -14,6 +14,7 @@
 #include "loom/models/config.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/norm.h"
 #include "loom/parallel/context/context_group.h"
 #include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
@@ -47,6 +48,9 @@ struct BlockExecution {
   std::shared_ptr<parallel::memory::ActivationOffloader> offload;
   // Which implementation computes the blocks' attention (kAuto: the fused kernel on CUDA).
   ops::AttentionBackend attention = ops::AttentionBackend::kAuto;
+  // Which implementation computes the norms and the residual adds fused with them (kAuto: the
+  // fused kernels on CUDA).
+  ops::NormBackend norm = ops::NormBackend::kAuto;
   // With 2 or more ranks: the group the sequences are split over; attention runs as ring
   // attention over it (parallel/context/ring_attention.h). Null: the whole sequence is here.
   parallel::context::ContextGroupPtr context;
@@ -162,6 +166,13 @@ class CausalLM : public torch::nn::Module {
     mtp_execution_->attention = backend;
   }
   ops::AttentionBackend attention_backend() const { return execution_->attention; }
+  // Which implementation computes the norms, and the residual add before each block's second
+  // norm (ops/norm.h; default kAuto: the fused kernels on CUDA, ATen's operations on the CPU).
+  void set_norm_backend(ops::NormBackend backend) {
+    execution_->norm = backend;
+    mtp_execution_->norm = backend;
+  }
+  ops::NormBackend norm_backend() const { return execution_->norm; }
   // Which implementation computes the cross-entropy (ops/cross_entropy.h; default kAuto: the
   // fused kernels on CUDA, the math path on the CPU). loss() lets the fused backward write the
   // gradient over the logits it made itself; loss_from_logits() leaves a caller's logits alone.

@@ -15,7 +15,9 @@ namespace loom::models {
 class RmsNorm : public torch::nn::Module {
  public:
   RmsNorm(int64_t dim, double eps);
+  // ATen's operations (ops::math_add_norm); blocks call ops::add_norm with params() instead.
   at::Tensor forward(const at::Tensor& x);
+  ops::NormParams params() const { return {ops::NormKind::kRmsNorm, weight_, {}, eps_}; }
 
  private:
   double eps_;

@@ -12,20 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "loom/ops/fused_choice.h"
+
 namespace loom::ops {
 
-// Which implementation computes a model's loss.
-//   kAuto   the fused kernels on CUDA tensors (fp32, fp16, bf16), the math path elsewhere (its
-//           CPU speed is what the CPU benchmarks measure);
-//   kFused  the fused algorithm everywhere: the kernels on CUDA, their host reference on the
-//           CPU (any of fp32, fp64, fp16, bf16; fp64 on CUDA is refused);
-//   kMath   ATen's log-softmax and NLL (one process) or loom's vocabulary-parallel loss on
-//           ATen operations (tp > 1), in the accumulation dtype.
-enum class LossBackend { kAuto, kFused, kMath };
-std::string to_string(LossBackend backend);
-// "auto" | "fused" | "math"; anything else is a loom::Error naming it and the valid names.
+// Which implementation computes a model's loss (ops/fused_choice.h; kMath: ATen's log-softmax
+// and NLL for one process, loom's vocabulary-parallel loss on ATen operations for tp > 1, in the
+// accumulation dtype).
+using LossBackend = FusedChoice;
+// parse_fused_choice(name, "loss backend").
 LossBackend parse_loss_backend(const std::string& name);
-std::vector<std::string> loss_backend_names();
 // Whether `backend` computes the loss of these logits with the fused algorithm. loom::Error
 // when kFused cannot take them (fp64 on CUDA, a device other than CPU and CUDA, an integer
 // dtype).

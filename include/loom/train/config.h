@@ -124,6 +124,7 @@ struct TrainConfig {
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
+  std::string norm = "auto";       // auto | fused | math (ops::NormBackend)
   double z_loss = 0;               // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
   double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
 
