@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "kernel_profile.h"
 #include "loom/apps/cli.h"
 #include "loom/core/autocast.h"
 #include "loom/loom.h"
+#include "loom/train/device_profile.h"
 #include "loom/train/mfu.h"
 #include "step_profile.h"
 
@@ -31,7 +31,7 @@ struct Options {
   int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
   int64_t profile_steps = 0;         // > 0: that many more steps under op hooks (step_profile.h)
-  int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (kernel_profile.h)
+  int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (train/device_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
   std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto";
@@ -110,7 +110,7 @@ void run(const Options& o) {
   std::vector<double> step_ms;
   std::vector<at::Tensor> losses;  // read after timing; .item() on the CPU would not sync anyway
   nlohmann::ordered_json walls, kernels;
-  loom_bench::KernelProfile kernel_profile(device.type());
+  loom::train::DeviceProfile kernel_profile(device);
   double kernel_profile_ms = 0;
   for (int64_t i = 0; i < total; ++i) {
     if (i == o.warmup) {
@@ -161,8 +161,10 @@ void run(const Options& o) {
     if (i >= hooked_end) kernel_profile_ms += ms;
   }
   profile.hook_ops(false);
-  if (o.kernel_profile_steps > 0)
-    kernels = kernel_profile.stop(o.kernel_profile_steps, kernel_profile_ms, 30);
+  if (o.kernel_profile_steps > 0) {
+    kernel_profile.stop();
+    kernels = kernel_profile.table(o.kernel_profile_steps, kernel_profile_ms, 30);
+  }
   if (o.profile_steps == 0) walls = profile.phase_walls();
 
   const double med = median(step_ms);

@@ -111,6 +111,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "the dtype the next matrix product reads; math: ATen's add and layer norm; "
                  "auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
+  app.add_option("--profile-steps", c.profile_steps,
+                 "A:B: record steps A through B (1-based) under PyTorch's Kineto profiler and "
+                 "write a Chrome trace and the top kernels by device time (with the op that "
+                 "launched each and its input shapes; on the CPU the top ops) into --profile-out");
+  app.add_option("--profile-out", c.profile_out,
+                 "Where --profile-steps writes trace.rank<R>.json and kernels.rank<R>.json/.txt")
+      ->capture_default_str();
   app.add_option("--z-loss", c.z_loss,
                  "Weight of the z-loss, mean(logsumexp(logits)^2), added to the training loss "
                  "(PaLM; keeps the softmax normaliser near 1 in low precision; the validation "

@@ -71,6 +71,26 @@ models::ModelConfig TrainConfig::new_model_config(int64_t tokenizer_vocab) const
   return model_config;
 }
 
+std::pair<int64_t, int64_t> parse_profile_steps(const std::string& text, int64_t steps) {
+  const auto bad = [&] {
+    return fmt::format(
+        "--profile-steps '{}' is not valid: A:B (steps A through B, 1 <= A <= B <= --steps {}) "
+        "or A (one step)",
+        text, steps);
+  };
+  const auto colon = text.find(':');
+  const auto number = [&](const std::string& s) {
+    LOOM_CHECK(
+        !s.empty() && s.find_first_not_of("0123456789") == std::string::npos && s.size() < 10, "{}",
+        bad());
+    return std::stoll(s);
+  };
+  const int64_t a = number(text.substr(0, colon));
+  const int64_t b = colon == std::string::npos ? a : number(text.substr(colon + 1));
+  LOOM_CHECK(a >= 1 && a <= b && b <= steps, "{}", bad());
+  return {a, b};
+}
+
 void TrainConfig::validate() const {
   LOOM_CHECK(model == "gpt2" || model == "llama", "--model '{}' is not valid: use gpt2 or llama",
              model);
@@ -211,6 +231,13 @@ void TrainConfig::validate() const {
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
+  if (!profile_steps.empty()) {
+    parse_profile_steps(profile_steps, steps);
+    LOOM_CHECK(!profile_out.empty(),
+               "--profile-steps {} needs --profile-out DIR (where the "
+               "trace and the kernel table go)",
+               profile_steps);
+  }
   LOOM_CHECK(std::isfinite(z_loss) && z_loss >= 0,
              "--z-loss {} is not valid: a finite weight >= 0 (0: no z-loss)", z_loss);
   LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
@@ -286,6 +313,8 @@ nlohmann::json TrainConfig::to_json() const {
   j["loss"] = loss;
   j["z_loss"] = z_loss;
   j["norm"] = norm;
+  j["profile_steps"] = profile_steps;
+  j["profile_out"] = profile_out;
   return j;
 }
 
@@ -355,6 +384,8 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.loss = j.value("loss", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
     c.norm = j.value("norm", std::string("auto"));
+    c.profile_steps = j.value("profile_steps", std::string());
+    c.profile_out = j.value("profile_out", std::string("loom-profile"));
     return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());

@@ -41,6 +41,7 @@ const std::vector<std::pair<std::string, std::string>>& builtin_flags() {
       {"zero", "--zero 1|2|3"},
       {"optimizer-offload", "--offload-optimizer"},
       {"prune", "--prune-to S or --prune-pattern N:M"},
+      {"profile", "--profile-steps A:B"},
   };
   return flags;
 }
@@ -246,6 +247,7 @@ std::vector<StrategySpec> strategy_specs(const TrainConfig& config, const dist::
   }
   if (config.offload_optimizer) add("optimizer-offload");
   if (config.prune.enabled()) add("prune");
+  if (!config.profile_steps.empty()) add("profile");
   for (auto& spec : user) specs.push_back(std::move(spec));
   return specs;
 }

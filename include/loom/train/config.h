@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/models/config.h"
@@ -125,8 +126,12 @@ struct TrainConfig {
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
   std::string norm = "auto";       // auto | fused | math (ops::NormBackend)
-  double z_loss = 0;               // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
-  double peak_tflops = 0;          // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
+  // --profile-steps A:B: steps A..B (1-based) under the Kineto profiler (the "profile"
+  // strategy), its trace and kernel table written into --profile-out. Empty: no profile.
+  std::string profile_steps;
+  std::string profile_out = "loom-profile";
+  double z_loss = 0;       // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
+  double peak_tflops = 0;  // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
 
   // Registered strategies (train/strategy.h), each "NAME[:key=value,...]" (--strategy,
   // repeatable); the built-in ones are turned on by the flags above.
@@ -172,5 +177,9 @@ struct TrainConfig {
   nlohmann::json to_json() const;
   static TrainConfig from_json(const nlohmann::json& j);
 };
+
+// --profile-steps "A:B" or "A" as the 1-based steps [A, B]; loom::Error naming the text and what
+// is valid unless 1 <= A <= B <= steps.
+std::pair<int64_t, int64_t> parse_profile_steps(const std::string& text, int64_t steps);
 
 }  // namespace loom::train

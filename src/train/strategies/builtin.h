@@ -9,5 +9,6 @@ void register_memory_strategies();  // activation-checkpointing, activation-offl
                                     // optimizer-offload
 void register_data_parallel();
 void register_zero();
-void register_prune();  // prune (gradual magnitude pruning)
+void register_prune();    // prune (gradual magnitude pruning)
+void register_profile();  // profile (--profile-steps: Kineto trace and kernel table)
 }  // namespace loom::train::strategies

@@ -15,6 +15,7 @@ void register_builtin_strategies() {
     strategies::register_data_parallel();
     strategies::register_zero();
     strategies::register_prune();
+    strategies::register_profile();
   });
 }
 
