@@ -186,7 +186,11 @@ def main():
         run([os.path.join(args.tools, "loom-pretrain"), "--model", model, "--preset", preset,
              "--data", os.path.join(data_dir, "train.bin"), "--steps", "60", "--batch-size", "8",
              "--seq-len", "64", "--lr", "3e-3", "--export-hf", out_dir, "--threads", "1",
-             "--log-level", "warn"])
+             "--log-level", "warn",
+             # A padded vocabulary (256 -> 300 rows) and the fused norms and loss (their host
+             # reference on the CPU): the export holds the true vocabulary, and transformers
+             # gives the same logits.
+             "--pad-vocab-multiple", "100", "--norm", "fused", "--loss", "fused"])
         ok &= compare(f"{model} trained in loom, loaded by transformers",
                       loom_logits(args.tools, out_dir, val, seq_len, batches,
                                   os.path.join(args.work, f"{model}-loom.safetensors")),

@@ -91,6 +91,11 @@ std::pair<int64_t, int64_t> parse_profile_steps(const std::string& text, int64_t
   return {a, b};
 }
 
+int64_t TrainConfig::vocab_padding_multiple() const {
+  if (pad_vocab_multiple > 0) return pad_vocab_multiple;
+  return device.rfind("cuda", 0) == 0 ? 128 : 1;
+}
+
 void TrainConfig::validate() const {
   LOOM_CHECK(model == "gpt2" || model == "llama", "--model '{}' is not valid: use gpt2 or llama",
              model);
@@ -161,7 +166,7 @@ void TrainConfig::validate() const {
                "update rebuilds the momentum the hook averaged only with the same decay",
                comm_hook, m->beta(), beta1);
   LOOM_CHECK(tp >= 1, "--tp {} must be at least 1", tp);
-  LOOM_CHECK(pad_vocab_multiple >= 1, "--pad-vocab-multiple {} must be at least 1",
+  LOOM_CHECK(pad_vocab_multiple >= 0, "--pad-vocab-multiple {} is not valid: 0 (auto) or more",
              pad_vocab_multiple);
   LOOM_CHECK(cp >= 1, "--cp {} must be at least 1", cp);
   LOOM_CHECK(cp == 1 || seq_len % (2 * cp) == 0,

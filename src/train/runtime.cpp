@@ -317,7 +317,8 @@ void Runtime::build_model(const models::ModelConfig& model_config) {
   // padded to --pad-vocab-multiple).
   ctx_.tp_group = std::make_shared<parallel::tensor::TpGroup>(
       ctx_.mesh->comm_ptr(dist::Dim::tp),
-      parallel::tensor::TpOptions{ctx_.config.sequence_parallel, ctx_.config.pad_vocab_multiple});
+      parallel::tensor::TpOptions{ctx_.config.sequence_parallel,
+                                  ctx_.config.vocab_padding_multiple()});
   ctx_.plan = ModelPlan{};
   ctx_.plan.stage_bounds = {0, model_config.n_layers};
   for (const auto& s : strategies_) s->plan_model(ctx_);

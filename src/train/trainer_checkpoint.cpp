@@ -583,7 +583,7 @@ void Trainer::load_checkpoint_state(CheckpointContents& resume) {
       saved.tp == mesh_->size(dist::Dim::tp) && saved.pp == mesh_->size(dist::Dim::pp) &&
       saved.virtual_stages == config_.virtual_stages && saved_bounds == bounds &&
       saved.bucket_mb == config_.bucket_mb &&
-      saved.pad_vocab_multiple == config_.pad_vocab_multiple;
+      saved.vocab_padding_multiple() == config_.vocab_padding_multiple();
   if (saved.zero != config_.zero || (saved.zero > 0 && !same_zero_layout))
     spdlog::info(
         "checkpoint '{}' holds {} optimizer state of dp {} x tp {} x pp {}; resharding it for "

@@ -210,7 +210,10 @@ void Trainer::log_setup() const {
             ? std::string()
             : fmt::format(" ({} distinct block{}, shared '{}')", m.unique_blocks(),
                           m.unique_blocks() == 1 ? "" : "s", m.share_layers),
-        m.n_heads, m.n_kv_heads, m.vocab_size);
+        m.n_heads, m.n_kv_heads,
+        run().chunks.front()->padded_vocab() == m.vocab_size
+            ? std::to_string(m.vocab_size)
+            : fmt::format("{} (padded to {})", m.vocab_size, run().chunks.front()->padded_vocab()));
   }
   spdlog::info(
       "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "

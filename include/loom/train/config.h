@@ -87,7 +87,8 @@ struct TrainConfig {
   // data-parallel replica trains on the same samples.
   int64_t tp = 1;
   bool sequence_parallel = false;  // norms/dropout/residuals on 1/tp of the sequence
-  int64_t pad_vocab_multiple = 1;  // vocabulary padded to a multiple of this times tp
+  // Vocabulary padded to a multiple of this times tp; 0: auto (vocab_padding_multiple()).
+  int64_t pad_vocab_multiple = 0;
 
   // Context parallelism: each sequence cut into 2 x cp chunks, rank i of a cp group holding
   // chunks i and 2 cp - 1 - i, attention as ring attention over the group (the
@@ -154,6 +155,10 @@ struct TrainConfig {
 
   // Throws loom::Error naming the field, its value and what would be valid.
   void validate() const;
+  // --pad-vocab-multiple as a run uses it: the value given, or for 0 (auto) 128 on a CUDA device
+  // (rows of 16-byte-aligned width for the head's matrix products and the loss's vector loads:
+  // GPT-2's 50257 becomes 50304) and 1 on the CPU (no padding).
+  int64_t vocab_padding_multiple() const;
   // Sequences per micro-batch on one rank, for a data-parallel size of `dp_size`.
   int64_t micro_batch_size(int64_t dp_size = 1) const {
     return batch_size / (grad_accum * dp_size);

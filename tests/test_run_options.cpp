@@ -1,6 +1,7 @@
-// --profile-steps (the "profile" strategy, train/device_profile.h): a short CPU run writes the
-// Chrome trace and the op table for exactly the steps asked for, trains the same parameters as an
-// unprofiled run, and bad ranges are refused by name.
+// Run options that change how a step runs but not what it computes. --profile-steps (the
+// "profile" strategy, train/device_profile.h): a short CPU run writes the Chrome trace and the op
+// table for exactly the steps asked for, trains the same parameters as an unprofiled run, and bad
+// ranges are refused by name. --pad-vocab-multiple's automatic value.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -103,6 +104,22 @@ TEST(Profile, BadRangesAreRefusedByName) {
   const auto msg = error_of([&] { c.validate(); });
   EXPECT_TRUE(contains(msg, "needs --profile-out DIR")) << msg;
   EXPECT_EQ(train::parse_profile_steps("3", 4), std::make_pair(int64_t{3}, int64_t{3}));
+}
+
+TEST(TrainConfig, VocabPaddingIsAutomaticOnCudaOnlyAndAnExplicitValueWins) {
+  train::TrainConfig c;
+  EXPECT_EQ(c.pad_vocab_multiple, 0);
+  EXPECT_EQ(c.vocab_padding_multiple(), 1);  // the CPU: no padding
+  c.device = "cuda";
+  EXPECT_EQ(c.vocab_padding_multiple(), 128);
+  c.device = "cuda:1";
+  EXPECT_EQ(c.vocab_padding_multiple(), 128);
+  c.pad_vocab_multiple = 8;
+  EXPECT_EQ(c.vocab_padding_multiple(), 8);
+  c = profile_config("/nonexistent");
+  c.pad_vocab_multiple = -1;
+  const auto msg = error_of([&] { c.validate(); });
+  EXPECT_TRUE(contains(msg, "--pad-vocab-multiple -1 is not valid: 0 (auto) or more")) << msg;
 }
 
 }  // namespace
