@@ -29,6 +29,7 @@ struct Options {
   std::string preset = "gpt2-mini";
   int64_t d_model = 0, layers = 0, heads = 0;  // 0: the preset's
   int64_t vocab = 256;  // byte-level vocabulary, as the bundled corpus; keeps the head small
+  int64_t pad_vocab_multiple = 0;  // 0: as loom-pretrain's auto (128 on CUDA, 1 on the CPU)
   int64_t seq_len = 128, batch_size = 16, steps = 30, warmup = 5;
   int64_t profile_steps = 0;         // > 0: that many more steps under op hooks (step_profile.h)
   int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (train/device_profile.h)
@@ -78,7 +79,10 @@ void run(const Options& o) {
   const at::Device device(o.device);
   LOOM_CHECK(device.is_cpu() || loom::ops::cuda_device_count() > 0,
              "--device {}: no CUDA device is visible", o.device);
-  auto model = loom::models::make_model(config);
+  const int64_t pad = o.pad_vocab_multiple > 0 ? o.pad_vocab_multiple : device.is_cuda() ? 128 : 1;
+  auto model =
+      loom::models::make_model(config, std::make_shared<loom::parallel::tensor::TpGroup>(
+                                           nullptr, loom::parallel::tensor::TpOptions{false, pad}));
   loom::models::init_parameters(*model, o.seed);
   model->to(device);
   model->set_attention_backend(loom::ops::parse_attention_backend(o.attention));
@@ -214,6 +218,7 @@ void run(const Options& o) {
     out["attention"] = o.attention;
     out["loss"] = o.loss;
     out["norm"] = o.norm;
+    out["padded_vocab"] = model->padded_vocab();
     // The allocator's peak over the timed and profiled steps (from the first timed step on).
     out["device_peak_bytes"] = loom::core::memory_counters(device).peak_bytes;
     const double peak =
@@ -262,6 +267,10 @@ int main(int argc, char** argv) {
   app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
   app.add_option("--loss", o.loss,
                  "auto | fused | math: the cross-entropy (auto: loom's fused kernels on CUDA)")
+      ->capture_default_str();
+  app.add_option("--pad-vocab-multiple", o.pad_vocab_multiple,
+                 "Pad the vocabulary to a multiple of this (0: 128 on CUDA, 1 on the CPU, as "
+                 "loom-pretrain)")
       ->capture_default_str();
   app.add_option("--norm", o.norm,
                  "auto | fused | math: the norms and residual adds (auto: loom's fused kernels "
