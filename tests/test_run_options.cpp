@@ -1,7 +1,9 @@
 // Run options that change how a step runs but not what it computes. --profile-steps (the
 // "profile" strategy, train/device_profile.h): a short CPU run writes the Chrome trace and the op
 // table for exactly the steps asked for, trains the same parameters as an unprofiled run, and bad
-// ranges are refused by name. --pad-vocab-multiple's automatic value.
+// ranges are refused by name. --pad-vocab-multiple's automatic value. --attention auto's
+// measured choice (ops/attention_choice.h): it follows the faster, times each shape once, keeps
+// its choices in a file a resumed run reads, and reaches the models' blocks.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,6 +14,10 @@
 #include <sstream>
 
 #include "loom/core/files.h"
+#include "loom/models/causal_lm.h"
+#include "loom/ops/attention.h"
+#include "loom/ops/attention_choice.h"
+#include "loom/ops/cpu_attention.h"
 #include "loom/train/config.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
@@ -120,6 +126,82 @@ TEST(TrainConfig, VocabPaddingIsAutomaticOnCudaOnlyAndAnExplicitValueWins) {
   c.pad_vocab_multiple = -1;
   const auto msg = error_of([&] { c.validate(); });
   EXPECT_TRUE(contains(msg, "--pad-vocab-multiple -1 is not valid: 0 (auto) or more")) << msg;
+}
+
+// A timer that says loom's kernel is faster for sequences of 32 and SDPA for any other length,
+// counting its calls.
+loom::ops::AttentionChooser::Timer fake_timer(int* calls) {
+  return [calls](loom::ops::AttentionBackend backend, const at::Tensor& q, const at::Tensor&,
+                 const at::Tensor&, bool, double) {
+    ++*calls;
+    const bool fused = backend == loom::ops::AttentionBackend::kFused;
+    return q.size(2) == 32 ? (fused ? 1.0 : 3.0) : (fused ? 2.0 : 1.0);
+  };
+}
+
+TEST(AttentionChooser, RunsTheFasterTimesEachShapeOnceAndKeepsItsChoices) {
+  namespace ops = loom::ops;
+  TempDir dir;
+  const auto path = (dir.path() / "choices" / "attention.json").string();
+  int calls = 0;
+  auto chooser = std::make_shared<ops::AttentionChooser>(path, fake_timer(&calls));
+  auto g = at::make_generator<at::CPUGeneratorImpl>(3);
+  for (const int64_t t : {16, 32, 16, 32}) {
+    // fp32, head dim 32: loom's CPU kernel takes these, as SDPA does.
+    const auto q = at::randn({2, 4, t, 32}, g), k = at::randn({2, 2, t, 32}, g),
+               v = at::randn({2, 2, t, 32}, g);
+    const double scale = 1 / std::sqrt(32.0);
+    const auto got = ops::attention(q, k, v, {.chooser = chooser.get()});
+    const auto want = t == 32 ? ops::cpu_attention(q, k, v, true, scale)
+                              : at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true,
+                                                                 scale, /*enable_gqa=*/true);
+    EXPECT_TRUE(at::equal(got, want)) << "seq " << t;
+  }
+  EXPECT_EQ(calls, 4);  // two shapes, two backends each, once
+  const auto entries = chooser->entries();
+  ASSERT_EQ(entries.size(), 2u);
+  for (const auto& [key, e] : entries)
+    EXPECT_EQ(e.choice, contains(key, "seq 32x32") ? ops::AttentionBackend::kFused
+                                                   : ops::AttentionBackend::kSdpa)
+        << key;
+  // A resumed run reads the file and times nothing.
+  int again = 0;
+  ops::AttentionChooser resumed(path, fake_timer(&again));
+  EXPECT_EQ(resumed.entries().size(), 2u);
+  const auto q = at::randn({2, 4, 16, 32}, g), k = at::randn({2, 2, 16, 32}, g);
+  EXPECT_EQ(resumed.choose(q, k, k, true, 0.1), ops::AttentionBackend::kSdpa);
+  EXPECT_EQ(again, 0);
+  // A file that cannot be read is measured again, not trusted.
+  loom::core::write_file_atomic(path, "{not json");
+  ops::AttentionChooser broken(path, fake_timer(&again));
+  EXPECT_TRUE(broken.entries().empty());
+  EXPECT_EQ(broken.choose(q, k, k, true, 0.1), ops::AttentionBackend::kSdpa);
+  EXPECT_EQ(again, 2);
+}
+
+TEST(AttentionChooser, TheRealTimerMeasuresBothAndTheModelsAskIt) {
+  namespace ops = loom::ops;
+  // The default timer on the CPU: loom's kernel against SDPA, forward and backward.
+  ops::AttentionChooser real;
+  auto g = at::make_generator<at::CPUGeneratorImpl>(4);
+  const auto q = at::randn({1, 2, 16, 16}, g), k = at::randn({1, 2, 16, 16}, g);
+  real.choose(q, k, k, true, 0.25);
+  const auto e = real.entries().begin()->second;
+  EXPECT_GT(e.fused_ms, 0);
+  EXPECT_GT(e.sdpa_ms, 0);
+  EXPECT_EQ(e.choice,
+            e.fused_ms <= e.sdpa_ms ? ops::AttentionBackend::kFused : ops::AttentionBackend::kSdpa);
+  // A model's blocks ask the chooser they were given (one shape: one class).
+  int calls = 0;
+  auto chooser = std::make_shared<ops::AttentionChooser>("", fake_timer(&calls));
+  auto config = loom::models::ModelConfig::preset("gpt2-tiny");
+  config.dropout = 0;
+  auto model = loom::models::make_model(config);
+  model->set_attention_chooser(chooser);
+  const auto tokens = at::randint(0, config.vocab_size, {2, 16}, g, at::kLong);
+  model->loss(tokens, tokens).backward();
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(chooser->entries().size(), 1u);
 }
 
 }  // namespace

@@ -438,15 +438,17 @@ at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4>
   // Holds the group by value: with kSelective this runs again in backward (where the stream's
   // position is the checkpoint's to restore).
   const auto backend = execution ? execution->attention : ops::AttentionBackend::kAuto;
+  auto chooser = execution ? execution->attention_chooser : nullptr;
   const uint32_t site = ops::dropout_site(layer, ops::DropoutPlace::kAttentionProbs);
-  auto run = [p, tp, backend, shape, site, attend](const std::vector<at::Tensor>& in) {
+  auto run = [p, tp, backend, chooser, shape, site, attend](const std::vector<at::Tensor>& in) {
     const auto mask_options = in[0].options().dtype(ops::accumulation_dtype(in[0].scalar_type()));
     return attend(in, ops::AttentionOptions{.causal = true,
                                             .dropout = p,
                                             .dropout_mask = pt::sharded_dropout_mask(
                                                 {shape[0], shape[1], shape[2], shape[3]},
                                                 mask_options, p, *tp, 1, site),
-                                            .backend = backend});
+                                            .backend = backend,
+                                            .chooser = chooser.get()});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
     return run(inputs);
@@ -503,7 +505,9 @@ bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, 
   if (execution && execution->context) return false;  // ring attention adds no bias itself
   return ops::attention_packed_takes_bias(
       input, head_dim,
-      {.dropout = p, .backend = execution ? execution->attention : ops::AttentionBackend::kAuto});
+      {.dropout = p,
+       .backend = execution ? execution->attention : ops::AttentionBackend::kAuto,
+       .chooser = execution ? execution->attention_chooser.get() : nullptr});
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part) {

@@ -8,6 +8,7 @@
 #include "cpu_vectorize.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/attention_choice.h"
 #include "loom/ops/cpu_attention.h"
 #include "loom/ops/flash_attention.h"
 #include "loom/ops/precision.h"
@@ -84,14 +85,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                  options.dropout);
       return flash_attention(q, k, v, options.causal, scale);
     }
-    case AttentionBackend::kAuto:
+    case AttentionBackend::kAuto: {
+      // Loom's kernel where it takes the inputs, unless a chooser measured SDPA faster here.
+      const auto loom_kernel_wins = [&] {
+        return !options.chooser ||
+               options.chooser->choose(q, k, v, options.causal, scale) == AttentionBackend::kFused;
+      };
       if (!options.dropout_mask.defined() && q.is_cuda() &&
-          !flash_attention_unsupported(q, k, v, options.dropout))
+          !flash_attention_unsupported(q, k, v, options.dropout) && loom_kernel_wins())
         return flash_attention(q, k, v, options.causal, scale);
       if (cpu_kernel_allowed(q.device(), options) &&
-          !cpu_attention_unsupported(q, k, v, options.dropout))
+          !cpu_attention_unsupported(q, k, v, options.dropout) && loom_kernel_wins())
         return cpu_attention(q, k, v, options.causal, scale);
       break;
+    }
     case AttentionBackend::kSdpa:
       break;
   }
@@ -106,7 +113,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 bool attention_packed_takes_bias(const at::Tensor& input, int64_t head_dim,
                                  const AttentionOptions& options) {
-  return cpu_kernel_allowed(input.device(), options) && options.dropout == 0 &&
+  return !options.chooser && cpu_kernel_allowed(input.device(), options) && options.dropout == 0 &&
          input.scalar_type() == at::kFloat && !at::autocast::is_autocast_enabled(at::kCPU) &&
          head_dim > 0 && head_dim % 16 == 0;
 }
@@ -120,7 +127,8 @@ at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& optio
              "attention: the packed projection's bias has {} values; [3 * heads * head_dim] = {} "
              "expected",
              bias.defined() ? bias.numel() : 0, 3 * qkv.size(3) * qkv.size(4));
-  if (cpu_kernel_allowed(qkv.device(), options) &&
+  // (With a chooser the heads go through attention(), which asks it.)
+  if (!options.chooser && cpu_kernel_allowed(qkv.device(), options) &&
       !cpu_attention_packed_unsupported(qkv, options.dropout, bias))
     return cpu_attention_packed(
         qkv, options.causal,

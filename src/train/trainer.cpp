@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
 
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
@@ -101,9 +102,19 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   } else {
     for (auto& chunk : run.chunks) models::init_parameters(*chunk, config_.seed);
   }
+  // On a GPU, --attention auto times loom's kernel against SDPA once per shape and keeps the
+  // choices beside the checkpoints (a resumed run makes the same ones).
+  std::shared_ptr<ops::AttentionChooser> chooser;
+  if (device_.is_cuda() && config_.attention == "auto")
+    chooser = std::make_shared<ops::AttentionChooser>(
+        config_.save_dir.empty() ? std::string()
+                                 : (std::filesystem::path(config_.save_dir) /
+                                    fmt::format("attention_choice.rank{}.json", mesh_->rank()))
+                                       .string());
   for (auto& chunk : run.chunks) {
     chunk->to(device_);
     chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));
+    chunk->set_attention_chooser(chooser);
     chunk->set_loss_backend(ops::parse_loss_backend(config_.loss));
     chunk->set_norm_backend(ops::parse_norm_backend(config_.norm));
     chunk->set_z_loss(config_.z_loss);

@@ -13,6 +13,7 @@
 
 #include "loom/models/config.h"
 #include "loom/ops/attention.h"
+#include "loom/ops/attention_choice.h"
 #include "loom/ops/cross_entropy.h"
 #include "loom/ops/norm.h"
 #include "loom/parallel/context/context_group.h"
@@ -48,6 +49,9 @@ struct BlockExecution {
   std::shared_ptr<parallel::memory::ActivationOffloader> offload;
   // Which implementation computes the blocks' attention (kAuto: the fused kernel on CUDA).
   ops::AttentionBackend attention = ops::AttentionBackend::kAuto;
+  // With kAuto: measures loom's kernel against SDPA per shape (null: loom's kernel where it
+  // takes the inputs).
+  std::shared_ptr<ops::AttentionChooser> attention_chooser;
   // Which implementation computes the norms and the residual adds fused with them (kAuto: the
   // fused kernels on CUDA).
   ops::NormBackend norm = ops::NormBackend::kAuto;
@@ -166,6 +170,12 @@ class CausalLM : public torch::nn::Module {
     mtp_execution_->attention = backend;
   }
   ops::AttentionBackend attention_backend() const { return execution_->attention; }
+  // With the kAuto backend: choose between loom's attention kernel and SDPA by timing each
+  // shape once (ops/attention_choice.h; null, the default: loom's kernel where it applies).
+  void set_attention_chooser(std::shared_ptr<ops::AttentionChooser> chooser) {
+    execution_->attention_chooser = chooser;
+    mtp_execution_->attention_chooser = std::move(chooser);
+  }
   // Which implementation computes the norms, and the residual add before each block's second
   // norm (ops/norm.h; default kAuto: the fused kernels on CUDA, ATen's operations on the CPU).
   void set_norm_backend(ops::NormBackend backend) {

@@ -23,6 +23,8 @@ std::string to_string(AttentionBackend backend);
 AttentionBackend parse_attention_backend(const std::string& name);
 std::vector<std::string> attention_backend_names();
 
+class AttentionChooser;  // attention_choice.h
+
 struct AttentionOptions {
   bool causal = true;
   std::optional<double> scale;  // default 1/sqrt(head_dim)
@@ -32,6 +34,9 @@ struct AttentionOptions {
   // one drawn for all heads and sliced, so dropout does not depend on tp. Runs the math path.
   at::Tensor dropout_mask;
   AttentionBackend backend = AttentionBackend::kAuto;
+  // With kAuto, where loom's kernel (CUDA's fused one, the CPU's) and SDPA both take the inputs:
+  // the one this chooser measured faster for their shape (null: loom's kernel).
+  AttentionChooser* chooser = nullptr;
 };
 
 // q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] with Hkv dividing Hq (grouped-query attention:
