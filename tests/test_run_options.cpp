@@ -18,6 +18,8 @@
 #include "loom/ops/attention.h"
 #include "loom/ops/attention_choice.h"
 #include "loom/ops/cpu_attention.h"
+#include "loom/ops/cuda.h"
+#include "loom/ops/flash_attention.h"
 #include "loom/train/config.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
@@ -87,6 +89,11 @@ TEST(Profile, WritesTheTraceAndTheOpTableOfTheStepsAskedForAndChangesNothing) {
     shapes |= contains(r["input_shapes"].get<std::string>(), "[");
   }
   EXPECT_TRUE(shapes) << "no row records its input shapes";
+  // Exactly steps 2 and 3: one loss a step (the final evaluation, after step 4, is outside).
+  int64_t losses = 0;
+  for (const auto& e : trace["traceEvents"])
+    losses += e.value("name", std::string()) == "aten::log_softmax";
+  EXPECT_EQ(losses, 2);
   const auto text = loom::core::read_file(c.profile_out + "/kernels.rank0.txt");
   EXPECT_TRUE(contains(text, "2 steps")) << text;
   EXPECT_TRUE(contains(text, "input shapes")) << text;
@@ -202,6 +209,35 @@ TEST(AttentionChooser, TheRealTimerMeasuresBothAndTheModelsAskIt) {
   model->loss(tokens, tokens).backward();
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(chooser->entries().size(), 1u);
+}
+
+TEST(AttentionChooserGpu, RunsTheFasterOnCuda) {
+  namespace ops = loom::ops;
+  if (!ops::built_with_cuda()) GTEST_SKIP() << "built without LOOM_WITH_CUDA";
+  if (ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  int calls = 0;
+  ops::AttentionChooser chooser("", fake_timer(&calls));
+  const auto bf16 = at::TensorOptions(at::kBFloat16).device(at::kCUDA);
+  for (const int64_t t : {32, 64}) {
+    const auto q = at::randn({2, 4, t, 64}, bf16), k = at::randn({2, 2, t, 64}, bf16),
+               v = at::randn({2, 2, t, 64}, bf16);
+    const double scale = 0.125;
+    const auto got = ops::attention(q, k, v, {.chooser = &chooser});
+    const auto want = t == 32 ? ops::flash_attention(q, k, v, true, scale)
+                              : at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true,
+                                                                 scale, /*enable_gqa=*/true);
+    EXPECT_TRUE(at::equal(got, want)) << "seq " << t;
+  }
+  EXPECT_EQ(calls, 4);
+  // The real timer on the GPU: both measured, the smaller chosen.
+  ops::AttentionChooser real;
+  const auto q = at::randn({4, 8, 512, 64}, bf16), k = at::randn({4, 8, 512, 64}, bf16);
+  real.choose(q, k, k, true, 0.125);
+  const auto e = real.entries().begin()->second;
+  EXPECT_GT(e.fused_ms, 0);
+  EXPECT_GT(e.sdpa_ms, 0);
+  std::printf("attention auto on the GPU at 4 x 8 x 512 x 64: loom %.3f ms, SDPA %.3f ms\n",
+              e.fused_ms, e.sdpa_ms);
 }
 
 }  // namespace

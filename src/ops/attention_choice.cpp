@@ -1,6 +1,7 @@
 #include "loom/ops/attention_choice.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <vector>
 
 #include "loom/core/error.h"
@@ -20,12 +22,14 @@
 
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace loom::ops {
 
 namespace {
 
+// Waits for `device` (the caller has made it current).
 void synchronize(const at::Device& device) {
 #ifdef LOOM_WITH_CUDA
   if (device.is_cuda()) c10::cuda::device_synchronize();
@@ -34,18 +38,40 @@ void synchronize(const at::Device& device) {
 #endif
 }
 
+// Autocast off on one device type for a scope, restored however the scope ends.
+class AutocastOff {
+ public:
+  explicit AutocastOff(at::DeviceType type)
+      : type_(type), was_(at::autocast::is_autocast_enabled(type)) {
+    at::autocast::set_autocast_enabled(type_, false);
+  }
+  ~AutocastOff() { at::autocast::set_autocast_enabled(type_, was_); }
+  AutocastOff(const AutocastOff&) = delete;
+  AutocastOff& operator=(const AutocastOff&) = delete;
+
+ private:
+  at::DeviceType type_;
+  bool was_;
+};
+
 // One forward and backward of loom's kernel (kFused) or SDPA on fresh inputs like q, k, v.
 double time_forward_backward(AttentionBackend backend, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, bool causal, double scale) {
-  // The timing is its own computation: autograd on whatever the caller's mode, no autocast.
+  // The timing is its own computation: autograd on whatever the caller's mode, no autocast, on
+  // q's device, with random inputs from a generator of its own (the run's generators do not
+  // move).
   const at::AutoGradMode grad(true);
-  const bool autocast = at::autocast::is_autocast_enabled(q.device().type());
-  at::autocast::set_autocast_enabled(q.device().type(), false);
-  auto make = [](const at::Tensor& like) {
-    return at::randn(like.sizes(), like.options()).requires_grad_();
+  const AutocastOff no_autocast(q.device().type());
+#ifdef LOOM_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> device_guard;
+  if (q.is_cuda()) device_guard.emplace(q.device());
+#endif
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0x5eed);
+  auto make = [&](const at::Tensor& like) {
+    return at::randn(like.sizes(), gen, at::kFloat).to(like.options()).requires_grad_();
   };
   auto qq = make(q), kk = make(k), vv = make(v);
-  const auto grad_out = at::randn(q.sizes(), q.options());
+  const auto grad_out = at::randn(q.sizes(), gen, at::kFloat).to(q.options());
   const bool gqa = q.size(1) != k.size(1);
   auto once = [&] {
     at::Tensor out;
@@ -68,7 +94,6 @@ double time_forward_backward(AttentionBackend backend, const at::Tensor& q, cons
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count());
   }
-  at::autocast::set_autocast_enabled(q.device().type(), autocast);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
@@ -80,9 +105,9 @@ std::string device_name(const at::Device& device) {
 
 }  // namespace
 
-AttentionChooser::AttentionChooser(std::string cache_path, Timer timer)
+AttentionChooser::AttentionChooser(std::string cache_path, Timer timer, bool read_existing)
     : cache_path_(std::move(cache_path)), timer_(timer ? std::move(timer) : time_forward_backward) {
-  if (cache_path_.empty() || !std::filesystem::exists(cache_path_)) return;
+  if (!read_existing || cache_path_.empty() || !std::filesystem::exists(cache_path_)) return;
   try {
     const auto j = nlohmann::json::parse(core::read_file(cache_path_));
     for (const auto& [key, e] : j.at("entries").items())
@@ -104,12 +129,18 @@ std::string AttentionChooser::shape_class(const at::Tensor& q, const at::Tensor&
 AttentionBackend AttentionChooser::choose(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, bool causal, double scale) {
   const auto key = shape_class(q, k, causal);
-  const std::lock_guard lock(mutex_);
-  if (const auto it = entries_.find(key); it != entries_.end()) return it->second.choice;
+  {
+    const std::lock_guard lock(mutex_);
+    if (const auto it = entries_.find(key); it != entries_.end()) return it->second.choice;
+  }
+  // Timed without the lock: the timing runs autograd, whose threads may ask this chooser too.
   Entry e;
   e.fused_ms = timer_(AttentionBackend::kFused, q, k, v, causal, scale);
   e.sdpa_ms = timer_(AttentionBackend::kSdpa, q, k, v, causal, scale);
   e.choice = e.fused_ms <= e.sdpa_ms ? AttentionBackend::kFused : AttentionBackend::kSdpa;
+  const std::lock_guard lock(mutex_);
+  // Another thread timed the same class meanwhile: its choice stands.
+  if (const auto it = entries_.find(key); it != entries_.end()) return it->second.choice;
   spdlog::info(
       "attention auto: {}: loom's kernel {:.3f} ms, SDPA {:.3f} ms (forward + backward) "
       "-> {}",

@@ -14,6 +14,7 @@
 
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace loom::train {
@@ -64,7 +65,10 @@ void DeviceProfile::start() {
 double DeviceProfile::stop() {
   LOOM_CHECK(running_, "profile: stop() without start()");
 #ifdef LOOM_WITH_CUDA
-  if (device_.is_cuda()) c10::cuda::device_synchronize();
+  if (device_.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(device_);
+    c10::cuda::device_synchronize();
+  }
 #endif
   const double wall = now_ms() - start_ms_;
   result_ = torch::autograd::profiler::disableProfiler();

@@ -103,14 +103,16 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
     for (auto& chunk : run.chunks) models::init_parameters(*chunk, config_.seed);
   }
   // On a GPU, --attention auto times loom's kernel against SDPA once per shape and keeps the
-  // choices beside the checkpoints (a resumed run makes the same ones).
+  // choices beside the checkpoints: a resumed run reads them and makes the same ones; a new run
+  // in the same directory measures again.
   std::shared_ptr<ops::AttentionChooser> chooser;
   if (device_.is_cuda() && config_.attention == "auto")
     chooser = std::make_shared<ops::AttentionChooser>(
         config_.save_dir.empty() ? std::string()
                                  : (std::filesystem::path(config_.save_dir) /
                                     fmt::format("attention_choice.rank{}.json", mesh_->rank()))
-                                       .string());
+                                       .string(),
+        ops::AttentionChooser::Timer(), /*read_existing=*/!config_.resume.empty());
   for (auto& chunk : run.chunks) {
     chunk->to(device_);
     chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));

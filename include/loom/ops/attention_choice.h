@@ -4,7 +4,8 @@
 // and backward of that shape faster, timed once on random inputs of the same shape and dtype the
 // first time the class is seen, logged with both times, and kept: in memory, and in a JSON file
 // when given one, so that a resumed run makes the same choices (and computes the same numbers)
-// without timing again. Thread-safe.
+// without timing again. Thread-safe. The timing uses a generator of its own (the run's random
+// streams do not move) and leaves autocast as it found it, whatever happens.
 //
 // A shape class is the device's name, the dtype, batch, query and key/value heads, query and
 // key lengths, head dim and causality: a training run meets a handful. The Trainer gives the
@@ -35,10 +36,11 @@ class AttentionChooser {
       std::function<double(AttentionBackend backend, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, bool causal, double scale)>;
 
-  // `cache_path` empty: choices kept in memory only. A file that exists is read (one that cannot
-  // be parsed is left alone with a warning and its choices measured again); each new choice is
-  // written back atomically.
-  explicit AttentionChooser(std::string cache_path = {}, Timer timer = {});
+  // `cache_path` empty: choices kept in memory only. With `read_existing`, a file that exists is
+  // read (one that cannot be parsed is ignored with a warning and its choices measured again);
+  // each new choice is written back atomically (over an existing file not read).
+  explicit AttentionChooser(std::string cache_path = {}, Timer timer = {},
+                            bool read_existing = true);
 
   // kFused or kSdpa for these inputs: the recorded choice for their class, or measured now.
   AttentionBackend choose(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

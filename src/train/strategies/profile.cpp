@@ -2,7 +2,9 @@
 // them) under PyTorch's Kineto profiler and writes, per rank, into --profile-out DIR:
 // trace.rank<R>.json (a Chrome trace: chrome://tracing or Perfetto), kernels.rank<R>.json and
 // kernels.rank<R>.txt (the top 60 kernels by device time on a GPU, each with the ATen op that
-// launched it and its input shapes; on the CPU the top ops by inclusive time). It observes only:
+// launched it and its input shapes; on the CPU the top ops by inclusive time). Evaluations and
+// checkpoint saves after steps A..B-1 fall inside the recording (they run between steps). It
+// observes only:
 // the steps it profiles compute what they would without it (at the profiler's overhead in time).
 // See docs/gpu.md ("Where the step goes").
 #include <fmt/format.h>
@@ -39,10 +41,24 @@ class Profile final : public Strategy {
     profile_ = std::make_unique<DeviceProfile>(run.device);
   }
 
+  ~Profile() override {
+    if (profile_ && profile_->running())
+      spdlog::warn("profile: the run ended inside --profile-steps {}-{}; nothing was written",
+                   first_, last_);
+  }
+
   void begin_step(RunContext& run) override {
-    // run.step counts the steps completed: this one is run.step + 1. A resumed run past the
-    // range profiles nothing.
-    if (run.step + 1 == first_) profile_->start();
+    // run.step counts the steps completed: this one is run.step + 1. A step retried after a
+    // failure finds the profiler still running and goes on recording.
+    const int64_t step = run.step + 1;
+    if (step == first_ && !profile_->running()) profile_->start();
+    if (step > first_ && step <= last_ && !profile_->running() && !warned_) {
+      warned_ = true;
+      spdlog::warn(
+          "profile: the run starts at step {}, inside --profile-steps {}-{}; nothing "
+          "is profiled",
+          step, first_, last_);
+    }
   }
 
   void after_optimizer_step(RunContext& run) override {
@@ -70,6 +86,7 @@ class Profile final : public Strategy {
   }
 
   int64_t first_ = 0, last_ = 0;
+  bool warned_ = false;
   std::string dir_;
   std::unique_ptr<DeviceProfile> profile_;
 };
