@@ -268,11 +268,14 @@ HookRun train_through(const std::filesystem::path& dir, const std::string& hook,
 // ratio is 1, int8's its analytic bound, topk's at least 1 / (R ratio) less the padding.
 TEST(CompressedTraining, EachHookTrainsLikeTheUncompressedRun) {
   const int n = world().size();
-  if (n != 2 && n != 4) GTEST_SKIP() << "runs at dp 2 and dp 4, and dp 2 x tp 2";
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs at dp 2, and dp 2 x tp 2";
   loom::testing::SharedTempDir dir;
   loom::testing::write_shared_corpus(dir, 60000, 4000);
-  std::vector<loom::dist::MeshShape> layouts = {{.dp = n}};
-  if (n == 4) layouts.push_back({.dp = 2, .tp = 2});
+  // dp 4 alone adds nothing dp 2 does not check (each hook's arithmetic is the same over more
+  // ranks) and took half of this test's 57 s at 4 ranks; dp 2 x tp 2 is the other composition.
+  const std::vector<loom::dist::MeshShape> layouts = {n == 2 ? loom::dist::MeshShape{.dp = 2}
+                                                             : loom::dist::MeshShape{.dp = 2,
+                                                                                     .tp = 2}};
   struct Case {
     std::string hook;
     double margin;  // on the relative final-loss and validation-loss gaps
