@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -30,26 +31,10 @@ bool kernel_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-kernels::LogitsDtype logits_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kernels::LogitsDtype::kFloat32;
-    case at::kDouble:
-      return kernels::LogitsDtype::kFloat64;
-    case at::kHalf:
-      return kernels::LogitsDtype::kFloat16;
-    case at::kBFloat16:
-      return kernels::LogitsDtype::kBFloat16;
-    default:
-      fail("fused cross-entropy: logits of {} are not supported (fp32, fp64, fp16, bf16)",
-           c10::toString(t));
-  }
-}
-
 kernels::CrossEntropyRows describe(const at::Tensor& logits2d, const at::Tensor& targets,
                                    int64_t col_offset, int64_t valid, int64_t ignore_index) {
   kernels::CrossEntropyRows r;
-  r.dtype = logits_dtype(logits2d.scalar_type());
+  r.dtype = detail::element_dtype(logits2d.scalar_type(), "fused cross-entropy: logits");
   r.logits = logits2d.const_data_ptr();
   r.rows = logits2d.size(0);
   r.ld = logits2d.size(1);

@@ -4,10 +4,26 @@
 #include <mutex>
 #include <utility>
 
+#include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
 
 namespace loom::ops::detail {
+
+kernels::ElementDtype element_dtype(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::ElementDtype::kFloat32;
+    case at::kDouble:
+      return kernels::ElementDtype::kFloat64;
+    case at::kHalf:
+      return kernels::ElementDtype::kFloat16;
+    case at::kBFloat16:
+      return kernels::ElementDtype::kBFloat16;
+    default:
+      fail("{} of {} are not supported (fp32, fp64, fp16, bf16)", what, c10::toString(t));
+  }
+}
 
 std::optional<std::string> linear_input_problem(const at::Tensor& x, int64_t in_features,
                                                 const at::Tensor& values) {

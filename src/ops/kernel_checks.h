@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "common/element_dtype.h"
 #include "common/status.h"
 
 namespace loom::ops::detail {
@@ -25,5 +26,9 @@ std::optional<std::string> sm80_problem(const at::Tensor& x, const std::string& 
 // check(device)'s message when it fails, asked once per (kernel, device) and remembered.
 std::optional<std::string> kernel_image_missing(const std::string& kernel, int device,
                                                 const std::function<kernels::Status(int)>& check);
+
+// The kernels' element type of `t` (fp32, fp64, fp16, bf16); anything else is a loom::Error
+// naming `what` (e.g. "fused cross-entropy: logits") and the valid types.
+kernels::ElementDtype element_dtype(at::ScalarType t, const char* what);
 
 }  // namespace loom::ops::detail

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
@@ -25,21 +26,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-kernels::ElementDtype element_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kernels::ElementDtype::kFloat32;
-    case at::kDouble:
-      return kernels::ElementDtype::kFloat64;
-    case at::kHalf:
-      return kernels::ElementDtype::kFloat16;
-    case at::kBFloat16:
-      return kernels::ElementDtype::kBFloat16;
-    default:
-      fail("fused add + norm: {} is not supported (fp32, fp64, fp16, bf16)", c10::toString(t));
-  }
-}
 
 kernels::NormKind kernel_kind(NormKind kind) {
   return kind == NormKind::kLayerNorm ? kernels::NormKind::kLayerNorm : kernels::NormKind::kRmsNorm;
@@ -137,8 +123,9 @@ struct FusedAddNorm : torch::autograd::Function<FusedAddNorm> {
     const auto branch2d = has_branch ? branch_or_empty : at::Tensor();
     const auto bias = has_bias ? bias_or_empty : at::Tensor();
     const auto io = normed_dtype(residual2d, branch2d);
-    const kernels::NormRows rows{kernel_kind(NormKind(kind)), element_dtype(io), residual2d.size(0),
-                                 residual2d.size(1)};
+    const kernels::NormRows rows{kernel_kind(NormKind(kind)),
+                                 detail::element_dtype(io, "fused add + norm: tensors"),
+                                 residual2d.size(0), residual2d.size(1)};
     auto sum = has_branch ? at::empty_like(residual2d) : at::Tensor();
     auto normed = at::empty(residual2d.sizes(), residual2d.options().dtype(io));
     auto stats = at::empty({2, rows.rows}, residual2d.options());  // mean, rstd
@@ -191,7 +178,8 @@ struct FusedAddNorm : torch::autograd::Function<FusedAddNorm> {
     const at::Tensor grad_sum = has_branch ? grads[0] : at::Tensor();
     const at::Tensor grad_normed_in = has_branch ? grads[1] : grads[0];
     const kernels::NormRows rows{kernel_kind(NormKind(ctx->saved_data["kind"].toInt())),
-                                 element_dtype(io), in.size(0), in.size(1)};
+                                 detail::element_dtype(io, "fused add + norm: tensors"), in.size(0),
+                                 in.size(1)};
     at::Tensor grad_input, grad_branch, grad_weight, grad_bias;
     if (!grad_normed_in.defined()) {
       // Only the sum was used: its gradient passes to the residual and the branch.

@@ -33,6 +33,7 @@ namespace {
 
 namespace k = loom::kernels;
 using emulated_test::guarded_copy;
+using emulated_test::refused;
 using k::ElementDtype;
 using k::NormKind;
 
@@ -374,12 +375,6 @@ bool run(const Config& c) {
       c.grad_branch ? ", grad_branch" : "", (long long)c.slices, worst_normed, k_sums + 10,
       worst_grad, 2 * k_sums + 20, worst_weight, problem.empty() ? "" : ": ", problem.c_str());
   return problem.empty();
-}
-
-bool refused(const k::Status& s, const char* needle, const char* what) {
-  const bool ok = !s.ok() && s.message.find(needle) != std::string::npos;
-  std::printf("%s  %s is refused: %s\n", ok ? "ok  " : "FAIL", what, s.message.c_str());
-  return ok;
 }
 
 }  // namespace

@@ -36,6 +36,7 @@ namespace {
 
 namespace k = loom::kernels;
 using emulated_test::guarded_copy;
+using emulated_test::refused;
 
 struct Config {
   k::LogitsDtype dtype;
@@ -271,12 +272,6 @@ bool run(const Config& c) {
       c.in_place ? ", in place" : "", c.max_blocks ? ", capped grid" : "", worst_lse, lse_bound,
       worst_grad, problem.empty() ? "" : ": ", problem.c_str());
   return problem.empty();
-}
-
-bool refused(const k::Status& s, const char* needle, const char* what) {
-  const bool ok = !s.ok() && s.message.find(needle) != std::string::npos;
-  std::printf("%s  %s is refused: %s\n", ok ? "ok  " : "FAIL", what, s.message.c_str());
-  return ok;
 }
 
 }  // namespace

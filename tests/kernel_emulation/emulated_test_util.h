@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/float16.h"
+#include "common/status.h"
 #include "emulated_cuda_runtime.h"
 #include "guarded_buffer.h"
 
@@ -73,6 +74,13 @@ inline std::string check_product(bool bf16, const uint16_t* y, const std::vector
   return std::to_string(differ) + " elements differ from the reference, " +
          std::to_string(unwritten) + " not written, " + std::to_string(out_of_bound) +
          " outside the fp64 bound";
+}
+
+// Whether `s` refuses a call with a message containing `needle`; prints the line either way.
+inline bool refused(const loom::kernels::Status& s, const char* needle, const char* what) {
+  const bool ok = !s.ok() && s.message.find(needle) != std::string::npos;
+  std::printf("%s  %s is refused: %s\n", ok ? "ok  " : "FAIL", what, s.message.c_str());
+  return ok;
 }
 
 // How many runs a program made and how many failed, for finish().
