@@ -1,8 +1,10 @@
-// loom-bench-train: training throughput of a loom GPT-2, step by step, on the CPU or (--device
-// cuda) a GPU. benchmarks/train_throughput.py is the same model and step in PyTorch's Python API,
-// with the same flags and the same JSON line, so scripts/bench can put the two side by side (on
-// the CPU). On a GPU, --precision bf16 computes under autocast with fp32 master weights,
-// --attention picks the attention implementation (fused: loom's kernel; sdpa: PyTorch's), each
+// loom-bench-train: training throughput of a loom GPT-2 or Llama, step by step, on the CPU or
+// (--device cuda) a GPU. benchmarks/train_throughput.py is the same model and step in PyTorch's
+// Python API, with the same flags and the same JSON line, so scripts/bench can put the two side by
+// side (on the CPU). On a GPU, --precision bf16 computes under autocast with fp32 master weights,
+// --attention picks the attention implementation (fused: loom's kernel; sdpa: PyTorch's; auto:
+// the faster of the two per shape, measured once, as loom-pretrain), --adamw the optimizer's
+// kernel (auto: PyTorch's fused AdamW with the clip's factor inside it), each
 // step ends with a device synchronize (so the clock sees the GPU's work), and the line adds the
 // MFU against the device's bf16 peak (train/mfu.h).
 #include <ATen/ATen.h>
@@ -19,6 +21,7 @@
 #include "loom/apps/cli.h"
 #include "loom/core/autocast.h"
 #include "loom/loom.h"
+#include "loom/ops/attention_choice.h"
 #include "loom/train/device_profile.h"
 #include "loom/train/mfu.h"
 #include "step_profile.h"
@@ -35,18 +38,26 @@ struct Options {
   int64_t kernel_profile_steps = 0;  // > 0: that many more under Kineto (train/device_profile.h)
   int threads = 2;
   uint64_t seed = 1337;
-  std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto";
+  std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto",
+              adamw = "auto";
   double peak_tflops = 0;  // 0: from the GPU's name
 };
 
 loom::models::ModelConfig model_config(const Options& o) {
   auto c = loom::models::ModelConfig::preset(o.preset);
-  LOOM_CHECK(c.family == loom::models::Family::kGpt2,
-             "--preset {} is not a GPT-2 preset; the PyTorch twin only has GPT-2", o.preset);
+  const bool llama = c.family == loom::models::Family::kLlama;
+  LOOM_CHECK(c.family == loom::models::Family::kGpt2 || llama,
+             "--preset {} is neither a GPT-2 nor a Llama preset", o.preset);
+  LOOM_CHECK(o.d_model == 0 || !llama,
+             "--d-model {} changes GPT-2 presets only (a Llama preset's d_ff is its own)",
+             o.d_model);
   if (o.d_model > 0) c.d_model = o.d_model;
   if (o.layers > 0) c.n_layers = o.layers;
-  if (o.heads > 0) c.n_heads = c.n_kv_heads = o.heads;
-  c.d_ff = 4 * c.d_model;  // GPT-2's MLP width, also when --d-model changes it
+  if (o.heads > 0) {
+    c.n_heads = o.heads;
+    if (!llama) c.n_kv_heads = o.heads;
+  }
+  if (!llama) c.d_ff = 4 * c.d_model;  // GPT-2's MLP width, also when --d-model changes it
   c.vocab_size = o.vocab;
   c.validate();
   LOOM_CHECK(o.seq_len > 0 && o.seq_len <= c.max_seq_len,
@@ -86,6 +97,13 @@ void run(const Options& o) {
   loom::models::init_parameters(*model, o.seed);
   model->to(device);
   model->set_attention_backend(loom::ops::parse_attention_backend(o.attention));
+  // --attention auto on a GPU measures loom's kernel against SDPA per shape, as loom-pretrain
+  // does (choices kept in memory; reported with both times).
+  std::shared_ptr<loom::ops::AttentionChooser> chooser;
+  if (device.is_cuda() && o.attention == "auto") {
+    chooser = std::make_shared<loom::ops::AttentionChooser>();
+    model->set_attention_chooser(chooser);
+  }
   model->set_loss_backend(loom::ops::parse_loss_backend(o.loss));
   model->set_norm_backend(loom::ops::parse_norm_backend(o.norm));
   model->train();
@@ -99,6 +117,7 @@ void run(const Options& o) {
   for (const auto& p : params) num_params += p.numel();
   loom::train::AdamW optimizer(named,
                                {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
+  optimizer.set_backend(loom::ops::parse_adamw_backend(o.adamw));
   constexpr double kLr = 1e-3, kMaxGradNorm = 1.0;
 
   // Every batch is drawn before the clock starts; each step slices its own (the "data" phase).
@@ -147,12 +166,15 @@ void run(const Options& o) {
     profile.phase(kBackward);
     loss.backward();
     profile.phase(kClip);
+    // On a GPU the clip's factor stays on the device (no host sync) and AdamW applies it as it
+    // reads the gradients, as loom-pretrain's replicated optimizer does.
+    at::Tensor clip_factor;
     if (device.is_cuda())
-      loom::train::clip_grad_norm_on_device(params, kMaxGradNorm);  // no host sync
+      clip_factor = loom::train::grad_clip_on_device(params, kMaxGradNorm).factor;
     else
       loom::train::clip_grad_norm(params, kMaxGradNorm);
     profile.phase(kOptimizer);
-    optimizer.step(kLr);
+    optimizer.step(kLr, clip_factor);
     profile.phase(kZeroGrad);
     optimizer.zero_grad();
     profile.phase(kMetrics);
@@ -201,6 +223,9 @@ void run(const Options& o) {
         {"seed", o.seed},
         {"decayed_tensors", optimizer.num_decayed()},
         {"undecayed_tensors", optimizer.num_not_decayed()}}}};
+  // Llama's key/value heads, after the keys both families share.
+  if (config.family == loom::models::Family::kLlama)
+    out["config"]["n_kv_heads"] = config.n_kv_heads;
   out["phase_ms"] = walls;
   // Whether freed host memory is kept (every loom tool asks for it at start; asking again
   // reports the outcome).
@@ -218,6 +243,15 @@ void run(const Options& o) {
     out["attention"] = o.attention;
     out["loss"] = o.loss;
     out["norm"] = o.norm;
+    out["adamw"] = o.adamw;
+    if (chooser) {
+      auto& choices = out["attention_choices"];
+      choices = nlohmann::ordered_json::object();
+      for (const auto& [shape, e] : chooser->entries())
+        choices[shape] = {{"choice", loom::ops::to_string(e.choice)},
+                          {"fused_ms", e.fused_ms},
+                          {"sdpa_ms", e.sdpa_ms}};
+    }
     out["padded_vocab"] = model->padded_vocab();
     // The allocator's peak over the timed and profiled steps (from the first timed step on).
     out["device_peak_bytes"] = loom::core::memory_counters(device).peak_bytes;
@@ -236,10 +270,13 @@ void run(const Options& o) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "Time loom GPT-2 training steps (forward, backward, clip, AdamW) on the CPU or a GPU.",
+      "Time loom GPT-2 or Llama training steps (forward, backward, clip, AdamW) on the CPU or a "
+      "GPU.",
       "loom-bench-train"};
   Options o;
-  app.add_option("--preset", o.preset, "GPT-2 shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m")
+  app.add_option("--preset", o.preset,
+                 "Model shape: gpt2-tiny, gpt2-mini, gpt2-124m, gpt2-350m, llama-tiny, "
+                 "llama-mini, llama-1b")
       ->capture_default_str();
   app.add_option("--d-model", o.d_model, "Width (0: the preset's); d_ff is 4x this")
       ->capture_default_str();
@@ -275,6 +312,10 @@ int main(int argc, char** argv) {
   app.add_option("--norm", o.norm,
                  "auto | fused | math: the norms and residual adds (auto: loom's fused kernels "
                  "on CUDA)")
+      ->capture_default_str();
+  app.add_option("--adamw", o.adamw,
+                 "auto | fused | math: the optimizer's update (auto: PyTorch's fused AdamW on "
+                 "CUDA, the clip's factor inside it)")
       ->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops,
                  "Device bf16 peak for MFU (0: from the GPU's name)")

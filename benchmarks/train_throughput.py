@@ -1,7 +1,9 @@
-"""Training throughput of GPT-2 in plain PyTorch (Python API), the twin of loom-bench-train.
+"""Training throughput of GPT-2 or Llama in plain PyTorch (Python API), the twin of loom-bench-train.
 
 The model, optimizer, clipping, batches, flags and JSON line are those of
-benchmarks/train_throughput.cpp, op for op where it matters (src/models/gpt2.cpp). The loop is
+benchmarks/train_throughput.cpp, op for op where it matters (src/models/gpt2.cpp,
+src/models/llama.cpp: pre-norm RMSNorm blocks, rotary embeddings, grouped-query attention through
+SDPA, SwiGLU, an untied head). The loop is
 the fastest eager one a user would write: SDPA attention, the fused (vectorised, multi-tensor)
 AdamW kernel, foreach gradient clipping, no host sync inside the step. --compile runs the same
 model under torch.compile (inductor) instead: a second reference, reported as such.
@@ -35,7 +37,14 @@ PRESETS = {
     "gpt2-124m": (768, 12, 12, 1024),
     "gpt2-350m": (1024, 24, 16, 1024),
 }
+# (d_model, n_layers, n_heads, n_kv_heads, d_ff, max_seq_len) of loom's Llama presets.
+LLAMA_PRESETS = {
+    "llama-tiny": (128, 4, 4, 2, 352, 256),
+    "llama-mini": (256, 6, 8, 4, 704, 512),
+    "llama-1b": (2048, 22, 32, 4, 5632, 2048),
+}
 NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -81,15 +90,78 @@ class Gpt2(nn.Module):
         return torch.matmul(tr.ln_f(x), tr.wte.weight.t())
 
 
+class LlamaBlock(nn.Module):
+    def __init__(self, d, d_ff, n_heads, n_kv_heads):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.hd = n_heads, n_kv_heads, d // n_heads
+        self.input_layernorm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(d, d, bias=False)
+        self.self_attn.k_proj = nn.Linear(d, n_kv_heads * self.hd, bias=False)
+        self.self_attn.v_proj = nn.Linear(d, n_kv_heads * self.hd, bias=False)
+        self.self_attn.o_proj = nn.Linear(d, d, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.mlp.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.mlp.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        a = self.self_attn
+        hn = self.input_layernorm(x)
+        q = a.q_proj(hn).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = a.k_proj(hn).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)
+        v = a.v_proj(hn).view(b, t, self.n_kv_heads, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v,
+                                           is_causal=True, enable_gqa=True)
+        x = x + a.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        m = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
+
+
+def rope(x, cos, sin):
+    # Hugging Face's rotate_half form, in fp32 as loom's apply_rope.
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, max_seq_len, d, n_layers, n_heads, n_kv_heads, d_ff):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, d)
+        self.model.layers = nn.ModuleList(
+            LlamaBlock(d, d_ff, n_heads, n_kv_heads) for _ in range(n_layers))
+        self.model.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        hd = d // n_heads
+        inv = 1.0 / ROPE_THETA ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.cos[:t], self.sin[:t]
+        for block in self.model.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
+
+
 def init_parameters(model, n_layers):
     # loom's rules (Gpt2::init_for); the values differ from loom's, their distribution does not.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.zero_()
-            elif ".ln_" in name:
+            elif ".ln_" in name or "layernorm" in name or name == "model.norm.weight":
                 p.fill_(1.0)
-            elif name.endswith("c_proj.weight"):
+            elif name.endswith("c_proj.weight") or name.endswith("down_proj.weight"):
                 p.normal_(0.0, 0.02 / (2.0 * n_layers) ** 0.5)
             else:
                 p.normal_(0.0, 0.02)
@@ -169,15 +241,27 @@ def fail(message):
 
 
 def model_config(args):
-    if args.preset not in PRESETS:
-        fail(f"--preset {args.preset} is not a GPT-2 preset; valid: {', '.join(PRESETS)}")
-    d, layers, heads, max_seq_len = PRESETS[args.preset]
+    if args.preset not in PRESETS and args.preset not in LLAMA_PRESETS:
+        fail(f"--preset {args.preset} is not known; valid: "
+             f"{', '.join(list(PRESETS) + list(LLAMA_PRESETS))}")
+    llama = args.preset in LLAMA_PRESETS
+    if llama:
+        d, layers, heads, kv_heads, d_ff, max_seq_len = LLAMA_PRESETS[args.preset]
+    else:
+        d, layers, heads, max_seq_len = PRESETS[args.preset]
+        kv_heads, d_ff = heads, 4 * d
+    if args.d_model and llama:
+        fail("--d-model changes GPT-2 presets only (a Llama preset's d_ff is its own)")
     d = args.d_model or d
     layers = args.layers or layers
-    heads = args.heads or heads
+    if args.heads:
+        heads = args.heads
+        kv_heads = heads if not llama else kv_heads
+    d_ff = d_ff if llama else 4 * d
     checks = [
         (d > 0 and layers > 0 and heads > 0 and args.vocab > 0, "sizes must be positive"),
         (d % heads == 0, f"--heads {heads} does not divide --d-model {d}"),
+        (heads % kv_heads == 0, f"{kv_heads} key/value heads do not divide --heads {heads}"),
         (0 < args.seq_len <= max_seq_len,
          f"--seq-len {args.seq_len} must be in [1, {max_seq_len}] (the preset's max_seq_len)"),
         (args.batch_size > 0 and args.steps > 0 and args.warmup >= 0 and args.threads > 0,
@@ -186,8 +270,11 @@ def model_config(args):
     for ok, message in checks:
         if not ok:
             fail(message)
-    return {"d_model": d, "n_layers": layers, "n_heads": heads, "d_ff": 4 * d,
-            "vocab_size": args.vocab, "max_seq_len": max_seq_len}
+    c = {"d_model": d, "n_layers": layers, "n_heads": heads, "d_ff": d_ff,
+         "vocab_size": args.vocab, "max_seq_len": max_seq_len}
+    if llama:
+        c["n_kv_heads"] = kv_heads
+    return c
 
 
 def main():
@@ -223,8 +310,12 @@ def main():
     cuda = device.type == "cuda"
 
     torch.manual_seed(args.seed)
-    model = Gpt2(c["vocab_size"], c["max_seq_len"], c["d_model"], c["n_layers"], c["n_heads"],
-                 c["d_ff"])
+    if "n_kv_heads" in c:
+        model = Llama(c["vocab_size"], c["max_seq_len"], c["d_model"], c["n_layers"], c["n_heads"],
+                      c["n_kv_heads"], c["d_ff"])
+    else:
+        model = Gpt2(c["vocab_size"], c["max_seq_len"], c["d_model"], c["n_layers"],
+                     c["n_heads"], c["d_ff"])
     init_parameters(model, c["n_layers"])
     model.to(device)
     model.train()
@@ -318,11 +409,14 @@ def main():
         "loss_first": losses[0].item(),
         "loss_last": losses[-1].item(),
         "threads_used": torch.get_num_threads(),
-        "config": {"preset": args.preset, **c, "seq_len": args.seq_len,
+        "config": {"preset": args.preset,
+                   **{k: v for k, v in c.items() if k != "n_kv_heads"}, "seq_len": args.seq_len,
                    "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                    "threads": args.threads, "seed": args.seed, "decayed_tensors": len(decay),
                    "undecayed_tensors": len(no_decay)},
     }
+    if "n_kv_heads" in c:  # after the keys both families share, as loom-bench-train
+        out["config"]["n_kv_heads"] = c["n_kv_heads"]
     out["phase_ms"] = phase_ms
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     if cuda:

@@ -3,10 +3,11 @@
 // table for exactly the steps asked for, trains the same parameters as an unprofiled run, and bad
 // ranges are refused by name. --pad-vocab-multiple's automatic value. --attention auto's
 // measured choice (ops/attention_choice.h): it follows the faster, times each shape once, keeps
-// its choices in a file a resumed run reads, and reaches the models' blocks.
+// its choices in a file a resumed run reads, and reaches the models' blocks. --adamw's kernels.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -133,6 +134,62 @@ TEST(TrainConfig, VocabPaddingIsAutomaticOnCudaOnlyAndAnExplicitValueWins) {
   c.pad_vocab_multiple = -1;
   const auto msg = error_of([&] { c.validate(); });
   EXPECT_TRUE(contains(msg, "--pad-vocab-multiple -1 is not valid: 0 (auto) or more")) << msg;
+}
+
+// --adamw: PyTorch's fused kernel and the math path train the same model (fp64, 3 steps, the
+// issue's 1e-11 of each tensor's largest value; the two differ by a few fp64 roundings a step),
+// and the clip's factor, which the replicated engine applies inside the update, is applied. At
+// step 1 AdamW moves each weight by lr * g / (|g| + eps) (no decay; the bias corrections cancel),
+// so once the gradient is clipped to norm c the moves sum to at most lr * sqrt(N) * c / eps
+// (Cauchy-Schwarz over N weights); with c = 1e-7 that is about 1/30 of the lr * N an unclipped
+// first step moves: a factor dropped shows.
+TEST(AdamWBackend, FusedAndMathTrainTheSameModelAndTheClipFactorIsApplied) {
+  TempDir dir;
+  loom::testing::write_corpus_data(dir.path(), 20000, 4000);
+  auto c = profile_config(dir.path());
+  c.precision = "fp64";
+  c.steps = 3;
+  std::map<std::string, std::map<std::string, at::Tensor>> trained;
+  for (const std::string backend : {"math", "fused"}) {
+    c.adamw = backend;
+    train::Trainer t(c);
+    t.fit();
+    trained[backend] = parameters(t);
+  }
+  for (const auto& [name, p] : trained["math"]) {
+    const double scale = std::max(p.abs().max().item<double>(), 1e-300);
+    EXPECT_LE((trained["fused"].at(name) - p).abs().max().item<double>() / scale, 1e-11) << name;
+  }
+
+  c.steps = 1;
+  c.weight_decay = 0;
+  constexpr double kClip = 1e-7, kEps = 1e-8;  // kEps: AdamW's default eps
+  for (const std::string backend : {"math", "fused"}) {
+    SCOPED_TRACE(backend);
+    c.adamw = backend;
+    for (const double clip : {kClip, 0.0}) {
+      c.grad_clip = clip;
+      train::Trainer t(c);
+      const auto before = parameters(t);
+      const auto r = t.train_step();
+      double moved = 0;
+      int64_t n = 0;
+      for (const auto& [name, p] : parameters(t)) {
+        moved += (p - before.at(name)).abs().sum().item<double>();
+        n += p.numel();
+      }
+      const double bound = r.lr * std::sqrt(static_cast<double>(n)) * kClip / kEps;
+      std::printf(
+          "adamw %s, clip %g: the first step moved the weights by %.3g in all (bound "
+          "when clipped %.3g, lr * N %.3g)\n",
+          backend.c_str(), clip, moved, bound, r.lr * static_cast<double>(n));
+      ASSERT_GT(r.grad_norm, 1e3 * kClip);  // so the clip acts
+      if (clip > 0)
+        EXPECT_LE(moved, bound);
+      else
+        EXPECT_GT(moved, 10 * bound);  // the test can tell
+    }
+  }
 }
 
 // A timer that says loom's kernel is faster for sequences of 32 and SDPA for any other length,

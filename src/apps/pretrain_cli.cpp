@@ -111,6 +111,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "the dtype the next matrix product reads; math: ATen's add and layer norm; "
                  "auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
+  app.add_option("--adamw", c.adamw,
+                 "auto | fused | math: how the replicated optimizer updates the weights. fused: "
+                 "PyTorch's fused AdamW kernel (one pass over each list, the gradient clip's "
+                 "factor applied inside it); math: the formulas as multi-tensor ATen ops (on the "
+                 "CPU loom's vectorised pass, equal to them bit for bit); auto: fused on CUDA, "
+                 "math on the CPU and when a hook freezes the second moment")
+      ->capture_default_str();
   app.add_option("--profile-steps", c.profile_steps,
                  "A:B: record steps A through B (1-based) under PyTorch's Kineto profiler and "
                  "write a Chrome trace and the top kernels by device time (with the op that "

@@ -236,6 +236,12 @@ void TrainConfig::validate() const {
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
+  LOOM_CHECK(std::find(choices.begin(), choices.end(), adamw) != choices.end(),
+             "--adamw '{}' is not valid: {}", adamw, fmt::join(choices, ", "));
+  LOOM_CHECK(adamw != "fused" || zero == 0,
+             "--adamw fused chooses the replicated optimizer's kernel; --zero {} shards the "
+             "optimizer, whose engines update flat shards with loom's own pass (use --adamw auto)",
+             zero);
   if (!profile_steps.empty()) {
     parse_profile_steps(profile_steps, steps);
     LOOM_CHECK(!profile_out.empty(),
@@ -318,6 +324,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["loss"] = loss;
   j["z_loss"] = z_loss;
   j["norm"] = norm;
+  j["adamw"] = adamw;
   j["profile_steps"] = profile_steps;
   j["profile_out"] = profile_out;
   return j;
@@ -389,6 +396,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.loss = j.value("loss", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
     c.norm = j.value("norm", std::string("auto"));
+    c.adamw = j.value("adamw", std::string("auto"));
     c.profile_steps = j.value("profile_steps", std::string());
     c.profile_out = j.value("profile_out", std::string("loom-profile"));
     return c;

@@ -35,22 +35,32 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
   return total;
 }
 
-at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
+GradClip grad_clip_on_device(const std::vector<at::Tensor>& params, double max_norm) {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
-  if (grads.empty()) {
-    const auto device = params.empty() ? at::Device(at::kCPU) : params.front().device();
-    return at::zeros({}, at::TensorOptions(at::kDouble).device(device));
-  }
+  const auto device = grads.empty()
+                          ? (params.empty() ? at::Device(at::kCPU) : params.front().device())
+                          : grads.front().device();
+  const auto options = at::TensorOptions(at::kDouble).device(device);
+  if (grads.empty()) return {at::zeros({}, options), at::ones({}, options)};
   auto norm = ops::squared_norms(grads).sum().sqrt();
+  // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.
+  auto factor = max_norm > 0 ? (max_norm / (norm + 1e-6)).clamp_max(1.0) : at::ones({}, options);
+  return {norm, factor};
+}
+
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  const auto clip = grad_clip_on_device(params, max_norm);
   if (max_norm > 0) {
-    // min(1, max / (norm + eps)) computed where the norm is: no branch on its value.
-    const auto scale = (max_norm / (norm + 1e-6)).clamp_max(1.0).to(grads.front().scalar_type());
-    at::_foreach_mul_(grads, scale);
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    if (!grads.empty()) at::_foreach_mul_(grads, clip.factor.to(grads.front().scalar_type()));
   }
-  return norm;
+  return clip.norm;
 }
 
 double clip_grad_norm(const models::CausalLM& model, double max_norm) {

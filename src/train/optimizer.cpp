@@ -42,12 +42,14 @@ int64_t AdamW::num_not_decayed() const {
   return static_cast<int64_t>(slots_.size()) - num_decayed();
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, const at::Tensor& grad_scale) {
   torch::NoGradGuard no_grad;
   ++steps_;
   // One call for the whole list: on a GPU a few multi-tensor kernels, not eight per tensor.
   ops::AdamWTensors list;
-  std::vector<const Slot*> with_master;
+  list.grad_scale = grad_scale;
+  list.backend = backend_;
+  std::vector<at::Tensor> narrow_params, masters;
   for (auto& s : slots_) {
     const auto& grad_any = s.param.grad();
     if (!grad_any.defined()) continue;
@@ -56,10 +58,14 @@ void AdamW::step(double lr) {
     list.exp_avgs.push_back(s.exp_avg);
     list.exp_avg_sqs.push_back(s.exp_avg_sq);
     list.decay.push_back(s.decay);
-    if (s.master.defined()) with_master.push_back(&s);
+    if (s.master.defined()) {
+      narrow_params.push_back(s.param);
+      masters.push_back(s.master);
+    }
   }
   ops::adamw_update_(list, lr, steps_, options_);
-  for (const auto* s : with_master) s->param.copy_(s->master);
+  // The rounded values back into the narrow parameters, one multi-tensor copy.
+  if (!narrow_params.empty()) at::_foreach_copy_(narrow_params, masters);
 }
 
 void AdamW::zero_grad() {

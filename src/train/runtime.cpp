@@ -104,10 +104,13 @@ class SequentialRunner final : public StepRunner {
 class ReplicatedAdamW final : public OptimizerEngine {
  public:
   explicit ReplicatedAdamW(RunContext& run)
-      : run_(run), adamw_(run.named_parameters(), run.adamw, run.decays) {}
+      : run_(run), adamw_(run.named_parameters(), run.adamw, run.decays) {
+    adamw_.set_backend(ops::parse_adamw_backend(run.config.adamw));
+  }
 
   std::string describe() const override {
-    return fmt::format("AdamW, {} tensors with weight decay {}, {} without", adamw_.num_decayed(),
+    return fmt::format("AdamW ({}), {} tensors with weight decay {}, {} without",
+                       ops::to_string(adamw_.backend()), adamw_.num_decayed(),
                        run_.config.weight_decay, adamw_.num_not_decayed());
   }
 
@@ -142,17 +145,20 @@ class ReplicatedAdamW final : public OptimizerEngine {
     return train::local_grad_squares(parts);
   }
 
+  // Kept for the update, which multiplies each gradient by it as it reads it: no pass of its
+  // own over the gradients.
   void scale_gradients(const at::Tensor& factor) override {
-    torch::NoGradGuard no_grad;
-    std::vector<at::Tensor> grads;
-    for (const auto& [name, p] : run_.named_parameters())
-      if (p.grad().defined()) grads.push_back(p.grad());
-    if (grads.empty()) return;
-    at::_foreach_mul_(grads, factor.to(grads.front().scalar_type()));
+    pending_scale_ = pending_scale_.defined() ? pending_scale_ * factor : factor;
   }
 
-  void step(double lr) override { adamw_.step(lr); }
-  void zero_grad() override { adamw_.zero_grad(); }
+  void step(double lr) override {
+    adamw_.step(lr, pending_scale_);
+    pending_scale_ = at::Tensor();
+  }
+  void zero_grad() override {
+    adamw_.zero_grad();
+    pending_scale_ = at::Tensor();
+  }
   int64_t steps_taken() const override { return adamw_.steps_taken(); }
 
   void add_memory(core::MemoryReport& m) const override {
@@ -181,6 +187,7 @@ class ReplicatedAdamW final : public OptimizerEngine {
  private:
   RunContext& run_;
   AdamW adamw_;
+  at::Tensor pending_scale_;  // scale_gradients' factor, not yet applied
 };
 
 }  // namespace

@@ -8,7 +8,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "loom/ops/fused_choice.h"
 
 namespace loom::ops {
 
@@ -44,18 +47,41 @@ void adamw_update_(const at::Tensor& weight, const at::Tensor& grad, const at::T
                    const at::Tensor& exp_avg_sq, double lr, int64_t step,
                    const AdamWOptions& options, bool decay = false);
 
+// Which implementation a list update (below) runs; --adamw takes these names:
+//   kAuto   on CUDA, PyTorch's fused multi-tensor kernel (at::_fused_adamw_: one pass over each
+//           list with the gradient factor inside) where it applies, else the multi-tensor ATen
+//           ops; on the CPU, loom's vectorised pass (contiguous fp32/fp64 tensors) or the ATen
+//           ops;
+//   kFused  PyTorch's fused kernel on every device (on the CPU its own CPU kernel; what tests
+//           compare against the math path);
+//   kMath   the header's formulas as ATen ops (`_foreach_` per device and dtype; on the CPU,
+//           contiguous tensors through loom's pass, equal to those ops bit for bit).
+// The fused kernel cannot hold the second moment frozen (freeze_variance_after): kAuto then
+// takes the math path, and kFused is refused with a loom::Error.
+using AdamWBackend = FusedChoice;
+AdamWBackend parse_adamw_backend(const std::string& name);
+
 // One AdamW step on many tensors at once (a replicated optimizer's parameter list), each as
 // adamw_update_ above with its own `decay[i]`. Those the fused CPU pass takes go through it one by
-// one; the others (CUDA tensors, strided ones) are updated together by ATen's multi-tensor
-// (`_foreach_`) ops per device and dtype, with the same formulas as adamw_update_'s ATen path:
-// about ten kernel launches for the whole list instead of eight per tensor. (GPT-2 124M spent
-// 25 ms of an 83 ms step in the per-tensor form on an H200, 148 tensors:
-// docs/benchmarks-gpu.md.)
-// On the CPU the results equal adamw_update_'s bit for bit; on a GPU the multi-tensor kernels
-// may round the scalar products differently in the last bit.
+// one; the others (CUDA tensors, strided ones) are updated together per device and dtype, by
+// PyTorch's fused kernel or by ATen's multi-tensor (`_foreach_`) ops with the same formulas as
+// adamw_update_'s ATen path (about ten launches for the whole list instead of eight per tensor;
+// GPT-2 124M spent 25 ms of an 83 ms step in the per-tensor form on an H200, 148 tensors:
+// docs/benchmarks-gpu.md).
+// `grad_scale` (a 0-dim tensor on the lists' device, or undefined for 1) multiplies every
+// gradient inside the update: the gradient clip's factor, applied without a pass of its own.
+// What the gradients hold afterwards is unspecified (the fused kernel writes the scaled values
+// back); they are not to be read again before they are zeroed.
+// On the CPU loom's pass and the math path equal adamw_update_ (with the gradient multiplied by
+// grad_scale, rounded to the gradients' dtype, first) bit for bit; PyTorch's fused kernel orders
+// the same arithmetic differently (the first moment as b1 m + (1 - b1) g, not a lerp; the decay
+// as w - lr wd w; the factor as a division by its fp32 reciprocal, except for fp64 lists, which
+// are multiplied by it first): a few roundings apart.
 struct AdamWTensors {
   std::vector<at::Tensor> weights, grads, exp_avgs, exp_avg_sqs;
   std::vector<bool> decay;
+  at::Tensor grad_scale;
+  AdamWBackend backend = AdamWBackend::kAuto;
 };
 void adamw_update_(const AdamWTensors& tensors, double lr, int64_t step,
                    const AdamWOptions& options);

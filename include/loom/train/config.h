@@ -127,6 +127,7 @@ struct TrainConfig {
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
   std::string norm = "auto";       // auto | fused | math (ops::NormBackend)
+  std::string adamw = "auto";      // auto | fused | math (ops::AdamWBackend)
   // --profile-steps A:B: steps A..B (1-based) under the Kineto profiler (the "profile"
   // strategy), its trace and kernel table written into --profile-out. Empty: no profile.
   std::string profile_steps;

@@ -23,6 +23,14 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 // max_norm, else 1) is applied on the device. One process, unsharded gradients.
 at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm);
 
+// The norm and the factor clip_grad_norm_on_device multiplies by (1 when max_norm <= 0), both
+// 0-dim tensors on the gradients' device, without touching the gradients: for an optimizer that
+// applies the factor inside its update (AdamW::step's grad_scale), saving a pass over them.
+struct GradClip {
+  at::Tensor norm, factor;
+};
+GradClip grad_clip_on_device(const std::vector<at::Tensor>& params, double max_norm);
+
 // The same for a (possibly tensor-parallel) model, giving the norm of the single-process
 // model's gradient: squares of sharded gradients are summed across the tp group in one
 // all-reduce, a piece held by several ranks (replicated key/value heads) is counted once, and

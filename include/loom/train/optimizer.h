@@ -27,9 +27,14 @@ class AdamW {
   AdamW(const core::NamedTensors& named_params, AdamWOptions options,
         std::function<bool(const std::string&, const at::Tensor&)> decays = default_decays);
 
-  // One update with learning rate `lr` from the parameters' .grad(). Parameters without a
-  // gradient are skipped (their moments are untouched).
-  void step(double lr);
+  // One update with learning rate `lr` from the parameters' .grad() times `grad_scale` (a 0-dim
+  // tensor, e.g. the gradient clip's factor computed on the device; undefined: 1), applied inside
+  // the update (ops::AdamWTensors). Parameters without a gradient are skipped (their moments
+  // are untouched). The gradients are not to be read afterwards: zero_grad() next.
+  void step(double lr, const at::Tensor& grad_scale = at::Tensor());
+  // Which implementation updates the list (--adamw; ops::AdamWBackend).
+  void set_backend(ops::AdamWBackend backend) { backend_ = backend; }
+  ops::AdamWBackend backend() const { return backend_; }
   void zero_grad();
 
   int64_t steps_taken() const { return steps_; }
@@ -51,6 +56,7 @@ class AdamW {
   };
   std::vector<Slot> slots_;
   AdamWOptions options_;
+  ops::AdamWBackend backend_ = ops::AdamWBackend::kAuto;
   int64_t steps_ = 0;
 };
 

@@ -56,7 +56,10 @@ class OptimizerEngine {
   // parameters' device) with values several tp ranks hold weighted to count once, and the tied
   // embedding's second copy left out; an engine holding dp shards sums over dp itself.
   virtual at::Tensor local_grad_squares() = 0;
-  // Multiplies every gradient by `factor` (a 0-dim tensor, on the gradients' device).
+  // Multiplies every gradient by `factor` (a 0-dim tensor, on the gradients' device): at once,
+  // or inside the next step() as it reads them (the replicated engine: no pass of its own). Either
+  // way step() applies the scaled gradients; a strategy reading gradients between the clip and
+  // the step (before_optimizer_step) must not count on seeing the factor in them.
   virtual void scale_gradients(const at::Tensor& factor) = 0;
   virtual void step(double lr) = 0;
   virtual void zero_grad() = 0;

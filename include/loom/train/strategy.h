@@ -105,6 +105,7 @@ class Strategy {
   // computed and reported): a preconditioned momentum compression's compressed steps. The same
   // answer on every rank.
   virtual bool exempts_step_from_clipping(const RunContext& /*run*/) const { return false; }
+  // After the clip: the gradients may not show its factor yet (OptimizerEngine::scale_gradients).
   virtual void before_optimizer_step(RunContext& /*run*/, double /*lr*/) {}
   // Returns true when it cleared the gradients itself (the engine's zero_grad is then skipped).
   virtual bool zero_grad(RunContext& /*run*/) { return false; }
