@@ -39,7 +39,7 @@ struct Options {
   int threads = 2;
   uint64_t seed = 1337;
   std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto",
-              adamw = "auto";
+              adamw = "auto", swiglu = "auto";
   double peak_tflops = 0;  // 0: from the GPU's name
 };
 
@@ -106,6 +106,7 @@ void run(const Options& o) {
   }
   model->set_loss_backend(loom::ops::parse_loss_backend(o.loss));
   model->set_norm_backend(loom::ops::parse_norm_backend(o.norm));
+  model->set_activation_backend(loom::ops::parse_activation_backend(o.swiglu));
   model->train();
   loom::core::NamedTensors named;
   std::vector<at::Tensor> params;
@@ -244,6 +245,7 @@ void run(const Options& o) {
     out["loss"] = o.loss;
     out["norm"] = o.norm;
     out["adamw"] = o.adamw;
+    out["swiglu"] = o.swiglu;
     if (chooser) {
       auto& choices = out["attention_choices"];
       choices = nlohmann::ordered_json::object();
@@ -312,6 +314,9 @@ int main(int argc, char** argv) {
   app.add_option("--norm", o.norm,
                  "auto | fused | math: the norms and residual adds (auto: loom's fused kernels "
                  "on CUDA)")
+      ->capture_default_str();
+  app.add_option("--swiglu", o.swiglu,
+                 "auto | fused | math: Llama's SwiGLU (auto: loom's fused kernels on CUDA)")
       ->capture_default_str();
   app.add_option("--adamw", o.adamw,
                  "auto | fused | math: the optimizer's update (auto: PyTorch's fused AdamW on "

@@ -21,7 +21,7 @@ expect() {  # expect "<text in stderr>" command...
 help=$("$TOOLS/loom-pretrain" --help)
 for flag in --model --preset --data --val-data --steps --batch-size --seq-len --grad-accum --lr \
   --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config \
-  --device --attention --loss --norm --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
+  --device --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
 for tool in loom-prepare loom-eval loom-generate loom-plan; do
@@ -83,6 +83,7 @@ fi
 expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "--loss 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --loss fast
 expect "--norm 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --norm fast
+expect "--swiglu 'geglu' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --swiglu geglu
 expect "--adamw 'apex' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --adamw apex
 expect "--adamw fused chooses the replicated optimizer's kernel; --zero 1 shards" "${run[@]}" --data "$work/data/train.bin" --adamw fused --zero 1
 expect "--profile-steps '3:1' is not valid" "${run[@]}" --data "$work/data/train.bin" --profile-steps 3:1

@@ -1,6 +1,6 @@
 // The fused residual add + norm (ops/norm.h): its host reference in fp64 against ATen's math
 // (values and every gradient), the bf16 output under autocast, unused outputs, refusals; and
-// whole models with every fused path on (norms and loss) against the unfused ones in fp64.
+// whole models with every fused path on (norms, loss, SwiGLU) against the unfused ones in fp64.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -264,11 +264,15 @@ TEST_P(FusedModel, EveryFusedPathEqualsTheMathPathInFp64) {
     model->zero_grad();
     model->set_norm_backend(choice);
     model->set_loss_backend(choice);
+    model->set_activation_backend(choice);
     auto loss = model->loss(tokens, targets);
     // The paths asked for are the ones that ran: a fused norm node per norm, or none.
     const auto names = node_names(loss);
     EXPECT_EQ(has_node(names, "FusedAddNorm"), choice == ops::FusedChoice::kFused);
     EXPECT_EQ(has_node(names, "FusedCrossEntropy"), choice == ops::FusedChoice::kFused);
+    // Llama's SwiGLU likewise; GPT-2 has none.
+    EXPECT_EQ(has_node(names, "FusedSwiglu"),
+              choice == ops::FusedChoice::kFused && family == models::Family::kLlama);
     loss.backward();
     if (choice == ops::FusedChoice::kMath) {
       want_loss = loss.item<double>();

@@ -156,10 +156,15 @@ TEST(AdamWBackend, FusedAndMathTrainTheSameModelAndTheClipFactorIsApplied) {
     t.fit();
     trained[backend] = parameters(t);
   }
+  double worst = 0;
   for (const auto& [name, p] : trained["math"]) {
     const double scale = std::max(p.abs().max().item<double>(), 1e-300);
-    EXPECT_LE((trained["fused"].at(name) - p).abs().max().item<double>() / scale, 1e-11) << name;
+    const double rel = (trained["fused"].at(name) - p).abs().max().item<double>() / scale;
+    EXPECT_LE(rel, 1e-11) << name;
+    worst = std::max(worst, rel);
   }
+  std::printf("adamw fused vs math, 3 fp64 steps: worst parameter tensor %.3g of its largest\n",
+              worst);
 
   c.steps = 1;
   c.weight_decay = 0;

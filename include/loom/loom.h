@@ -41,6 +41,7 @@
 #include "loom/ops/sign_pack.h"
 #include "loom/ops/sparsify.h"
 #include "loom/ops/sparsity.h"
+#include "loom/ops/swiglu.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/data/data_parallel.h"
 #include "loom/parallel/data/grad_bucket.h"

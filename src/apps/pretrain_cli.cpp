@@ -111,6 +111,12 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "the dtype the next matrix product reads; math: ATen's add and layer norm; "
                  "auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
+  app.add_option("--swiglu", c.swiglu,
+                 "auto | fused | math: how Llama's SwiGLU, silu(gate) * up, is computed. fused: "
+                 "loom's kernels (CUDA; on the CPU their host reference) read gate and up once "
+                 "forward and write both gradients in one pass backward; math: ATen's silu and "
+                 "product; auto: fused on CUDA, math on the CPU (GPT-2's GELU does not ask)")
+      ->capture_default_str();
   app.add_option("--adamw", c.adamw,
                  "auto | fused | math: how the replicated optimizer updates the weights. fused: "
                  "PyTorch's fused AdamW kernel (one pass over each list, the gradient clip's "

@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/ops/precision.h"
+#include "loom/ops/swiglu.h"
 #include "loom/parallel/tensor/mappings.h"
 
 namespace loom::models {
@@ -122,16 +123,21 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   // The residual add and the second norm in one op (one read of the residual stream where fused).
   const auto [out, normed] =
       ops::add_norm(norms, x, o_proj_->forward(y), post_attention_layernorm_->params());
+  // silu(gate) * up in one op (one read of each where fused).
+  const auto activation = execution_ ? execution_->activation : ops::ActivationBackend::kAuto;
   if (gate_blocks_) {
     // Each rank's blocks take its slice of the features: all-gathers, no all-reduce.
     auto m = pt::enter_feature_blocks(normed, tp, 1);
-    m = down_blocks_->forward(at::silu(gate_blocks_->forward(m)) * up_blocks_->forward(m));
+    m = down_blocks_->forward(
+        ops::swiglu(activation, gate_blocks_->forward(m), up_blocks_->forward(m)));
     return out + pt::exit_feature_blocks(m, tp, 1);
   }
   auto m = pt::enter_tp_region(normed, tp, 1);
   if (gate_low_)
-    return out + down_low_->forward(at::silu(gate_low_->forward(m)) * up_low_->forward(m));
-  return out + down_proj_->forward(at::silu(gate_proj_->forward(m)) * up_proj_->forward(m));
+    return out +
+           down_low_->forward(ops::swiglu(activation, gate_low_->forward(m), up_low_->forward(m)));
+  return out +
+         down_proj_->forward(ops::swiglu(activation, gate_proj_->forward(m), up_proj_->forward(m)));
 }
 
 Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)

@@ -236,6 +236,8 @@ void TrainConfig::validate() const {
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
+  LOOM_CHECK(std::find(choices.begin(), choices.end(), swiglu) != choices.end(),
+             "--swiglu '{}' is not valid: {}", swiglu, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), adamw) != choices.end(),
              "--adamw '{}' is not valid: {}", adamw, fmt::join(choices, ", "));
   LOOM_CHECK(adamw != "fused" || zero == 0,
@@ -325,6 +327,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["z_loss"] = z_loss;
   j["norm"] = norm;
   j["adamw"] = adamw;
+  j["swiglu"] = swiglu;
   j["profile_steps"] = profile_steps;
   j["profile_out"] = profile_out;
   return j;
@@ -397,6 +400,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.z_loss = j.value("z_loss", 0.0);
     c.norm = j.value("norm", std::string("auto"));
     c.adamw = j.value("adamw", std::string("auto"));
+    c.swiglu = j.value("swiglu", std::string("auto"));
     c.profile_steps = j.value("profile_steps", std::string());
     c.profile_out = j.value("profile_out", std::string("loom-profile"));
     return c;

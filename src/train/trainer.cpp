@@ -119,6 +119,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
     chunk->set_attention_chooser(chooser);
     chunk->set_loss_backend(ops::parse_loss_backend(config_.loss));
     chunk->set_norm_backend(ops::parse_norm_backend(config_.norm));
+    chunk->set_activation_backend(ops::parse_activation_backend(config_.swiglu));
     chunk->set_z_loss(config_.z_loss);
     if (!config_.mtp_weights.empty()) chunk->set_mtp_loss_weights(config_.mtp_weights);
     chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only

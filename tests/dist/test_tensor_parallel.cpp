@@ -299,7 +299,7 @@ TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
 // The fused loss on each vocabulary shard of a whole model (the kernels' host reference, the
 // group's max and sum between its passes) against the math path of the same sharded model:
 // loss and every gradient, fp64, with and without vocabulary padding, with z-loss.
-TEST(TpLayers, ModelsWithTheFusedLossAndNormsEqualTheMathPath) {
+TEST(TpLayers, ModelsWithTheFusedLossNormsAndSwigluEqualTheMathPath) {
   for (const auto family : {models::Family::kGpt2, models::Family::kLlama})
     for (const int64_t pad_multiple : {1, 8}) {
       // Sequence parallel with padding: the fused norms' weight gradients are partial sums over
@@ -322,10 +322,11 @@ TEST(TpLayers, ModelsWithTheFusedLossAndNormsEqualTheMathPath) {
         model->zero_grad();
         model->set_loss_backend(backend);
         model->set_norm_backend(backend);
+        model->set_activation_backend(backend);
         auto loss = model->loss(tokens, targets);
-        const auto what = fmt::format("{} pad {}{} {}", models::to_string(family), pad_multiple,
-                                      tp->sequence_parallel() ? " sp" : "",
-                                      loom::ops::to_string(backend));
+        const auto what =
+            fmt::format("{} pad {}{} {}", models::to_string(family), pad_multiple,
+                        tp->sequence_parallel() ? " sp" : "", loom::ops::to_string(backend));
         // The backend asked for is the one that ran.
         EXPECT_EQ(loss.grad_fn()->name().find("FusedCrossEntropy") != std::string::npos,
                   backend == loom::ops::LossBackend::kFused)

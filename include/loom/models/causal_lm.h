@@ -16,6 +16,7 @@
 #include "loom/ops/attention_choice.h"
 #include "loom/ops/cross_entropy.h"
 #include "loom/ops/norm.h"
+#include "loom/ops/swiglu.h"
 #include "loom/parallel/context/context_group.h"
 #include "loom/parallel/memory/activation_offload.h"
 #include "loom/parallel/tensor/shard_spec.h"
@@ -55,6 +56,9 @@ struct BlockExecution {
   // Which implementation computes the norms and the residual adds fused with them (kAuto: the
   // fused kernels on CUDA).
   ops::NormBackend norm = ops::NormBackend::kAuto;
+  // Which implementation computes gated activations (Llama's SwiGLU; kAuto: the fused kernels on
+  // CUDA). GPT-2's GELU is not gated and does not ask.
+  ops::ActivationBackend activation = ops::ActivationBackend::kAuto;
   // With 2 or more ranks: the group the sequences are split over; attention runs as ring
   // attention over it (parallel/context/ring_attention.h). Null: the whole sequence is here.
   parallel::context::ContextGroupPtr context;
@@ -183,6 +187,13 @@ class CausalLM : public torch::nn::Module {
     mtp_execution_->norm = backend;
   }
   ops::NormBackend norm_backend() const { return execution_->norm; }
+  // Which implementation computes gated activations (ops/swiglu.h; default kAuto: the fused
+  // kernels on CUDA, the math path on the CPU).
+  void set_activation_backend(ops::ActivationBackend backend) {
+    execution_->activation = backend;
+    mtp_execution_->activation = backend;
+  }
+  ops::ActivationBackend activation_backend() const { return execution_->activation; }
   // Which implementation computes the cross-entropy (ops/cross_entropy.h; default kAuto: the
   // fused kernels on CUDA, the math path on the CPU). loss() lets the fused backward write the
   // gradient over the logits it made itself; loss_from_logits() leaves a caller's logits alone.

@@ -128,6 +128,7 @@ struct TrainConfig {
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
   std::string norm = "auto";       // auto | fused | math (ops::NormBackend)
   std::string adamw = "auto";      // auto | fused | math (ops::AdamWBackend)
+  std::string swiglu = "auto";     // auto | fused | math (ops::ActivationBackend)
   // --profile-steps A:B: steps A..B (1-based) under the Kineto profiler (the "profile"
   // strategy), its trace and kernel table written into --profile-out. Empty: no profile.
   std::string profile_steps;
