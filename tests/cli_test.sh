@@ -21,7 +21,7 @@ expect() {  # expect "<text in stderr>" command...
 help=$("$TOOLS/loom-pretrain" --help)
 for flag in --model --preset --data --val-data --steps --batch-size --seq-len --grad-accum --lr \
   --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config \
-  --device --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
+  --device --sampling --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
 for tool in loom-prepare loom-eval loom-generate loom-plan; do
@@ -36,6 +36,7 @@ expect "truncated" "${run[@]}" --data "$work/data/cut.bin"
 printf 'this is not a token file at all, just some text bytes......' > "$work/text.bin"
 expect "wrong magic" "${run[@]}" --data "$work/text.bin"
 expect "vocabulary has 100 ids" "${run[@]}" --data "$work/data/train.bin" --vocab-size 100
+expect "--vocab-size -3 is not valid: 1..2147483647" "${run[@]}" --data "$work/data/train.bin" --vocab-size -3
 expect "--dist-backend 'gloo' is not one of auto, nccl, mpi" "${run[@]}" --data "$work/data/train.bin" --dist-backend gloo
 expect "model preset 'gpt2-huge' is not known" "${run[@]}" --data "$work/data/train.bin" --preset gpt2-huge
 mkdir -p "$work/hf" && cat > "$work/hf/config.json" << 'JSON'
@@ -83,6 +84,7 @@ fi
 expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "--loss 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --loss fast
 expect "--norm 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --norm fast
+expect "--sampling 'shuffle' is not valid: epoch (without replacement) or random" "${run[@]}" --data "$work/data/train.bin" --sampling shuffle
 expect "--swiglu 'geglu' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --swiglu geglu
 expect "--adamw 'apex' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --adamw apex
 expect "--adamw fused chooses the replicated optimizer's kernel; --zero 1 shards" "${run[@]}" --data "$work/data/train.bin" --adamw fused --zero 1

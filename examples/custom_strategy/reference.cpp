@@ -54,7 +54,9 @@ int replay(const std::string& dir, double tolerance) {
   LOOM_CHECK(c.grad_accum == 1 && c.dropout == 0 && c.tp == 1 && c.pp == 1 && c.zero == 0,
              "the reference replays dp-only runs without accumulation or dropout");
   auto shard = std::make_shared<loom::data::TokenShard>(c.data);
-  const loom::data::WindowSampler sampler(shard, c.seq_len, c.seed);
+  // The Trainer's sampler: the same windows in the same order.
+  const loom::data::WindowSampler sampler(shard, c.seq_len, c.seed,
+                                          loom::data::parse_sampling(c.sampling), c.batch_size);
   const lt::LrSchedule schedule{c.lr, c.min_lr, c.warmup_steps, c.schedule_steps()};
   const loom::ops::AdamWOptions adamw{c.beta1, c.beta2, 1e-8, c.weight_decay};
   std::vector<std::shared_ptr<loom::models::CausalLM>> replicas;
@@ -91,7 +93,7 @@ int replay(const std::string& dir, double tolerance) {
   for (int64_t s = 0; s < ckpt.step; ++s) {
     const bool synchronous = (s + 1) % every == 0;
     for (int64_t r = 0; r < ranks; ++r) {
-      const auto batch = sampler.random_batch(s, r * per_rank, per_rank);
+      const auto batch = sampler.training_batch(s, r * per_rank, per_rank);
       replicas[r]->loss(batch.inputs, batch.targets).backward();
     }
     if (synchronous)

@@ -30,9 +30,6 @@ int main(int argc, char** argv) {
       tok = std::make_unique<loom::data::ByteTokenizer>();
     else
       tok = std::make_unique<loom::data::Gpt2BpeTokenizer>(vocab, merges);
-    LOOM_CHECK(tok->vocab_size() <= 65536,
-               "vocabulary of {} ids does not fit llm.c's uint16 tokens (at most 65536)",
-               tok->vocab_size());
     // Each file is a document. With an end-of-text token (GPT-2's vocabulary), it goes before
     // every document, as llm.c's data preparation does.
     size_t text_bytes = 0;
@@ -45,13 +42,15 @@ int main(int argc, char** argv) {
       ids.insert(ids.end(), doc.begin(), doc.end());
     }
     LOOM_CHECK(ids.size() >= 2, "the input holds {} tokens; at least 2 are needed", ids.size());
-    std::vector<uint16_t> tokens(ids.begin(), ids.end());
-    const auto n_val = static_cast<size_t>(static_cast<double>(tokens.size()) * val_fraction);
-    const auto n_train = tokens.size() - n_val;
+    const auto n_val = static_cast<size_t>(static_cast<double>(ids.size()) * val_fraction);
+    const auto n_train = ids.size() - n_val;
     loom::core::ensure_writable_dir(out_dir);
     const std::filesystem::path dir(out_dir);
-    loom::data::write_llmc_shard(dir / "train.bin", {tokens.data(), n_train});
-    if (n_val > 0) loom::data::write_llmc_shard(dir / "val.bin", {tokens.data() + n_train, n_val});
+    // llm.c version 1 (uint16 tokens) up to 65,536 ids, version 2 (uint32) past that.
+    const int64_t vocab_size = tok->vocab_size();
+    loom::data::write_llmc_shard(dir / "train.bin", {ids.data(), n_train}, vocab_size);
+    if (n_val > 0)
+      loom::data::write_llmc_shard(dir / "val.bin", {ids.data() + n_train, n_val}, vocab_size);
     // Nothing stale from an earlier run in the same directory may describe this data.
     if (n_val == 0) std::filesystem::remove(dir / "val.bin");
     if (vocab.empty()) {
@@ -60,7 +59,6 @@ int main(int argc, char** argv) {
     }
     loom::data::save_tokenizer_meta(*tok, dir, vocab, merges);
     spdlog::info("{} bytes of text -> {} tokens ({} tokenizer, vocab {}): {} train, {} val, in {}",
-                 text_bytes, tokens.size(), tok->kind(), tok->vocab_size(), n_train, n_val,
-                 out_dir);
+                 text_bytes, ids.size(), tok->kind(), tok->vocab_size(), n_train, n_val, out_dir);
   });
 }

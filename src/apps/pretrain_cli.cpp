@@ -141,6 +141,12 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "name (H100/H200 989, A100 312, ...)")
       ->capture_default_str();
   app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
+  app.add_option("--sampling", c.sampling,
+                 "epoch | random: how training windows are drawn. epoch: without replacement, "
+                 "each window of the data once per epoch in a seeded order (the cut shifted each "
+                 "epoch); random: each window's start hashed from the seed, step and sample (with "
+                 "replacement; checkpoints written before --sampling resume with it)")
+      ->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
   app.add_option("--save-dir", c.save_dir, "Write checkpoints here");
   app.add_option("--preempt-signal", c.preempt_signals,

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
 #include "loom/core/error.h"
@@ -16,6 +17,13 @@
 namespace loom::data {
 
 namespace fs = std::filesystem;
+
+int32_t llmc_version_for(int64_t vocab_size) {
+  LOOM_CHECK(vocab_size > 0 && vocab_size <= (int64_t{1} << 32),
+             "a vocabulary of {} ids cannot be stored in a token shard (1 to 2^32 ids)",
+             vocab_size);
+  return vocab_size <= kMaxU16Vocab ? kLlmcVersionU16 : kLlmcVersionU32;
+}
 
 TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
@@ -41,6 +49,8 @@ TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
         format = ShardFormat::kLlmc;
       else if (ext == ".u16" || ext == ".raw")
         format = ShardFormat::kRawU16;
+      else if (ext == ".u32")
+        format = ShardFormat::kRawU32;
       else
         format = ShardFormat::kLlmc;  // .bin and anything else: must be llm.c
     }
@@ -49,29 +59,37 @@ TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
       // The magic first: a text or foreign file is more often the problem than a cut one.
       LOOM_CHECK(map_bytes_ < 4 || first == kLlmcMagic,
                  "token file '{}' has the wrong magic {}: an llm.c .bin shard starts with {} "
-                 "(for headerless uint16 tokens, name the file *.u16)",
+                 "(for headerless tokens, name the file *.u16 or *.u32)",
                  path.string(), first, kLlmcMagic);
       LOOM_CHECK(map_bytes_ >= header_bytes,
                  "token file '{}' is truncated: {} bytes, shorter than the {}-byte llm.c header",
                  path.string(), map_bytes_, header_bytes);
       int32_t header[3];
       std::memcpy(header, bytes, sizeof(header));
-      LOOM_CHECK(header[1] == kLlmcVersion,
-                 "token file '{}' has llm.c version {}; loom reads version {} (uint16 tokens)",
-                 path.string(), header[1], kLlmcVersion);
+      version_ = header[1];
+      LOOM_CHECK(version_ == kLlmcVersionU16 || version_ == kLlmcVersionU32,
+                 "token file '{}' has llm.c version {}; loom reads version {} (uint16 tokens) "
+                 "and {} (uint32 tokens)",
+                 path.string(), version_, kLlmcVersionU16, kLlmcVersionU32);
+      width_ = version_ == kLlmcVersionU16 ? 2 : 4;
       const int64_t count = header[2];
-      const size_t need = header_bytes + static_cast<size_t>(count) * 2;
-      LOOM_CHECK(count >= 0 && map_bytes_ >= need,
+      LOOM_CHECK(count >= 0, "token file '{}' has a negative token count {} in its header: corrupt",
+                 path.string(), count);
+      const size_t need = header_bytes + static_cast<size_t>(count) * static_cast<size_t>(width_);
+      LOOM_CHECK(map_bytes_ >= need,
                  "token file '{}' is truncated: its header promises {} tokens ({} bytes) but the "
                  "file has {} bytes",
                  path.string(), count, need, map_bytes_);
-      tokens_ = {reinterpret_cast<const uint16_t*>(bytes + header_bytes),
-                 static_cast<size_t>(count)};
+      data_ = bytes + header_bytes;
+      size_ = count;
     } else {
-      LOOM_CHECK(map_bytes_ % 2 == 0,
-                 "raw uint16 token file '{}' has an odd size ({} bytes): truncated", path.string(),
-                 map_bytes_);
-      tokens_ = {reinterpret_cast<const uint16_t*>(bytes), map_bytes_ / 2};
+      width_ = format == ShardFormat::kRawU16 ? 2 : 4;
+      LOOM_CHECK(map_bytes_ % static_cast<size_t>(width_) == 0,
+                 "raw uint{} token file '{}' has a size ({} bytes) that is not a multiple of {}: "
+                 "truncated",
+                 8 * width_, path.string(), map_bytes_, width_);
+      data_ = bytes;
+      size_ = static_cast<int64_t>(map_bytes_) / width_;
     }
   } catch (...) {
     if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
@@ -83,34 +101,72 @@ TokenShard::~TokenShard() {
   if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
 }
 
-at::Tensor TokenShard::slice(int64_t offset, int64_t count) const {
-  LOOM_CHECK(offset >= 0 && count >= 0 && offset + count <= size(),
+void TokenShard::copy_to(int64_t offset, int64_t count, int64_t* dst) const {
+  LOOM_CHECK(offset >= 0 && count >= 0 && offset + count <= size_,
              "token range [{}, {}) is outside '{}' ({} tokens)", offset, offset + count,
-             path_.string(), size());
+             path_.string(), size_);
+  if (width_ == 2) {
+    const auto* src = reinterpret_cast<const uint16_t*>(data_) + offset;
+    for (int64_t i = 0; i < count; ++i) dst[i] = src[i];
+  } else {
+    const auto* src = reinterpret_cast<const uint32_t*>(data_) + offset;
+    for (int64_t i = 0; i < count; ++i) dst[i] = src[i];
+  }
+}
+
+at::Tensor TokenShard::slice(int64_t offset, int64_t count) const {
+  LOOM_CHECK(offset >= 0 && count >= 0 && offset + count <= size_,
+             "token range [{}, {}) is outside '{}' ({} tokens)", offset, offset + count,
+             path_.string(), size_);
   auto out = at::empty({count}, at::kLong);
-  auto* dst = out.data_ptr<int64_t>();
-  const auto* src = tokens_.data() + offset;
-  for (int64_t i = 0; i < count; ++i) dst[i] = src[i];
+  copy_to(offset, count, out.data_ptr<int64_t>());
   return out;
 }
 
 void TokenShard::check_vocab(int64_t vocab_size) const {
-  for (size_t i = 0; i < tokens_.size(); ++i) {
-    LOOM_CHECK(tokens_[i] < vocab_size,
+  for (int64_t i = 0; i < size_; ++i) {
+    const int64_t id = token(i);
+    LOOM_CHECK(id < vocab_size,
                "token file '{}' holds token id {} at position {}, but the model's vocabulary has "
                "{} ids (valid: 0..{})",
-               path_.string(), tokens_[i], i, vocab_size, vocab_size - 1);
+               path_.string(), id, i, vocab_size, vocab_size - 1);
   }
 }
 
-void write_llmc_shard(const fs::path& path, std::span<const uint16_t> tokens) {
+namespace {
+
+template <typename T>
+void write_shard(const fs::path& path, int32_t version, std::span<const T> tokens) {
   LOOM_CHECK(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-             "'{}': {} tokens do not fit in one llm.c shard", path.string(), tokens.size());
-  std::string bytes(kLlmcHeaderInts * sizeof(int32_t) + tokens.size() * 2, '\0');
-  const int32_t header[3] = {kLlmcMagic, kLlmcVersion, static_cast<int32_t>(tokens.size())};
+             "'{}': {} tokens do not fit in one llm.c shard (at most 2^31 - 1)", path.string(),
+             tokens.size());
+  std::string bytes(kLlmcHeaderInts * sizeof(int32_t) + tokens.size() * sizeof(T), '\0');
+  const int32_t header[3] = {kLlmcMagic, version, static_cast<int32_t>(tokens.size())};
   std::memcpy(bytes.data(), header, sizeof(header));
-  std::memcpy(bytes.data() + kLlmcHeaderInts * sizeof(int32_t), tokens.data(), tokens.size() * 2);
+  std::memcpy(bytes.data() + kLlmcHeaderInts * sizeof(int32_t), tokens.data(),
+              tokens.size() * sizeof(T));
   core::write_file_atomic(path, bytes);
+}
+
+}  // namespace
+
+void write_llmc_shard(const fs::path& path, std::span<const uint16_t> tokens) {
+  write_shard(path, kLlmcVersionU16, tokens);
+}
+
+void write_llmc_shard(const fs::path& path, std::span<const int32_t> ids, int64_t vocab_size) {
+  const int32_t version = llmc_version_for(vocab_size);
+  for (size_t i = 0; i < ids.size(); ++i)
+    LOOM_CHECK(ids[i] >= 0 && ids[i] < vocab_size,
+               "'{}': id {} at position {} is outside the vocabulary of {} ids (valid: 0..{}); "
+               "nothing was written",
+               path.string(), ids[i], i, vocab_size, vocab_size - 1);
+  if (version == kLlmcVersionU16) {
+    const std::vector<uint16_t> narrow(ids.begin(), ids.end());
+    write_shard<uint16_t>(path, version, narrow);
+  } else {
+    write_shard<int32_t>(path, version, ids);  // non-negative: the same bits as uint32
+  }
 }
 
 }  // namespace loom::data

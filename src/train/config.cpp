@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
@@ -236,6 +237,7 @@ void TrainConfig::validate() const {
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
+  data::parse_sampling(sampling);  // names the valid ones
   LOOM_CHECK(std::find(choices.begin(), choices.end(), swiglu) != choices.end(),
              "--swiglu '{}' is not valid: {}", swiglu, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), adamw) != choices.end(),
@@ -255,10 +257,10 @@ void TrainConfig::validate() const {
              "--z-loss {} is not valid: a finite weight >= 0 (0: no z-loss)", z_loss);
   LOOM_CHECK(peak_tflops >= 0, "--peak-tflops {} must be >= 0 (0: from the device's name)",
              peak_tflops);
-  LOOM_CHECK(vocab_size >= 0 && vocab_size <= 65536,
-             "--vocab-size {} is not valid: token files hold uint16 ids, so 1..65536 (0 = from "
-             "the data)",
-             vocab_size);
+  // Shards hold uint16 ids (llm.c version 1) or uint32 ones (version 2); tokenizers give int32.
+  LOOM_CHECK(vocab_size >= 0 && vocab_size <= std::numeric_limits<int32_t>::max(),
+             "--vocab-size {} is not valid: 1..{} (token ids are 32-bit; 0 = from the data)",
+             vocab_size, std::numeric_limits<int32_t>::max());
 }
 
 bool PruneConfig::enabled() const {
@@ -326,6 +328,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["loss"] = loss;
   j["z_loss"] = z_loss;
   j["norm"] = norm;
+  j["sampling"] = sampling;
   j["adamw"] = adamw;
   j["swiglu"] = swiglu;
   j["profile_steps"] = profile_steps;
@@ -342,6 +345,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   };
   same("--seed", saved.seed, seed);
   same("--seq-len", saved.seq_len, seq_len);
+  same("--sampling", saved.sampling, sampling);
   same("--batch-size", saved.batch_size, batch_size);
   same("--grad-accum", saved.grad_accum, grad_accum);
   same("--lr", saved.lr, lr);
@@ -399,6 +403,8 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.loss = j.value("loss", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
     c.norm = j.value("norm", std::string("auto"));
+    // Checkpoints written before --sampling existed drew windows with replacement.
+    c.sampling = j.value("sampling", std::string("random"));
     c.adamw = j.value("adamw", std::string("auto"));
     c.swiglu = j.value("swiglu", std::string("auto"));
     c.profile_steps = j.value("profile_steps", std::string());

@@ -62,8 +62,9 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   if (!config_.val_data.empty()) val_shard_ = std::make_shared<data::TokenShard>(config_.val_data);
   std::optional<CheckpointContents> resume;
   const auto model_config = resolve_model_config(resume);
-  train_sampler_ =
-      std::make_unique<data::WindowSampler>(train_shard_, config_.seq_len, config_.seed);
+  train_sampler_ = std::make_unique<data::WindowSampler>(
+      train_shard_, config_.seq_len, config_.seed, data::parse_sampling(config_.sampling),
+      config_.batch_size);
   if (val_shard_)
     val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
   if (!config_.save_dir.empty()) {
@@ -210,7 +211,7 @@ StepResult Trainer::train_step() {
         [&](int64_t k) {
           // Sample indices are global (this rank's share of the global batch), so the data does
           // not depend on the layout.
-          return on_device(train_sampler_->random_batch(
+          return on_device(train_sampler_->training_batch(
               step, config_.first_sample(data_rank(), data_ranks(), k), micro));
         },
         r);

@@ -52,7 +52,7 @@ def main():
     write("safetensors", "huge_claim", struct.pack("<Q", 1 << 40) + b"{}")
     write("safetensors", "overflowing_shape", safetensors(
         {"x": ("F32", [1 << 62, 4], b"")}))
-    # token shards: the first byte picks the extension (.bin, .u16, .raw, other)
+    # token shards: the first byte picks the extension (.bin, .u16, .raw, other, .u32)
     tokens = struct.pack("<8H", 1, 2, 3, 50256, 0, 7, 7, 9)
     header = struct.pack("<3i", 20240520, 1, 8) + b"\0" * (256 * 4 - 12)
     write("token_shard", "llmc", b"\x00" + header + tokens)
@@ -61,6 +61,14 @@ def main():
           b"\x00" + struct.pack("<3i", 20240520, 1, -5) + b"\0" * (256 * 4 - 12))
     write("token_shard", "raw_u16", b"\x01" + tokens)
     write("token_shard", "raw_odd", b"\x02" + tokens + b"\x01")
+    # version 2: uint32 tokens (Llama 3's 128256-id vocabulary), and raw uint32 (.u32)
+    tokens32 = struct.pack("<6I", 1, 128000, 128255, 0, 65536, 7)
+    header2 = struct.pack("<3i", 20240520, 2, 6) + b"\0" * (256 * 4 - 12)
+    write("token_shard", "llmc_v2", b"\x00" + header2 + tokens32)
+    write("token_shard", "llmc_v2_truncated", b"\x00" + header2 + tokens32[:10])
+    write("token_shard", "llmc_v3", b"\x00" + struct.pack("<3i", 20240520, 3, 0) + b"\0" * (256 * 4 - 12))
+    write("token_shard", "raw_u32", b"\x04" + tokens32)
+    write("token_shard", "raw_u32_ragged", b"\x04" + tokens32 + b"\x01\x02")
     # checkpoints: state.json, latest, model, optimizer, tp shards, ZeRO shards
     model = safetensors({"wte.weight": ("F32", [2, 2], f32(1, 2, 3, 4))})
     optim = safetensors({"step": ("I64", [], struct.pack("<q", 1)),

@@ -1,7 +1,8 @@
 #pragma once
 // Token shards on disk, memory-mapped: llm.c's .bin format (a 256 x int32 header with magic
-// 20240520, version 1, token count; then uint16 tokens) and raw uint16 files. Only the pages
-// that are read come into memory; a shard is never loaded whole.
+// 20240520, a version and the token count; then the tokens: version 1 uint16, version 2 uint32,
+// as llm.c writes for vocabularies past 65,536 ids such as Llama 3's) and raw uint16 or uint32
+// files. Only the pages that are read come into memory; a shard is never loaded whole.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -11,28 +12,45 @@
 namespace loom::data {
 
 enum class ShardFormat {
-  kAuto,   // llm.c if the file starts with its magic; raw for *.u16 / *.raw; else an error
-  kLlmc,   // llm.c .bin
-  kRawU16  // headerless little-endian uint16
+  kAuto,    // llm.c if the file starts with its magic; raw for *.u16 / *.raw / *.u32; else an error
+  kLlmc,    // llm.c .bin (version 1 or 2)
+  kRawU16,  // headerless little-endian uint16
+  kRawU32   // headerless little-endian uint32
 };
 
 inline constexpr int32_t kLlmcMagic = 20240520;
-inline constexpr int32_t kLlmcVersion = 1;
+inline constexpr int32_t kLlmcVersionU16 = 1;  // uint16 tokens: vocabularies up to 65,536 ids
+inline constexpr int32_t kLlmcVersionU32 = 2;  // uint32 tokens
 inline constexpr int64_t kLlmcHeaderInts = 256;
+inline constexpr int64_t kMaxU16Vocab = 65536;
+
+// The llm.c version a shard of ids from a vocabulary of `vocab_size` is written at: 1 up to
+// 65,536 ids, else 2.
+int32_t llmc_version_for(int64_t vocab_size);
 
 class TokenShard {
  public:
   // Throws loom::Error naming the path for a missing file, a wrong magic, an unsupported
-  // version, or a file shorter than its header says (truncated).
+  // version (the ones it reads are named), or a file shorter than its header says (truncated).
   explicit TokenShard(const std::filesystem::path& path, ShardFormat format = ShardFormat::kAuto);
   ~TokenShard();
   TokenShard(const TokenShard&) = delete;
   TokenShard& operator=(const TokenShard&) = delete;
 
   const std::filesystem::path& path() const { return path_; }
-  int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
-  std::span<const uint16_t> tokens() const { return tokens_; }
+  int64_t size() const { return size_; }
+  // 2 (uint16 tokens: llm.c version 1, raw .u16) or 4 (uint32: version 2, raw .u32).
+  int bytes_per_token() const { return width_; }
+  // The llm.c version of the file, or 0 for a raw one.
+  int32_t version() const { return version_; }
 
+  // Token i (0 <= i < size(), unchecked: the caller's loop bounds it).
+  int64_t token(int64_t i) const {
+    return width_ == 2 ? int64_t{reinterpret_cast<const uint16_t*>(data_)[i]}
+                       : int64_t{reinterpret_cast<const uint32_t*>(data_)[i]};
+  }
+  // tokens[offset, offset + count) into dst (checked against size()).
+  void copy_to(int64_t offset, int64_t count, int64_t* dst) const;
   // tokens[offset, offset + count) as an int64 tensor (a copy).
   at::Tensor slice(int64_t offset, int64_t count) const;
 
@@ -43,10 +61,20 @@ class TokenShard {
   std::filesystem::path path_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
-  std::span<const uint16_t> tokens_;
+  const unsigned char* data_ = nullptr;
+  int64_t size_ = 0;
+  int width_ = 2;
+  int32_t version_ = 0;
 };
 
-// Writes tokens in llm.c's .bin format, atomically (temporary name + rename).
+// Writes tokens in llm.c's .bin format, version 1 (uint16), atomically (temporary name +
+// rename).
 void write_llmc_shard(const std::filesystem::path& path, std::span<const uint16_t> tokens);
+
+// Writes ids of a vocabulary of `vocab_size` ids in llm.c's .bin format at
+// llmc_version_for(vocab_size): uint16 tokens up to 65,536 ids, uint32 past that. Throws
+// loom::Error naming the first id outside [0, vocab_size) before anything is written.
+void write_llmc_shard(const std::filesystem::path& path, std::span<const int32_t> ids,
+                      int64_t vocab_size);
 
 }  // namespace loom::data

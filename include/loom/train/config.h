@@ -126,9 +126,12 @@ struct TrainConfig {
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
-  std::string norm = "auto";       // auto | fused | math (ops::NormBackend)
-  std::string adamw = "auto";      // auto | fused | math (ops::AdamWBackend)
-  std::string swiglu = "auto";     // auto | fused | math (ops::ActivationBackend)
+  // How training windows are drawn: epoch (without replacement, the default) or random (with
+  // replacement; what checkpoints written before 2026-12-07 resume with). data/sampler.h.
+  std::string sampling = "epoch";
+  std::string norm = "auto";    // auto | fused | math (ops::NormBackend)
+  std::string adamw = "auto";   // auto | fused | math (ops::AdamWBackend)
+  std::string swiglu = "auto";  // auto | fused | math (ops::ActivationBackend)
   // --profile-steps A:B: steps A..B (1-based) under the Kineto profiler (the "profile"
   // strategy), its trace and kernel table written into --profile-out. Empty: no profile.
   std::string profile_steps;
