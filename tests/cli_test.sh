@@ -84,7 +84,8 @@ fi
 expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "--loss 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --loss fast
 expect "--norm 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --norm fast
-expect "--sampling 'shuffle' is not valid: epoch (without replacement) or random" "${run[@]}" --data "$work/data/train.bin" --sampling shuffle
+expect "--sampling 'shuffle' is not valid: auto (epoch for a new run" "${run[@]}" --data "$work/data/train.bin" --sampling shuffle
+expect "--adamw fused: PyTorch's fused AdamW cannot hold the second moment frozen (--freeze-variance-after 5)" "${run[@]}" --data "$work/data/train.bin" --adamw fused --freeze-variance-after 5
 expect "--swiglu 'geglu' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --swiglu geglu
 expect "--adamw 'apex' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --adamw apex
 expect "--adamw fused chooses the replicated optimizer's kernel; --zero 1 shards" "${run[@]}" --data "$work/data/train.bin" --adamw fused --zero 1

@@ -441,6 +441,51 @@ TEST(AdamWList, TorchsFusedKernelMatchesTheMathPathWithinFp64Rounding) {
   }
 }
 
+// The path a GPU takes for fp32 weights: PyTorch's kernel divides each gradient by the fp32
+// reciprocal of the clip's factor. Against the same kernel fed gradients already multiplied by
+// the factor (0.3: its reciprocal is not exact), one step from the same fp32 state: the
+// gradients differ by at most 3 u (u = 2^-24: the reciprocal's rounding, the division's, against
+// the one product), which moves m by (1 - b1) 3 u |g| and the weight's step by no more than the
+// fp32 arithmetic's own error; bound, as in the one-step fp32 test above with both runs' errors:
+// lr / bias1 * 12 u (|m0| + |g|) / denom + 4 u (|w0| + |w1|). A factor passed as itself instead
+// of its reciprocal would scale the gradients by 11: the moments alone move by far more.
+TEST(AdamWList, TorchsFusedKernelTakesTheFactorAsItsFp32Reciprocal) {
+  const ops::AdamWOptions o{.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  constexpr double u = 0x1p-24, lr = 1e-2, factor = 0.3;
+  for (const int64_t step : {1, 7}) {
+    SCOPED_TRACE(step);
+    auto inside = adam_state(3001, 900 + static_cast<uint64_t>(step));
+    AdamState first{inside.w.clone(), inside.g.clone(), inside.m.clone(), inside.v.clone()};
+    first.g.mul_(factor);
+    const auto w0 = inside.w.to(at::kDouble), m0 = inside.m.to(at::kDouble).abs();
+    const auto g = first.g.to(at::kDouble).abs();
+    ops::AdamWTensors a, b;
+    a.backend = b.backend = ops::AdamWBackend::kFused;
+    a.grad_scale = at::scalar_tensor(factor, at::kDouble);
+    for (auto [list, s] : {std::pair{&a, &inside}, std::pair{&b, &first}}) {
+      list->weights = {s->w};
+      list->grads = {s->g};
+      list->exp_avgs = {s->m};
+      list->exp_avg_sqs = {s->v};
+      list->decay = {true};
+    }
+    ops::adamw_update_(a, lr, step, o);
+    ops::adamw_update_(b, lr, step, o);
+    const double bias1 = 1 - std::pow(o.beta1, step), bias2 = 1 - std::pow(o.beta2, step);
+    const auto w1 = first.w.to(at::kDouble);
+    const auto denom = (first.v.to(at::kDouble) / bias2).sqrt() + o.eps;
+    const auto bound = lr / bias1 * 12 * u * (m0 + g) / denom + 4 * u * (w0.abs() + w1.abs());
+    const double worst = ((inside.w.to(at::kDouble) - w1).abs() / bound).max().item<double>();
+    std::printf(
+        "adamw torch fused, factor inside vs applied first, fp32, step %lld: %.3f of "
+        "the bound\n",
+        static_cast<long long>(step), worst);
+    EXPECT_LE(worst, 1.0);
+    EXPECT_LE((inside.m - first.m).abs().max().item<double>(),
+              (0.1 * 3 * u * g + 3 * u * (m0 + g)).max().item<double>());
+  }
+}
+
 // What PyTorch's kernel cannot do is refused by name before anything is updated: a frozen second
 // moment (1-bit Adam's), strided tensors; kAuto takes the math path for both instead.
 TEST(AdamWList, TorchsFusedKernelRefusesWhatItCannotDoAndAutoFallsBack) {

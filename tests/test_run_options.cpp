@@ -3,7 +3,8 @@
 // table for exactly the steps asked for, trains the same parameters as an unprofiled run, and bad
 // ranges are refused by name. --pad-vocab-multiple's automatic value. --attention auto's
 // measured choice (ops/attention_choice.h): it follows the faster, times each shape once, keeps
-// its choices in a file a resumed run reads, and reaches the models' blocks. --adamw's kernels.
+// its choices in a file a resumed run reads, and reaches the models' blocks. --adamw's kernels;
+// --sampling auto on resume.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -195,6 +196,41 @@ TEST(AdamWBackend, FusedAndMathTrainTheSameModelAndTheClipFactorIsApplied) {
         EXPECT_GT(moved, 10 * bound);  // the test can tell
     }
   }
+}
+
+// --sampling auto: a new run draws by epoch; a resume takes the checkpoint's draw, so a run
+// written with replacement (as every checkpoint from before --sampling) continues with it, bit
+// for bit, without the flag; naming the other draw on resume is refused by name.
+TEST(Sampling, AutoIsEpochForANewRunAndTheCheckpointsForAResume) {
+  TempDir dir;
+  loom::testing::write_corpus_data(dir.path(), 20000, 4000);
+  auto c = profile_config(dir.path());
+  {
+    train::Trainer fresh(c);
+    EXPECT_EQ(fresh.config().sampling, "epoch");
+  }
+  c.sampling = "random";
+  c.lr_decay_steps = 4;  // one schedule for the straight run and both halves
+  train::Trainer straight(c);
+  straight.fit();
+  c.save_dir = (dir.path() / "ckpt").string();
+  c.save_every = 2;
+  c.steps = 2;
+  { train::Trainer(c).fit(); }
+  c.steps = 4;
+  c.sampling = "auto";
+  c.resume = (dir.path() / "ckpt" / "step-00000002").string();
+  train::Trainer resumed(c);
+  EXPECT_EQ(resumed.config().sampling, "random");
+  resumed.fit();
+  const auto want = parameters(straight), got = parameters(resumed);
+  for (const auto& [name, p] : want) EXPECT_TRUE(at::equal(got.at(name), p)) << name;
+  c.sampling = "epoch";
+  const auto msg = error_of([&] { train::Trainer other(c); });
+  EXPECT_TRUE(contains(msg, "--sampling was random when the checkpoint was written and is epoch"))
+      << msg;
+  c.sampling = "shuffle";
+  EXPECT_TRUE(contains(error_of([&] { c.validate(); }), "--sampling 'shuffle' is not valid"));
 }
 
 // A timer that says loom's kernel is faster for sequences of 32 and SDPA for any other length,

@@ -67,8 +67,9 @@ TEST(FusedSwiglu, HostReferenceEqualsAtenMathInFp64) {
   EXPECT_NE(ops::fused_swiglu(gt, up).grad_fn()->name().find("FusedSwiglu"), std::string::npos);
 }
 
-// Under bf16 autocast the projections' outputs are bf16: the fused op keeps bf16 (one rounding of
-// an fp32 result) and its gradients come back in bf16, within a bf16 rounding or two of fp64.
+// bf16 inputs (what the projections give under bf16 autocast): the fused op keeps bf16 (one
+// rounding of an fp32 result) and its gradients come back in bf16, within a bf16 rounding or two
+// of fp64.
 TEST(FusedSwiglu, Bf16InputsGiveBf16OutputsNearFp64) {
   const auto gate = randn({33, 64}, 4, 2.0).to(at::kBFloat16);
   const auto up = randn({33, 64}, 5, 1.0).to(at::kBFloat16);

@@ -118,7 +118,8 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "product; auto: fused on CUDA, math on the CPU (GPT-2's GELU does not ask)")
       ->capture_default_str();
   app.add_option("--adamw", c.adamw,
-                 "auto | fused | math: how the replicated optimizer updates the weights. fused: "
+                 "auto | fused | math: how the replicated optimizer updates the weights (ZeRO's "
+                 "sharded engines keep loom's own pass). fused: "
                  "PyTorch's fused AdamW kernel (one pass over each list, the gradient clip's "
                  "factor applied inside it); math: the formulas as multi-tensor ATen ops (on the "
                  "CPU loom's vectorised pass, equal to them bit for bit); auto: fused on CUDA, "
@@ -142,10 +143,11 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--seed", c.seed, "Seed for initialization and data order")->capture_default_str();
   app.add_option("--sampling", c.sampling,
-                 "epoch | random: how training windows are drawn. epoch: without replacement, "
-                 "each window of the data once per epoch in a seeded order (the cut shifted each "
-                 "epoch); random: each window's start hashed from the seed, step and sample (with "
-                 "replacement; checkpoints written before --sampling resume with it)")
+                 "auto | epoch | random: how training windows are drawn. epoch: without "
+                 "replacement, each window of the data once per epoch in a seeded order (the cut "
+                 "shifted each epoch); random: each window's start hashed from the seed, step and "
+                 "sample (with replacement, as checkpoints written before --sampling drew); auto: "
+                 "epoch for a new run, the checkpoint's for a resume")
       ->capture_default_str();
   app.add_option("--metrics-out", c.metrics_out, "Write one JSON object per step to this file");
   app.add_option("--save-dir", c.save_dir, "Write checkpoints here");

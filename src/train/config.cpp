@@ -237,7 +237,14 @@ void TrainConfig::validate() const {
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
-  data::parse_sampling(sampling);  // names the valid ones
+  LOOM_CHECK(sampling == "auto" || sampling == "epoch" || sampling == "random",
+             "--sampling '{}' is not valid: auto (epoch for a new run, the checkpoint's for a "
+             "resume), epoch (without replacement) or random (with replacement)",
+             sampling);
+  LOOM_CHECK(adamw != "fused" || freeze_variance_after == 0,
+             "--adamw fused: PyTorch's fused AdamW cannot hold the second moment frozen "
+             "(--freeze-variance-after {}); use --adamw auto or math",
+             freeze_variance_after);
   LOOM_CHECK(std::find(choices.begin(), choices.end(), swiglu) != choices.end(),
              "--swiglu '{}' is not valid: {}", swiglu, fmt::join(choices, ", "));
   LOOM_CHECK(std::find(choices.begin(), choices.end(), adamw) != choices.end(),
@@ -345,7 +352,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   };
   same("--seed", saved.seed, seed);
   same("--seq-len", saved.seq_len, seq_len);
-  same("--sampling", saved.sampling, sampling);
+  if (sampling != "auto") same("--sampling", saved.sampling, sampling);
   same("--batch-size", saved.batch_size, batch_size);
   same("--grad-accum", saved.grad_accum, grad_accum);
   same("--lr", saved.lr, lr);

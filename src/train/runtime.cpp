@@ -151,6 +151,9 @@ class ReplicatedAdamW final : public OptimizerEngine {
     pending_scale_ = pending_scale_.defined() ? pending_scale_ * factor : factor;
   }
 
+  // A step that failed between the clip and the update (a non-finite norm) left its factor.
+  void begin_step() override { pending_scale_ = at::Tensor(); }
+
   void step(double lr) override {
     adamw_.step(lr, pending_scale_);
     pending_scale_ = at::Tensor();
@@ -376,6 +379,7 @@ StepRunner::Phases Runtime::phases() {
 }
 
 void Runtime::begin_step() {
+  ctx_.optimizer->begin_step();
   for (const auto& s : strategies_) s->begin_step(ctx_);
 }
 

@@ -62,6 +62,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   if (!config_.val_data.empty()) val_shard_ = std::make_shared<data::TokenShard>(config_.val_data);
   std::optional<CheckpointContents> resume;
   const auto model_config = resolve_model_config(resume);
+  if (config_.sampling == "auto") config_.sampling = "epoch";  // a new run (a resume took its own)
   train_sampler_ = std::make_unique<data::WindowSampler>(
       train_shard_, config_.seq_len, config_.seed, data::parse_sampling(config_.sampling),
       config_.batch_size);

@@ -113,6 +113,7 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
     model_config = models::ModelConfig::from_json(resume->state.value("model_config", json()));
     const auto saved = TrainConfig::from_json(resume->state.value("train_config", json()));
     config_.check_resumable_from(saved);
+    if (config_.sampling == "auto") config_.sampling = saved.sampling;
     // Against the shape the checkpoint holds (older checkpoints have no --d-ff of their own).
     LOOM_CHECK(config_.d_ff == 0 || config_.d_ff == model_config.d_ff,
                "--d-ff {} differs from the checkpoint's MLP width {}: the model's shape comes "

@@ -45,6 +45,9 @@ TEST(TrainerPipeline, CompressedActivationsTrainCloseAndSendWhatTheyState) {
   base.lr = 1e-3;  // at small_run_config's 3e-3 the 8 layers spike (loss 7.6 at step 12)
   base.warmup_steps = 5;
   base.eval_batches = 4;
+  // The margins below were measured on windows drawn with replacement; this draw keeps them (the
+  // codecs' error does not depend on the draw, the trajectory's sensitivity to it does).
+  base.sampling = "random";
   struct Outcome {
     loom::testing::RunResult run;
     std::vector<double> comm_bytes;

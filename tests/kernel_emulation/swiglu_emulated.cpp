@@ -2,7 +2,7 @@
 // the emulation in this folder, through their entry points, against the host reference of
 // kernels/activation and against fp64 math. ctest runs it as kernels.swiglu_emulated;
 // deliberately broken copies of the kernel must fail it (kernels.swiglu_emulated_mutant and
-// ..._tail_mutant, WILL_FAIL). Written by the loom authors.
+// ..._operand_mutant, WILL_FAIL). Written by the loom authors.
 //
 // Per configuration (fp32, fp16, bf16 io; n a multiple of a pack, with a tail, below one pack,
 // zero; pointers 16-byte aligned and not; grids smaller than the work; grad_gate in place over

@@ -13,7 +13,7 @@
 
 namespace loom::ops {
 
-// Which implementation computes the models' gated activations (fused_choice.h): --activation.
+// Which implementation computes the models' gated activations (fused_choice.h): --swiglu.
 using ActivationBackend = FusedChoice;
 // parse_fused_choice(name, "activation backend").
 ActivationBackend parse_activation_backend(const std::string& name);

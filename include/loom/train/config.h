@@ -126,9 +126,10 @@ struct TrainConfig {
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
-  // How training windows are drawn: epoch (without replacement, the default) or random (with
-  // replacement; what checkpoints written before 2026-12-07 resume with). data/sampler.h.
-  std::string sampling = "epoch";
+  // How training windows are drawn: epoch (without replacement) or random (with replacement;
+  // checkpoints written before 2026-12-07 drew so); auto, the default, is epoch for a new run and
+  // the checkpoint's for a resume (the Trainer resolves it). data/sampler.h.
+  std::string sampling = "auto";
   std::string norm = "auto";    // auto | fused | math (ops::NormBackend)
   std::string adamw = "auto";   // auto | fused | math (ops::AdamWBackend)
   std::string swiglu = "auto";  // auto | fused | math (ops::ActivationBackend)

@@ -61,6 +61,8 @@ class OptimizerEngine {
   // way step() applies the scaled gradients; a strategy reading gradients between the clip and
   // the step (before_optimizer_step) must not count on seeing the factor in them.
   virtual void scale_gradients(const at::Tensor& factor) = 0;
+  // At the start of every step (a retried one included): drop what an unfinished step left.
+  virtual void begin_step() {}
   virtual void step(double lr) = 0;
   virtual void zero_grad() = 0;
   virtual int64_t steps_taken() const = 0;
