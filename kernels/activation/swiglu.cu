@@ -11,6 +11,7 @@
 #include "activation/swiglu.h"
 #include "activation/swiglu_math.h"
 #include "common/element_convert.cuh"
+#include "common/launch.h"
 
 namespace loom::kernels {
 namespace {
@@ -114,29 +115,6 @@ unsigned grid_for(int64_t n, int64_t element_bytes, int64_t max_blocks) {
       std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks > 0 ? max_blocks : 65535)));
 }
 
-Status launch_status(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string(kernel) + " kernel launch: " + cudaGetErrorString(e));
-  return Status::success();
-}
-
-// launch(T()) with T the io element type (fp64 is refused before: device_shape).
-template <typename LaunchFn>
-Status by_dtype(ElementDtype dtype, LaunchFn&& launch) {
-  switch (dtype) {
-    case ElementDtype::kFloat32:
-      return launch(float());
-    case ElementDtype::kFloat16:
-      return launch(__half());
-    case ElementDtype::kBFloat16:
-      return launch(__nv_bfloat16());
-    case ElementDtype::kFloat64:
-      break;
-  }
-  return Status::invalid_argument("swiglu kernel: unknown dtype " + std::to_string(int(dtype)));
-}
-
 Status device_shape(const SwigluShape& s) {
   if (s.io == ElementDtype::kFloat64)
     return Status::invalid_argument(
@@ -152,7 +130,7 @@ Status swiglu_forward_apply(const SwigluShape& s, const SwigluForwardArgs& a, cu
   if (Status st = swiglu_forward_check(s, a); !st.ok()) return st;
   if (s.n == 0) return Status::success();
   const bool aligned = aligned16(a.gate) && aligned16(a.up) && aligned16(a.out);
-  return by_dtype(s.io, [&](auto element) {
+  return by_element_type(s.io, "swiglu", [&](auto element) {
     using T = decltype(element);
     const Launch<SwigluForwardArgs> launch{s, a, aligned};
     swiglu_forward_kernel<T>
@@ -168,7 +146,7 @@ Status swiglu_backward_apply(const SwigluShape& s, const SwigluBackwardArgs& a, 
   if (s.n == 0) return Status::success();
   const bool aligned = aligned16(a.gate) && aligned16(a.up) && aligned16(a.grad_out) &&
                        aligned16(a.grad_gate) && aligned16(a.grad_up);
-  return by_dtype(s.io, [&](auto element) {
+  return by_element_type(s.io, "swiglu", [&](auto element) {
     using T = decltype(element);
     const Launch<SwigluBackwardArgs> launch{s, a, aligned};
     swiglu_backward_kernel<T>

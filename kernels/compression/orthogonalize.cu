@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#include "compression/launch.h"
+#include "common/launch.h"
 #include "compression/orthogonalize.h"
 
 namespace loom::kernels {

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <string>
 
-#include "compression/launch.h"
+#include "common/launch.h"
 #include "compression/quantize.h"
 
 namespace loom::kernels {

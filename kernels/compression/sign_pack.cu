@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <string>
 
-#include "compression/launch.h"
+#include "common/launch.h"
 #include "compression/sign_pack.h"
 
 namespace loom::kernels {

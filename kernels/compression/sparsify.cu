@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <string>
 
-#include "compression/launch.h"
+#include "common/launch.h"
 #include "compression/sparsify.h"
 
 namespace loom::kernels {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/element_convert.cuh"
+#include "common/launch.h"
 #include "loss/cross_entropy.h"
 #include "loss/cross_entropy_math.h"
 
@@ -149,13 +150,6 @@ int64_t grid_for(int64_t rows, int64_t max_blocks) {
   return std::max<int64_t>(1, std::min<int64_t>(rows, max_blocks > 0 ? max_blocks : 65535));
 }
 
-Status launch_status(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string(kernel) + " kernel launch: " + cudaGetErrorString(e));
-  return Status::success();
-}
-
 template <typename T>
 Status launch_stats(const CrossEntropyRows& r, const CrossEntropyStats<float>& out,
                     cudaStream_t stream, int64_t max_blocks) {
@@ -196,23 +190,6 @@ Status launch_grad(const CrossEntropyRows& r, const CrossEntropyGradArgs<float>&
   return launch_status("cross_entropy_grad");
 }
 
-// launch(T()) with T the element type of `dtype` (fp64 is refused before: device_dtype).
-template <typename Launch>
-Status by_dtype(LogitsDtype dtype, Launch&& launch) {
-  switch (dtype) {
-    case LogitsDtype::kFloat32:
-      return launch(float());
-    case LogitsDtype::kFloat16:
-      return launch(__half());
-    case LogitsDtype::kBFloat16:
-      return launch(__nv_bfloat16());
-    case LogitsDtype::kFloat64:
-      break;
-  }
-  return Status::invalid_argument("cross_entropy kernel: unknown dtype " +
-                                  std::to_string(int(dtype)));
-}
-
 Status device_dtype(const CrossEntropyRows& r) {
   if (r.dtype == LogitsDtype::kFloat64)
     return Status::invalid_argument(
@@ -228,7 +205,7 @@ Status cross_entropy_stats_apply(const CrossEntropyRows& r, const CrossEntropySt
   if (r.rows == 0) return Status::success();
   if (!out.row_max || !out.row_sum || !out.target_logit || !out.target_found)
     return Status::invalid_argument("cross_entropy stats: an output pointer is null");
-  return by_dtype(r.dtype, [&](auto element) {
+  return by_element_type(r.dtype, "cross_entropy", [&](auto element) {
     return launch_stats<decltype(element)>(r, out, stream, max_blocks);
   });
 }
@@ -239,7 +216,7 @@ Status cross_entropy_grad_apply(const CrossEntropyRows& r, const CrossEntropyGra
   if (r.rows == 0) return Status::success();
   if (!args.lse || !args.scale || !args.grad)
     return Status::invalid_argument("cross_entropy grad: lse, scale and grad must not be null");
-  return by_dtype(r.dtype, [&](auto element) {
+  return by_element_type(r.dtype, "cross_entropy", [&](auto element) {
     return launch_grad<decltype(element)>(r, args, stream, max_blocks);
   });
 }

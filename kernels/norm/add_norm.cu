@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/element_convert.cuh"
+#include "common/launch.h"
 #include "norm/add_norm.h"
 #include "norm/add_norm_math.h"
 
@@ -148,29 +149,6 @@ unsigned row_grid(int64_t rows, int64_t max_blocks) {
       std::max<int64_t>(1, std::min<int64_t>(blocks, max_blocks > 0 ? max_blocks : 65535)));
 }
 
-Status launch_status(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return Status::cuda_error(std::string(kernel) + " kernel launch: " + cudaGetErrorString(e));
-  return Status::success();
-}
-
-// launch(T()) with T the io element type (fp64 is refused before: device_rows).
-template <typename Launch>
-Status by_dtype(ElementDtype dtype, Launch&& launch) {
-  switch (dtype) {
-    case ElementDtype::kFloat32:
-      return launch(float());
-    case ElementDtype::kFloat16:
-      return launch(__half());
-    case ElementDtype::kBFloat16:
-      return launch(__nv_bfloat16());
-    case ElementDtype::kFloat64:
-      break;
-  }
-  return Status::invalid_argument("add_norm kernel: unknown dtype " + std::to_string(int(dtype)));
-}
-
 Status device_rows(const NormRows& r) {
   if (r.io == ElementDtype::kFloat64)
     return Status::invalid_argument(
@@ -185,7 +163,7 @@ Status add_norm_forward_apply(const NormRows& r, const AddNormForwardArgs<float>
   if (Status s = device_rows(r); !s.ok()) return s;
   if (Status s = add_norm_forward_check(r, a); !s.ok()) return s;
   if (r.rows == 0) return Status::success();
-  return by_dtype(r.io, [&](auto element) {
+  return by_element_type(r.io, "add_norm", [&](auto element) {
     using T = decltype(element);
     const Launch<AddNormForwardArgs<float>> launch{r, a};
     add_norm_forward_kernel<T>
@@ -199,7 +177,7 @@ Status add_norm_backward_apply(const NormRows& r, const AddNormBackwardArgs<floa
   if (Status s = device_rows(r); !s.ok()) return s;
   if (Status s = add_norm_backward_check(r, a); !s.ok()) return s;
   if (r.rows == 0) return Status::success();
-  return by_dtype(r.io, [&](auto element) {
+  return by_element_type(r.io, "add_norm", [&](auto element) {
     using T = decltype(element);
     const Launch<AddNormBackwardArgs<float>> launch{r, a};
     add_norm_backward_kernel<T>
@@ -214,7 +192,7 @@ Status norm_weight_grad_apply(const NormRows& r, const NormWeightGradArgs<float>
   if (Status s = norm_weight_grad_check(r, a); !s.ok()) return s;
   const dim3 grid(unsigned((r.width + kAddNormThreads - 1) / kAddNormThreads),
                   unsigned(std::min<int64_t>(a.slices, 65535)));
-  return by_dtype(r.io, [&](auto element) {
+  return by_element_type(r.io, "add_norm", [&](auto element) {
     using T = decltype(element);
     const Launch<NormWeightGradArgs<float>> launch{r, a};
     norm_weight_grad_kernel<T><<<grid, kAddNormThreads, 0, stream>>>(launch);

@@ -32,6 +32,7 @@
 namespace {
 
 namespace k = loom::kernels;
+using emulated_test::count_differ;
 using emulated_test::guarded_copy;
 using emulated_test::refused;
 using k::ElementDtype;
@@ -96,24 +97,6 @@ std::vector<float> make_floats(size_t n, std::mt19937& gen, float mean, float sc
   std::vector<float> v(n);
   for (auto& x : v) x = mean + normal(gen) * scale;
   return v;
-}
-
-bool same_bits(const void* a, const void* b, size_t bytes) {
-  return std::memcmp(a, b, bytes) == 0;
-}
-
-// Elements of two buffers of `n` elements of `dtype` that differ in their bits (NaN == NaN).
-int64_t count_differ(ElementDtype d, const void* got, const void* want, int64_t n) {
-  int64_t differ = 0;
-  const size_t size = size_t(k::element_size(d));
-  for (int64_t i = 0; i < n; ++i) {
-    const auto* g = static_cast<const unsigned char*>(got) + size_t(i) * size;
-    const auto* w = static_cast<const unsigned char*>(want) + size_t(i) * size;
-    const bool nan = std::isnan(k::load_element<double>(d, got, i)) &&
-                     std::isnan(k::load_element<double>(d, want, i));
-    differ += !(same_bits(g, w, size) || nan);
-  }
-  return differ;
 }
 
 // The fp64 forward and backward of one configuration's rows.

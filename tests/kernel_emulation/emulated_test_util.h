@@ -1,5 +1,6 @@
 #pragma once
 // What the kernel-emulation test programs share (tests/kernel_emulation): 16-bit element bits,
+// buffers compared bit for bit,
 // guarded copies of host data, the check of a product y = x W^T against its host reference and
 // fp64 value, and the closing summary line. Written by the loom authors.
 #include <algorithm>
@@ -12,11 +13,28 @@
 #include <vector>
 
 #include "common/float16.h"
+#include "common/host_elements.h"
 #include "common/status.h"
 #include "emulated_cuda_runtime.h"
 #include "guarded_buffer.h"
 
 namespace emulated_test {
+
+// Elements of two buffers of `n` elements of `dtype` whose bits differ (a NaN in both counts as
+// equal: the emulated kernel and the host reference may carry different NaN payloads).
+inline int64_t count_differ(loom::kernels::ElementDtype dtype, const void* got, const void* want,
+                            int64_t n) {
+  int64_t differ = 0;
+  const size_t size = size_t(loom::kernels::element_size(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    const auto* g = static_cast<const unsigned char*>(got) + size_t(i) * size;
+    const auto* w = static_cast<const unsigned char*>(want) + size_t(i) * size;
+    const bool nan = std::isnan(loom::kernels::load_element<double>(dtype, got, i)) &&
+                     std::isnan(loom::kernels::load_element<double>(dtype, want, i));
+    differ += !(std::memcmp(g, w, size) == 0 || nan);
+  }
+  return differ;
+}
 
 inline constexpr uint16_t kNaN16 = 0x7FFF;  // a NaN in both bf16 and fp16
 

@@ -29,6 +29,7 @@
 namespace {
 
 namespace k = loom::kernels;
+using emulated_test::count_differ;
 using emulated_test::refused;
 using k::ElementDtype;
 
@@ -91,15 +92,6 @@ std::vector<unsigned char> make_values(ElementDtype d, int64_t n, std::mt19937& 
 
 double at(ElementDtype d, const void* p, int64_t i) {
   return k::load_element<double>(d, p, i);
-}
-
-int64_t count_differ(ElementDtype d, const void* got, const void* want, int64_t n) {
-  int64_t differ = 0;
-  const size_t size = size_t(k::element_size(d));
-  for (int64_t i = 0; i < n; ++i)
-    differ += std::memcmp(static_cast<const unsigned char*>(got) + size_t(i) * size,
-                          static_cast<const unsigned char*>(want) + size_t(i) * size, size) != 0;
-  return differ;
 }
 
 // Error bounds of one element, first order in u = 2^-24 (u^2 terms are below 1e-14 of these),
