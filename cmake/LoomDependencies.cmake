@@ -13,6 +13,11 @@ find_package(spdlog REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json 3.9 REQUIRED)
 find_package(Threads REQUIRED)
+# Tokenizers: PCRE2 runs tokenizer.json pre-tokenizer patterns, ICU its Unicode normalizers.
+# Both are private to libloom.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(LOOM_PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+find_package(ICU REQUIRED COMPONENTS uc)
 
 # NCCL for the CUDA backend of loom::dist: prefer the copy in torch's wheel (nvidia/nccl), which
 # is the one libtorch_cuda loads at run time.

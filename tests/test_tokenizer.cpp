@@ -143,18 +143,18 @@ TEST(Tokenizer, EndOfTextIsOneSpecialTokenWhenTheVocabularyHasIt) {
   TempDir dir;
   write_test_bpe(dir.path());
   Gpt2BpeTokenizer plain(dir.path() / "vocab.json", dir.path() / "merges.txt");
-  EXPECT_FALSE(plain.end_of_text().has_value());
+  EXPECT_FALSE(plain.document_start().has_value());
   EXPECT_GT(plain.encode("a<|endoftext|>b").size(), 3u);  // just characters here
   auto vocab = nlohmann::json::parse(loom::core::read_file(dir / "vocab.json"));
   const int32_t eot = static_cast<int32_t>(vocab.size());
   vocab["<|endoftext|>"] = eot;
   write_file(dir / "vocab.json", vocab.dump());
   Gpt2BpeTokenizer tok(dir.path() / "vocab.json", dir.path() / "merges.txt");
-  ASSERT_EQ(tok.end_of_text(), eot);
+  ASSERT_EQ(tok.document_start(), eot);
   const auto ids = tok.encode("a<|endoftext|>b<|endoftext|>");
   EXPECT_EQ(ids, (std::vector<int32_t>{'a', eot, 'b', eot}));
   EXPECT_EQ(tok.decode(ids), "a<|endoftext|>b<|endoftext|>");
-  EXPECT_FALSE(ByteTokenizer().end_of_text().has_value());
+  EXPECT_FALSE(ByteTokenizer().document_start().has_value());
 }
 
 TEST(Tokenizer, BpeClassifiesUnicodeLikeGpt2) {
@@ -277,7 +277,7 @@ TEST(Tokenizer, MetaRoundTripBpe) {
   fs::create_directories(source);
   write_test_bpe(source);
   const Gpt2BpeTokenizer original(source / "vocab.json", source / "merges.txt");
-  loom::data::save_tokenizer_meta(original, data, source / "vocab.json", source / "merges.txt");
+  loom::data::save_tokenizer_meta(original, data);
   EXPECT_TRUE(fs::exists(data / "vocab.json"));
   EXPECT_TRUE(fs::exists(data / "merges.txt"));
 
@@ -288,7 +288,7 @@ TEST(Tokenizer, MetaRoundTripBpe) {
   EXPECT_EQ(tok->encode(text), original.encode(text));
 
   // Saving again from the copies already in `data` must not try to copy a file onto itself.
-  loom::data::save_tokenizer_meta(*tok, data, data / "vocab.json", data / "merges.txt");
+  loom::data::save_tokenizer_meta(*tok, data);
   EXPECT_EQ(loom::data::load_tokenizer(data)->encode(text), original.encode(text));
 }
 

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   std::string checkpoint, prompt = "\n";
   loom::models::GenerateOptions options;
   int threads = 0;
+  std::string tokenizer_path;
   app.add_option("--checkpoint", checkpoint, "loom checkpoint or save directory")->required();
   app.add_option("--prompt", prompt, "Text to continue")->capture_default_str();
   app.add_option("--max-tokens", options.max_new_tokens, "Tokens to generate")
@@ -24,6 +25,9 @@ int main(int argc, char** argv) {
                  "Tokens of context the model sees (0: the --seq-len it was trained with)")
       ->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: PyTorch's default)");
+  app.add_option("--tokenizer", tokenizer_path,
+                 "Tokenizer for the prompt and the output (a tokenizer.json, a SentencePiece "
+                 ".model, a directory, or \"byte\"; default: the one saved with the checkpoint)");
   bool speculative = false;
   app.add_flag("--speculative", speculative,
                "Self-speculative decoding with the model's multi-token heads (--temperature 0): "
@@ -34,7 +38,11 @@ int main(int argc, char** argv) {
     const auto ckpt =
         loom::train::load_checkpoint(checkpoint, loom::train::model_parameters_only());
     auto model = loom::train::load_model_from_checkpoint(ckpt);
-    auto tokenizer = loom::data::load_tokenizer(ckpt.dir);
+    auto tokenizer = tokenizer_path.empty() ? loom::data::load_tokenizer(ckpt.dir)
+                                            : loom::data::open_tokenizer(tokenizer_path);
+    LOOM_CHECK(tokenizer->vocab_size() <= model->config().vocab_size,
+               "the tokenizer's vocabulary ({} ids) is larger than the model's ({})",
+               tokenizer->vocab_size(), model->config().vocab_size);
     if (options.context == 0) {
       // Positions past the training length were never trained: stay within it.
       const auto trained =

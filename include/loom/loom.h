@@ -8,6 +8,8 @@
 #include "loom/core/safetensors.h"
 #include "loom/data/sampler.h"
 #include "loom/data/token_shard.h"
+#include "loom/data/hf_tokenizer.h"
+#include "loom/data/sentencepiece_tokenizer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/communicator.h"
 #include "loom/dist/gather_tensors.h"

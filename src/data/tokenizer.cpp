@@ -14,6 +14,9 @@
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/data/hf_tokenizer.h"
+#include "loom/data/sentencepiece_tokenizer.h"
+#include "utf8.h"
 
 namespace loom::data {
 
@@ -49,63 +52,6 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) const {
 
 namespace {
 
-// One code point of a UTF-8 string. Bytes that do not start a valid sequence become a unit of
-// their own with cp = -1, so arbitrary bytes still split (and round-trip) one at a time.
-struct CodePoint {
-  int32_t cp;
-  size_t size;
-};
-
-CodePoint utf8_at(std::string_view s, size_t pos) {
-  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
-  const unsigned char lead = byte(pos);
-  if (lead < 0x80) {
-    return {lead, 1};
-  }
-  size_t size = 0;
-  int32_t cp = 0;
-  int32_t min_cp = 0;  // smallest value this length may encode; smaller ones are overlong
-  if ((lead & 0xE0) == 0xC0) {
-    size = 2, cp = lead & 0x1F, min_cp = 0x80;
-  } else if ((lead & 0xF0) == 0xE0) {
-    size = 3, cp = lead & 0x0F, min_cp = 0x800;
-  } else if ((lead & 0xF8) == 0xF0) {
-    size = 4, cp = lead & 0x07, min_cp = 0x10000;
-  } else {
-    return {-1, 1};
-  }
-  if (pos + size > s.size()) {
-    return {-1, 1};
-  }
-  for (size_t i = 1; i < size; ++i) {
-    if ((byte(pos + i) & 0xC0) != 0x80) {
-      return {-1, 1};
-    }
-    cp = (cp << 6) | (byte(pos + i) & 0x3F);
-  }
-  if (cp < min_cp || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
-    return {-1, 1};
-  }
-  return {cp, size};
-}
-
-void append_utf8(std::string& out, int32_t cp) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
 
 enum class CharClass { kLetter, kNumber, kSpace, kOther };
 
@@ -146,7 +92,7 @@ CharClass classify(int32_t cp) {
 }
 
 CharClass class_at(std::string_view s, size_t pos) {
-  return classify(utf8_at(s, pos).cp);
+  return classify(utf8::at(s, pos).cp);
 }
 
 // Length of the contraction ('s 't 're 've 'm 'll 'd, case-sensitive like GPT-2) at the start
@@ -181,7 +127,7 @@ std::vector<std::string_view> pretokenize(std::string_view text) {
       end = body;
       size_t last = body;  // start of the run's last code point
       while (end < text.size()) {
-        const CodePoint c = utf8_at(text, end);
+        const utf8::CodePoint c = utf8::at(text, end);
         if (classify(c.cp) != cls) {
           break;
         }
@@ -200,15 +146,9 @@ std::vector<std::string_view> pretokenize(std::string_view text) {
   return pieces;
 }
 
-// GPT-2's bytes_to_unicode(): printable Latin-1 bytes stand for themselves; the other 68 bytes
-// map, in byte order, to U+0100 onwards, so every token is a printable string without spaces.
 std::array<int32_t, 256> byte_to_code_point() {
   std::array<int32_t, 256> table{};
-  int32_t next = 256;
-  for (int32_t b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    table[b] = printable ? b : next++;
-  }
+  for (int b = 0; b < 256; ++b) table[b] = utf8::byte_level_code_point(static_cast<uint8_t>(b));
   return table;
 }
 
@@ -258,6 +198,7 @@ struct Gpt2BpeTokenizer::State {
   std::unordered_map<int32_t, std::string> id_to_token;
   int64_t vocab_size = 0;
   std::unordered_map<int32_t, uint8_t> code_point_byte;  // inverse of bytes_to_unicode
+  std::filesystem::path vocab_path, merges_path;
 
   // Pre-token bytes -> token ids. Bounded so a large corpus cannot grow it without limit;
   // the transparent hash lets encode() look pieces up without copying them.
@@ -331,10 +272,12 @@ struct Gpt2BpeTokenizer::State {
 Gpt2BpeTokenizer::Gpt2BpeTokenizer(const fs::path& vocab_json, const fs::path& merges_txt)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
+  s.vocab_path = vocab_json;
+  s.merges_path = merges_txt;
   const std::array<int32_t, 256> code_points = byte_to_code_point();
   for (int b = 0; b < 256; ++b) {
     std::string symbol;
-    append_utf8(symbol, code_points[b]);
+    utf8::append(symbol, code_points[b]);
     s.byte_symbol[b] = s.intern(symbol);
     s.code_point_byte[code_points[b]] = static_cast<uint8_t>(b);
   }
@@ -395,7 +338,11 @@ int64_t Gpt2BpeTokenizer::vocab_size() const {
   return state_->vocab_size;
 }
 
-std::optional<int32_t> Gpt2BpeTokenizer::end_of_text() const {
+std::vector<Tokenizer::File> Gpt2BpeTokenizer::files() const {
+  return {{state_->vocab_path, "vocab.json"}, {state_->merges_path, "merges.txt"}};
+}
+
+std::optional<int32_t> Gpt2BpeTokenizer::document_start() const {
   const auto it = state_->vocab.find(std::string(kEndOfText));
   if (it == state_->vocab.end()) return std::nullopt;
   return it->second;
@@ -404,7 +351,7 @@ std::optional<int32_t> Gpt2BpeTokenizer::end_of_text() const {
 std::vector<int32_t> Gpt2BpeTokenizer::encode(std::string_view text) const {
   // "<|endoftext|>" in the text is the special token (as in Hugging Face's GPT2Tokenizer),
   // not characters to merge, when the vocabulary has it.
-  const auto eot = end_of_text();
+  const auto eot = document_start();
   std::vector<int32_t> ids;
   while (true) {
     const size_t at = eot ? text.find(kEndOfText) : std::string_view::npos;
@@ -448,7 +395,7 @@ std::string Gpt2BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
                ids[i], i, s.vocab_size);
     const std::string& text = token->second;
     for (size_t pos = 0; pos < text.size();) {
-      const CodePoint c = utf8_at(text, pos);
+      const utf8::CodePoint c = utf8::at(text, pos);
       const auto byte = s.code_point_byte.find(c.cp);
       LOOM_CHECK(byte != s.code_point_byte.end(),
                  "Gpt2BpeTokenizer::decode: token '{}' (id {}) has a character outside GPT-2's "
@@ -464,33 +411,33 @@ std::string Gpt2BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
 // ---------------------------------------------------------------------------------------------
 // meta.json
 
-void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir, const fs::path& vocab_json,
-                         const fs::path& merges_txt) {
+void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   LOOM_CHECK(!ec, "cannot create data directory {}: {}", dir.string(), ec.message());
-
-  if (tok.kind() == "gpt2-bpe") {
-    LOOM_CHECK(!vocab_json.empty() && !merges_txt.empty(),
-               "save_tokenizer_meta: a gpt2-bpe tokenizer needs the paths of the vocab.json and "
-               "merges.txt it was built from (got '{}' and '{}')",
-               vocab_json.string(), merges_txt.string());
-    const std::pair<fs::path, fs::path> copies[] = {{vocab_json, dir / "vocab.json"},
-                                                    {merges_txt, dir / "merges.txt"}};
-    for (const auto& [from, to] : copies) {
-      // Re-saving into the directory the tokenizer was loaded from: nothing to copy, and
-      // copy_file would refuse to overwrite a file with itself.
-      if (fs::exists(to) && fs::equivalent(from, to, ec)) {
-        continue;
-      }
-      fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
-      LOOM_CHECK(!ec, "cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
-    }
+  const std::vector<Tokenizer::File> files = tok.files();
+  // Files of another kind left by an earlier run in the same directory must not describe it.
+  for (const std::string& name : tokenizer_file_names()) {
+    const bool ours = std::any_of(files.begin(), files.end(),
+                                  [&](const Tokenizer::File& f) { return f.name == name; });
+    if (!ours && name != "meta.json") fs::remove(dir / name, ec);
   }
+  for (const auto& [from, name] : files) {
+    const fs::path to = dir / name;
+    // Re-saving into the directory the tokenizer was loaded from: nothing to copy, and
+    // copy_file would refuse to overwrite a file with itself.
+    if (fs::exists(to) && fs::equivalent(from, to, ec)) continue;
+    fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+    LOOM_CHECK(!ec, "cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
+  }
+  json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
+  if (const auto start = tok.document_start()) meta["document_start"] = *start;
+  core::write_file_atomic(dir / "meta.json", meta.dump(2) + "\n");
+}
 
-  const fs::path meta_path = dir / "meta.json";
-  const json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
-  core::write_file_atomic(meta_path, meta.dump(2) + "\n");
+std::vector<std::string> tokenizer_file_names() {
+  return {"meta.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+          "tokenizer.model"};
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
@@ -509,8 +456,14 @@ std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
     tok = std::make_unique<ByteTokenizer>();
   } else if (kind == "gpt2-bpe") {
     tok = std::make_unique<Gpt2BpeTokenizer>(dir / "vocab.json", dir / "merges.txt");
+  } else if (kind == "hf-json") {
+    tok = std::make_unique<HfTokenizer>(dir / "tokenizer.json");
+  } else if (kind == "sentencepiece") {
+    tok = std::make_unique<SentencePieceTokenizer>(dir / "tokenizer.model");
   } else {
-    fail("{}: unknown tokenizer '{}', expected \"byte\" or \"gpt2-bpe\"", meta_path.string(), kind);
+    fail("{}: unknown tokenizer '{}', expected \"byte\", \"gpt2-bpe\", \"hf-json\" or "
+         "\"sentencepiece\"",
+         meta_path.string(), kind);
   }
   // A vocab_size that disagrees with the files means they were swapped or edited since.
   if (meta.contains("vocab_size")) {
@@ -520,6 +473,27 @@ std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
                size.dump(), kind, tok->vocab_size());
   }
   return tok;
+}
+
+std::unique_ptr<Tokenizer> open_tokenizer(const fs::path& path) {
+  if (path == "byte") return std::make_unique<ByteTokenizer>();
+  if (fs::is_directory(path)) {
+    if (fs::is_regular_file(path / "tokenizer.json"))
+      return std::make_unique<HfTokenizer>(path / "tokenizer.json");
+    if (fs::is_regular_file(path / "tokenizer.model"))
+      return std::make_unique<SentencePieceTokenizer>(path / "tokenizer.model");
+    if (fs::is_regular_file(path / "vocab.json") && fs::is_regular_file(path / "merges.txt"))
+      return std::make_unique<Gpt2BpeTokenizer>(path / "vocab.json", path / "merges.txt");
+    fail("tokenizer directory {} holds no tokenizer.json, tokenizer.model, or vocab.json + "
+         "merges.txt",
+         path.string());
+  }
+  LOOM_CHECK(fs::is_regular_file(path),
+             "tokenizer {} does not exist (expected \"byte\", a tokenizer.json, a SentencePiece "
+             ".model file, or a directory holding one)",
+             path.string());
+  if (path.extension() == ".json") return std::make_unique<HfTokenizer>(path);
+  return std::make_unique<SentencePieceTokenizer>(path);
 }
 
 }  // namespace loom::data

@@ -481,7 +481,7 @@ fs::path Trainer::save_checkpoint(bool background) {
       if (!zero_files.empty()) state["zero_shards"] = zero_files;
       if (!rank_state_files.empty()) state["rank_state_files"] = rank_state_files;
       std::vector<fs::path> extras;
-      for (const char* f : {"meta.json", "vocab.json", "merges.txt"})
+      for (const std::string& f : data::tokenizer_file_names())
         extras.push_back(tokenizer_dir_ / f);
       core::NamedTensors named(params.begin(), params.end());
       auto write = [save_dir = fs::path(config_.save_dir), step = run().step, dir,
