@@ -24,11 +24,35 @@ for flag in --model --preset --data --val-data --steps --batch-size --seq-len --
   --device --sampling --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
-for tool in loom-prepare loom-eval loom-generate loom-plan; do
+for tool in loom-prepare loom-eval loom-generate loom-plan loom-tokenize; do
   "$TOOLS/$tool" --help > /dev/null || { echo "FAIL: $tool --help"; fail=1; }
 done
 printf 'hello world, this is a small corpus for the loom tools. %.0s' {1..50} > "$work/a.txt"
 "$TOOLS/loom-prepare" --input "$work/a.txt" --out-dir "$work/data" > /dev/null 2>&1 || { echo "prepare failed"; exit 1; }
+# A tokenizer.json (Metaspace, byte fallback: 259 ids): loom-prepare and loom-tokenize read it,
+# loom-pretrain refuses a model vocabulary smaller than it, bad paths are named.
+mkdir -p "$work/tok"
+python3 - "$work/tok/tokenizer.json" << 'PY'
+import json, sys
+vocab = {"<unk>": 0, "<s>": 1, "\u2581": 2}
+vocab.update({"<0x%02X>" % b: 3 + b for b in range(256)})
+json.dump({"added_tokens": [{"id": 1, "content": "<s>", "special": True}],
+           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
+           "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
+           "model": {"type": "BPE", "vocab": vocab, "merges": [], "byte_fallback": True}},
+          open(sys.argv[1], "w"))
+PY
+"$TOOLS/loom-prepare" --tokenizer "$work/tok" --input "$work/a.txt" --out-dir "$work/data_hf" > /dev/null 2>&1 ||
+  { echo "FAIL: loom-prepare --tokenizer"; fail=1; }
+grep -q '"hf-json"' "$work/data_hf/meta.json" || { echo "FAIL: meta.json of data_hf"; fail=1; }
+ids=$(printf 'hi' | "$TOOLS/loom-tokenize" --tokenizer "$work/data_hf" --document-start)
+[ "$ids" = "[1,2,107,108]" ] || { echo "FAIL: loom-tokenize gave $ids, wanted [1,2,107,108]"; fail=1; }
+text=$(echo '[2,107,108]' | "$TOOLS/loom-tokenize" --tokenizer "$work/tok/tokenizer.json" --decode)
+[ "$text" = $'\xe2\x96\x81hi' ] || { echo "FAIL: loom-tokenize --decode gave '$text'"; fail=1; }
+expect "does not exist" "$TOOLS/loom-prepare" --tokenizer "$work/nope.json" --input "$work/a.txt" --out-dir "$work/d2"
+expect "holds no tokenizer.json" "$TOOLS/loom-tokenize" --tokenizer "$work"
+expect "raise --vocab-size to at least 259" "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 \
+  --log-level warn --data "$work/data_hf/train.bin" --vocab-size 256
 run=("$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn)
 expect "missing.bin" "${run[@]}" --data "$work/missing.bin"
 head -c 1500 "$work/data/train.bin" > "$work/data/cut.bin"

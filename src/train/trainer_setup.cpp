@@ -161,6 +161,14 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
   LOOM_CHECK(config_.seq_len <= model_config.max_seq_len,
              "--seq-len {} exceeds the model's max_seq_len {}", config_.seq_len,
              model_config.max_seq_len);
+  // A tokenizer read from files names ids up to its vocabulary; a model with fewer rows could
+  // neither learn nor generate the rest. (Byte data is checked id by id below: tests and small
+  // runs use a few byte values with small vocabularies.)
+  LOOM_CHECK(tokenizer_->kind() == "byte" || tokenizer_->vocab_size() <= model_config.vocab_size,
+             "the {} tokenizer of {} has {} ids, more than the model's vocabulary of {}: raise "
+             "--vocab-size to at least {} (or leave it at 0 to take the tokenizer's)",
+             tokenizer_->kind(), tokenizer_dir_.string(), tokenizer_->vocab_size(),
+             model_config.vocab_size, tokenizer_->vocab_size());
   train_shard_->check_vocab(model_config.vocab_size);
   if (val_shard_) val_shard_->check_vocab(model_config.vocab_size);
 }
