@@ -9,6 +9,7 @@
 #include "loom/data/sampler.h"
 #include "loom/data/token_shard.h"
 #include "loom/data/hf_tokenizer.h"
+#include "loom/data/prepare.h"
 #include "loom/data/sentencepiece_tokenizer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/communicator.h"

@@ -439,10 +439,7 @@ class ByteFallbackDecoder final : public Decoder {
       count = 0;
     };
     for (std::string& t : tokens) {
-      unsigned value = 0;
-      if (t.size() == 6 && t.starts_with("<0x") && t.back() == '>' &&
-          std::sscanf(t.c_str() + 3, "%2x", &value) == 1 && std::isxdigit(t[3]) &&
-          std::isxdigit(t[4])) {
+      if (const int value = utf8::byte_piece_value(t); value >= 0) {
         bytes.push_back(static_cast<char>(value));
         ++count;
       } else {

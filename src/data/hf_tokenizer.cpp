@@ -56,11 +56,15 @@ uint64_t pair_key(int32_t left, int32_t right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
 }
 
+// Ids index a table as large as the largest id: past 2^24 (16.7 M, 60 times the largest real
+// vocabulary) a file is taken for corrupt rather than allocated for.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+
 int32_t read_id(const json& value, const std::string& where, std::string_view token) {
   LOOM_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0 &&
-                 value.get<int64_t>() <= INT32_MAX,
+                 value.get<int64_t>() <= kMaxTokenId,
              "{}: token '{}' has id {}, expected an integer in 0..{}", where, token, value.dump(),
-             INT32_MAX);
+             kMaxTokenId);
   return static_cast<int32_t>(value.get<int64_t>());
 }
 
@@ -83,10 +87,15 @@ struct HfTokenizer::State {
   std::vector<AddedToken> added;
   std::optional<int32_t> document_start;
 
-  static constexpr size_t kMaxCacheEntries = size_t{1} << 20;
-  mutable std::mutex cache_mutex;
-  mutable std::unordered_map<std::string, std::vector<int32_t>, TransparentHash, std::equal_to<>>
-      cache;
+  // Pre-token -> ids, in stripes with a lock each, so threads encoding at once (loom-prepare)
+  // seldom wait for one another; bounded so a large corpus cannot grow it without limit.
+  static constexpr size_t kStripes = 16;
+  static constexpr size_t kMaxStripeEntries = (size_t{1} << 20) / kStripes;
+  struct CacheStripe {
+    std::mutex mutex;
+    std::unordered_map<std::string, std::vector<int32_t>, TransparentHash, std::equal_to<>> map;
+  };
+  mutable std::array<CacheStripe, kStripes> cache;
 
   void load_model(const json& model);
   void load_added(const json& list);
@@ -353,18 +362,20 @@ std::vector<int32_t> HfTokenizer::State::merge_word(std::string_view word) const
 }
 
 void HfTokenizer::State::encode_word(std::string_view word, std::vector<int32_t>& ids) const {
+  CacheStripe& stripe = cache[TransparentHash{}(word) % kStripes];
   {
-    std::lock_guard lock(cache_mutex);
-    if (const auto it = cache.find(word); it != cache.end()) {
+    std::lock_guard lock(stripe.mutex);
+    if (const auto it = stripe.map.find(word); it != stripe.map.end()) {
       ids.insert(ids.end(), it->second.begin(), it->second.end());
       return;
     }
   }
+  // Merged outside the lock: threads on different words do not wait for each other.
   std::vector<int32_t> word_ids = merge_word(word);
   ids.insert(ids.end(), word_ids.begin(), word_ids.end());
-  std::lock_guard lock(cache_mutex);
-  if (cache.size() >= kMaxCacheEntries) cache.clear();
-  cache.emplace(word, std::move(word_ids));
+  std::lock_guard lock(stripe.mutex);
+  if (stripe.map.size() >= kMaxStripeEntries) stripe.map.clear();
+  stripe.map.emplace(word, std::move(word_ids));
 }
 
 HfTokenizer::HfTokenizer(const fs::path& tokenizer_json) : state_(std::make_unique<State>()) {

@@ -86,6 +86,7 @@ struct SentencePieceTokenizer::State {
   std::unordered_map<std::string, int32_t, TransparentHash, std::equal_to<>> mergeable, by_text;
   std::vector<int32_t> user_defined;  // ids, longest text first
   std::array<int32_t, 256> byte_ids{};
+  std::vector<int> piece_byte;  // the byte of each byte piece, -1 for the others
   int model_type = 1;
   bool byte_fallback = false, treat_whitespace_as_suffix = false;
   int32_t unk_id = 0, bos_id = 1;
@@ -157,14 +158,18 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
   LOOM_CHECK(unk_id >= 0 && unk_id < n, "{}: unk_id {} is outside the {} pieces", where, unk_id,
              n);
   byte_ids.fill(-1);
+  piece_byte.assign(pieces.size(), -1);
   for (int32_t id = 0; id < n; ++id) {
     by_text.try_emplace(pieces[id], id);
     if (types[id] == kNormal || types[id] == kUserDefined) mergeable.try_emplace(pieces[id], id);
     if (types[id] == kUserDefined) user_defined.push_back(id);
-    unsigned value = 0;
-    if (types[id] == kByte && pieces[id].size() == 6 &&
-        std::sscanf(pieces[id].c_str(), "<0x%2X>", &value) == 1)
+    if (types[id] == kByte) {
+      const int value = utf8::byte_piece_value(pieces[id]);
+      LOOM_CHECK(value >= 0, "{}: piece {} '{}' is a byte piece but not of the form <0xHH>",
+                 where, id, pieces[id]);
       byte_ids[value] = id;
+      piece_byte[id] = value;
+    }
   }
   std::stable_sort(user_defined.begin(), user_defined.end(), [&](int32_t a, int32_t b) {
     return pieces[a].size() > pieces[b].size();
@@ -298,9 +303,7 @@ std::string SentencePieceTokenizer::decode(const std::vector<int32_t>& ids) cons
                id, i, s.where, s.pieces.size());
     const int type = s.types[id];
     if (type == kByte) {
-      unsigned value = 0;
-      std::sscanf(s.pieces[id].c_str(), "<0x%2X>", &value);
-      bytes.push_back(static_cast<char>(value));
+      bytes.push_back(static_cast<char>(s.piece_byte[id]));
       continue;
     }
     flush_bytes();

@@ -154,19 +154,103 @@ void write_llmc_shard(const fs::path& path, std::span<const uint16_t> tokens) {
   write_shard(path, kLlmcVersionU16, tokens);
 }
 
-void write_llmc_shard(const fs::path& path, std::span<const int32_t> ids, int64_t vocab_size) {
-  const int32_t version = llmc_version_for(vocab_size);
+LlmcShardWriter::LlmcShardWriter(const fs::path& path, int64_t vocab_size)
+    : path_(path),
+      tmp_(path.string() + ".tmp"),
+      vocab_size_(vocab_size),
+      version_(llmc_version_for(vocab_size)) {
+  file_ = std::fopen(tmp_.c_str(), "wb");
+  LOOM_CHECK(file_ != nullptr, "cannot write '{}': {}", tmp_.string(), std::strerror(errno));
+  // The header is written last, by finish(); until then it is zeros (no magic: unreadable).
+  const std::vector<unsigned char> zeros(kLlmcHeaderInts * sizeof(int32_t), 0);
+  if (std::fwrite(zeros.data(), 1, zeros.size(), file_) != zeros.size()) {
+    const int err = errno;
+    std::fclose(file_);
+    file_ = nullptr;
+    std::error_code ec;
+    fs::remove(tmp_, ec);
+    fail("writing '{}' failed: {}", tmp_.string(), std::strerror(err));
+  }
+}
+
+LlmcShardWriter::~LlmcShardWriter() {
+  if (file_ != nullptr) {
+    std::fclose(file_);
+    std::error_code ec;
+    fs::remove(tmp_, ec);  // unfinished: nothing half-written stays
+  }
+}
+
+void LlmcShardWriter::append(std::span<const int32_t> ids) {
+  LOOM_CHECK(file_ != nullptr, "'{}' was already finished", path_.string());
   for (size_t i = 0; i < ids.size(); ++i)
-    LOOM_CHECK(ids[i] >= 0 && ids[i] < vocab_size,
+    LOOM_CHECK(ids[i] >= 0 && ids[i] < vocab_size_,
                "'{}': id {} at position {} is outside the vocabulary of {} ids (valid: 0..{}); "
                "nothing was written",
-               path.string(), ids[i], i, vocab_size, vocab_size - 1);
-  if (version == kLlmcVersionU16) {
-    const std::vector<uint16_t> narrow(ids.begin(), ids.end());
-    write_shard<uint16_t>(path, version, narrow);
-  } else {
-    write_shard<int32_t>(path, version, ids);  // non-negative: the same bits as uint32
+               path_.string(), ids[i], count_ + static_cast<int64_t>(i), vocab_size_,
+               vocab_size_ - 1);
+  LOOM_CHECK(count_ + static_cast<int64_t>(ids.size()) <= std::numeric_limits<int32_t>::max(),
+             "'{}': {} tokens do not fit in one llm.c shard (at most 2^31 - 1)", path_.string(),
+             count_ + static_cast<int64_t>(ids.size()));
+  const size_t width = version_ == kLlmcVersionU16 ? 2 : 4;
+  buffer_.resize(ids.size() * width);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto v = static_cast<uint32_t>(ids[i]);  // little-endian, as llm.c writes
+    if (width == 2) {
+      const auto narrow = static_cast<uint16_t>(v);
+      std::memcpy(buffer_.data() + 2 * i, &narrow, 2);
+    } else {
+      std::memcpy(buffer_.data() + 4 * i, &v, 4);
+    }
   }
+  core::account_write(tmp_, buffer_.size());
+  LOOM_CHECK(std::fwrite(buffer_.data(), 1, buffer_.size(), file_) == buffer_.size(),
+             "writing '{}' failed: {}", tmp_.string(), std::strerror(errno));
+  count_ += static_cast<int64_t>(ids.size());
+}
+
+void LlmcShardWriter::finish() {
+  LOOM_CHECK(file_ != nullptr, "'{}' was already finished", path_.string());
+  const int32_t header[3] = {kLlmcMagic, version_, static_cast<int32_t>(count_)};
+  const bool ok = std::fseek(file_, 0, SEEK_SET) == 0 &&
+                  std::fwrite(header, sizeof(header), 1, file_) == 1 && std::fflush(file_) == 0;
+  const int err = errno;
+  std::fclose(file_);
+  file_ = nullptr;
+  std::error_code ec;
+  if (!ok) {
+    fs::remove(tmp_, ec);
+    fail("writing '{}' failed: {}", tmp_.string(), std::strerror(err));
+  }
+  core::fsync_path(tmp_);
+  fs::rename(tmp_, path_, ec);
+  LOOM_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp_.string(), path_.string(), ec.message());
+  core::fsync_path(path_.parent_path().empty() ? fs::path(".") : path_.parent_path());
+}
+
+void truncate_llmc_shard(const fs::path& path, int64_t tokens) {
+  const TokenShard shard(path, ShardFormat::kLlmc);
+  LOOM_CHECK(tokens >= 0 && tokens <= shard.size(),
+             "cannot cut '{}' ({} tokens) to {} tokens", path.string(), shard.size(), tokens);
+  const auto bytes = static_cast<uintmax_t>(kLlmcHeaderInts * sizeof(int32_t)) +
+                     static_cast<uintmax_t>(tokens) * shard.bytes_per_token();
+  std::error_code ec;
+  fs::resize_file(path, bytes, ec);
+  LOOM_CHECK(!ec, "cannot cut '{}' to {} tokens: {}", path.string(), tokens, ec.message());
+  std::FILE* f = std::fopen(path.c_str(), "r+b");
+  LOOM_CHECK(f != nullptr, "cannot open '{}': {}", path.string(), std::strerror(errno));
+  const auto count = static_cast<int32_t>(tokens);
+  const bool ok = std::fseek(f, 2 * sizeof(int32_t), SEEK_SET) == 0 &&
+                  std::fwrite(&count, sizeof(count), 1, f) == 1 && std::fflush(f) == 0;
+  std::fclose(f);
+  LOOM_CHECK(ok, "writing the header of '{}' failed", path.string());
+  core::fsync_path(path);
+}
+
+void write_llmc_shard(const fs::path& path, std::span<const int32_t> ids, int64_t vocab_size) {
+  LlmcShardWriter writer(path, vocab_size);
+  writer.append(ids);
+  writer.finish();
 }
 
 }  // namespace loom::data

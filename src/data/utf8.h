@@ -117,4 +117,17 @@ inline int32_t byte_level_code_point(uint8_t b) {
   return -1;
 }
 
+// The byte a byte-fallback token "<0xHH>" stands for (two hex digits, either case), or -1.
+inline int byte_piece_value(std::string_view piece) {
+  const auto hex = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+  };
+  if (piece.size() != 6 || !piece.starts_with("<0x") || piece[5] != '>') return -1;
+  const int hi = hex(piece[3]), lo = hex(piece[4]);
+  return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
+}
+
 }  // namespace loom::data::utf8

@@ -135,6 +135,72 @@ def main():
         [json.dumps(vocab).encode(), merges, b"hello hell<|endoftext|>he"]))
     write("bpe", "bad_merge", SEP.join([json.dumps(vocab).encode(), b"h\n", b"x"]))
 
+    # tokenizer.json: a byte-level BPE with a Split pattern and added tokens, and the
+    # SentencePiece kind (Metaspace, byte fallback); then SentencePiece .model files.
+    text = "Hello  world<|x|> caf\u00e9 \U0001F600 12345\r\n".encode()
+    byte_chars = [chr(b) if (33 <= b <= 126 or 161 <= b <= 172 or b >= 174) else None
+                  for b in range(256)]
+    nxt = 256
+    for b in range(256):
+        if byte_chars[b] is None:
+            byte_chars[b] = chr(nxt)
+            nxt += 1
+    bl_vocab = {c: i for i, c in enumerate(byte_chars)}
+    bl_vocab["he"] = 256
+    bl_vocab["ll"] = 257
+    byte_level = {
+        "added_tokens": [{"id": 258, "content": "<|x|>", "special": True, "lstrip": True}],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}+|\s+$|[^\s\p{N}]+|\s+(?!\S)"},
+             "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]},
+        "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": bl_vocab, "merges": ["h e", ["l", "l"]],
+                  "ignore_merges": True}}
+    write("tokenizer_files", "byte_level_json", SEP.join([json.dumps(byte_level).encode(), text]))
+    sp_vocab = {"<unk>": 0, "<s>": 1, "\u2581": 2, "a": 3, "\u2581a": 4}
+    sp_vocab.update({"<0x%02X>" % b: 5 + b for b in range(256)})
+    sp_json = {
+        "added_tokens": [{"id": 1, "content": "<s>", "special": True}],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "vocab": sp_vocab, "merges": ["\u2581 a"], "byte_fallback": True,
+                  "unk_token": "<unk>", "fuse_unk": True}}
+    write("tokenizer_files", "sentencepiece_json", SEP.join([json.dumps(sp_json).encode(), text]))
+
+    def varint(v):
+        out = b""
+        while True:
+            out += bytes([(v & 0x7F) | (0x80 if v > 0x7F else 0)])
+            v >>= 7
+            if not v:
+                return out
+
+    def field(f, payload):
+        return varint(f << 3 | 2) + varint(len(payload)) + payload
+
+    def piece(p, score, kind=1):
+        return field(1, field(1, p.encode()) + varint(2 << 3 | 5) + struct.pack("<f", score)
+                     + varint(3 << 3) + varint(kind))
+
+    pieces = (piece("<unk>", 0, 2) + piece("<s>", 0, 3) + piece("</s>", 0, 3)
+              + piece("\u2581", -1) + piece("a", -2) + piece("\u2581a", -0.5)
+              + piece("[X]", 0, 4) + b"".join(piece("<0x%02X>" % b, 0, 6) for b in range(256)))
+    trainer = field(2, varint(3 << 3) + varint(2) + varint(35 << 3) + varint(1))
+    normalizer = field(3, field(1, b"identity") + varint(3 << 3) + varint(1))
+    model = pieces + trainer + normalizer
+    write("tokenizer_files", "sentencepiece_model", SEP.join([model, b"a [X]a " + text]))
+    write("tokenizer_files", "sentencepiece_truncated", SEP.join([model[:700], text]))
+    # Found by the fuzzer: a byte piece whose hex digits are a sign and a digit ("<0x-A>").
+    write("tokenizer_files", "sentencepiece_signed_byte_piece",
+          SEP.join([piece("<unk>", 0, 2) + piece("<0x-A>", 0, 6) + trainer + normalizer, text]))
+
 
 if __name__ == "__main__":
     main()

@@ -6,8 +6,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <span>
+#include <vector>
 
 namespace loom::data {
 
@@ -70,6 +72,35 @@ class TokenShard {
 // Writes tokens in llm.c's .bin format, version 1 (uint16), atomically (temporary name +
 // rename).
 void write_llmc_shard(const std::filesystem::path& path, std::span<const uint16_t> tokens);
+
+// Writes an llm.c .bin shard as the ids arrive, in constant memory: tokens go to `path`.tmp,
+// finish() writes the header's count and renames it to `path`. Without finish() (an error, a
+// destructor) the temporary file is removed and `path` is left as it was.
+class LlmcShardWriter {
+ public:
+  // The version is llmc_version_for(vocab_size).
+  LlmcShardWriter(const std::filesystem::path& path, int64_t vocab_size);
+  ~LlmcShardWriter();
+  LlmcShardWriter(const LlmcShardWriter&) = delete;
+  LlmcShardWriter& operator=(const LlmcShardWriter&) = delete;
+
+  // Throws loom::Error naming the file and the first id outside [0, vocab_size); the ids before
+  // it in the same call are not written either.
+  void append(std::span<const int32_t> ids);
+  int64_t size() const { return count_; }
+  void finish();
+
+ private:
+  std::filesystem::path path_, tmp_;
+  int64_t vocab_size_;
+  int32_t version_;
+  int64_t count_ = 0;
+  std::FILE* file_ = nullptr;
+  std::vector<unsigned char> buffer_;
+};
+
+// Cuts an llm.c .bin shard in place to its first `tokens` tokens (the header's count updated).
+void truncate_llmc_shard(const std::filesystem::path& path, int64_t tokens);
 
 // Writes ids of a vocabulary of `vocab_size` ids in llm.c's .bin format at
 // llmc_version_for(vocab_size): uint16 tokens up to 65,536 ids, uint32 past that. Throws
