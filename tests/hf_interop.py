@@ -1,7 +1,9 @@
 """Hugging Face interop, checked by transformers itself, both ways.
 
 Tokenizer: loom-prepare --vocab/--merges must produce exactly the ids of transformers'
-GPT2Tokenizer for the same vocab.json/merges.txt (a small BPE learned here on the corpus).
+GPT2Tokenizer for the same vocab.json/merges.txt (a small BPE learned here on the corpus); and
+--export-hf must leave a directory whose AutoTokenizer gives loom's ids (tokenizer.json and
+GPT-2's two files).
 
 loom -> HF: loom-pretrain trains (60 steps, so attention is far from uniform) and --export-hf
 writes a directory; transformers' from_pretrained loads it, and its logits on the same windows
@@ -151,6 +153,53 @@ def check_tokenizer(tools, work, text_file):
     return ok and same and docs
 
 
+def check_exported_tokenizers(tools, work, text_file):
+    """--export-hf puts the data's tokenizer beside the model: AutoTokenizer.from_pretrained on
+    the export directory must load it and give loom's ids. Two kinds: a tokenizer.json (a
+    byte-level BPE trained here by the tokenizers library, with <s> as its BOS) and GPT-2's two
+    files (the vocab.json / merges.txt of check_tokenizer)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([text_file], trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"],
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_dir = os.path.join(work, "trained-tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    tok.save(os.path.join(tok_dir, "tokenizer.json"))
+    sample = "In the beginning God created the heaven and the earth. naïve 123\n"
+    ok = True
+    for label, prep in (("tokenizer.json", ["--tokenizer", tok_dir]),
+                        ("GPT-2 vocab.json + merges.txt",
+                         ["--vocab", os.path.join(work, "vocab.json"),
+                          "--merges", os.path.join(work, "merges.txt")])):
+        data = os.path.join(work, "export-tok-data")
+        out = os.path.join(work, "export-tok-model")
+        shutil.rmtree(out, ignore_errors=True)
+        run([os.path.join(tools, "loom-prepare"), "--input", text_file, "--out-dir", data,
+             "--val-fraction", "0"] + prep)
+        run([os.path.join(tools, "loom-pretrain"), "--model", "gpt2", "--preset", "gpt2-tiny",
+             "--data", os.path.join(data, "train.bin"), "--steps", "2", "--batch-size", "2",
+             "--seq-len", "32", "--export-hf", out, "--threads", "1", "--log-level", "warn"])
+        hf = transformers.AutoTokenizer.from_pretrained(out)
+        theirs = hf(sample, add_special_tokens=False)["input_ids"]
+        ours = json.loads(subprocess.run(
+            [os.path.join(tools, "loom-tokenize"), "--tokenizer", data], input=sample,
+            capture_output=True, text=True, check=True).stdout)
+        same = theirs == ours
+        bos = hf.bos_token if label == "tokenizer.json" else "<|endoftext|>"
+        start = json.loads(subprocess.run(
+            [os.path.join(tools, "loom-tokenize"), "--tokenizer", data, "--document-start"],
+            input="", capture_output=True, text=True, check=True).stdout)
+        same = same and start == [hf.convert_tokens_to_ids(bos)]
+        print(f"{'ok' if same else 'FAIL'}: AutoTokenizer loads the exported {label}: "
+              f"{len(theirs)} ids equal loom's: {theirs == ours}; BOS {bos!r} is loom's "
+              f"document start {start}")
+        ok &= same
+    return ok
+
+
 def compare(name, ours, theirs):
     ok = ours.shape == theirs.shape
     diff = (ours - theirs).abs().max().item() if ok else float("inf")
@@ -179,6 +228,7 @@ def main():
     tokens = read_llmc(val)
     seq_len, batches = 64, 4
     ok = check_tokenizer(args.tools, args.work, os.path.join(args.work, "small.txt"))
+    ok &= check_exported_tokenizers(args.tools, args.work, os.path.join(args.work, "small.txt"))
 
     # loom -> transformers
     for model, preset in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")):

@@ -274,6 +274,7 @@ TEST(SentencePieceTokenizer, RefusesWhatItCannotReadNamingTheFile) {
   const std::string model = sp_model(2, true);
   refused(model.substr(0, model.size() / 2), "truncated");
   refused("", "no pieces");
+  refused(piece("<unk>", 0, 2) + piece("", 0, 4) + field_bytes(2, field_varint(3, 2)), "piece 1 is empty");
 }
 
 TEST(Tokenizer, OpenTokenizerPicksTheKindFromThePathAndMetaKeepsIt) {

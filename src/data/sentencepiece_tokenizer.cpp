@@ -160,6 +160,7 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
   byte_ids.fill(-1);
   piece_byte.assign(pieces.size(), -1);
   for (int32_t id = 0; id < n; ++id) {
+    LOOM_CHECK(!pieces[id].empty(), "{}: piece {} is empty", where, id);
     by_text.try_emplace(pieces[id], id);
     if (types[id] == kNormal || types[id] == kUserDefined) mergeable.try_emplace(pieces[id], id);
     if (types[id] == kUserDefined) user_defined.push_back(id);

@@ -422,7 +422,15 @@ void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir) {
                                   [&](const Tokenizer::File& f) { return f.name == name; });
     if (!ours && name != "meta.json") fs::remove(dir / name, ec);
   }
-  for (const auto& [from, name] : files) {
+  copy_tokenizer_files(tok, dir);
+  json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
+  if (const auto start = tok.document_start()) meta["document_start"] = *start;
+  core::write_file_atomic(dir / "meta.json", meta.dump(2) + "\n");
+}
+
+void copy_tokenizer_files(const Tokenizer& tok, const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& [from, name] : tok.files()) {
     const fs::path to = dir / name;
     // Re-saving into the directory the tokenizer was loaded from: nothing to copy, and
     // copy_file would refuse to overwrite a file with itself.
@@ -430,9 +438,18 @@ void save_tokenizer_meta(const Tokenizer& tok, const fs::path& dir) {
     fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
     LOOM_CHECK(!ec, "cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
   }
-  json meta = {{"tokenizer", tok.kind()}, {"vocab_size", tok.vocab_size()}};
-  if (const auto start = tok.document_start()) meta["document_start"] = *start;
-  core::write_file_atomic(dir / "meta.json", meta.dump(2) + "\n");
+}
+
+void export_tokenizer_for_hf(const Tokenizer& tok, const fs::path& dir) {
+  copy_tokenizer_files(tok, dir);
+  const auto files = tok.files();
+  const bool has_config = std::any_of(files.begin(), files.end(), [](const Tokenizer::File& f) {
+    return f.name == "tokenizer_config.json";
+  });
+  if (tok.kind() != "hf-json" || has_config) return;
+  json config = {{"tokenizer_class", "PreTrainedTokenizerFast"}};
+  if (const auto start = tok.document_start()) config["bos_token"] = tok.decode({*start});
+  core::write_file_atomic(dir / "tokenizer_config.json", config.dump(2) + "\n");
 }
 
 std::vector<std::string> tokenizer_file_names() {

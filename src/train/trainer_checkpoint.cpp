@@ -672,6 +672,7 @@ void Trainer::export_hf() {
       auto whole = models::make_model(model().config());
       models::load_parameters(*whole, params, "the trained model");
       models::save_hf(*whole, config_.export_hf);
+      data::export_tokenizer_for_hf(*tokenizer_, config_.export_hf);
       spdlog::info("exported Hugging Face model to {}{}", config_.export_hf,
                    config_.precision == "fp64"
                        ? " (the fp64 parameters rounded to float32: Hugging Face models are "

@@ -200,6 +200,9 @@ def main():
     # Found by the fuzzer: a byte piece whose hex digits are a sign and a digit ("<0x-A>").
     write("tokenizer_files", "sentencepiece_signed_byte_piece",
           SEP.join([piece("<unk>", 0, 2) + piece("<0x-A>", 0, 6) + trainer + normalizer, text]))
+    # And an empty user-defined piece, which matched everywhere without advancing.
+    write("tokenizer_files", "sentencepiece_empty_user_piece",
+          SEP.join([piece("<unk>", 0, 2) + piece("", 0, 4) + trainer + normalizer, text]))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,13 @@ class Gpt2BpeTokenizer final : public Tokenizer {
 // Writes `dir/meta.json` ({"tokenizer": kind, "vocab_size": N}) and copies the tokenizer's
 // files() into `dir`, so the data directory is self-describing.
 void save_tokenizer_meta(const Tokenizer& tok, const std::filesystem::path& dir);
+// Copies the tokenizer's files() into `dir`, under their names there (nothing to copy for bytes).
+void copy_tokenizer_files(const Tokenizer& tok, const std::filesystem::path& dir);
+// Puts what transformers' AutoTokenizer.from_pretrained needs into a Hugging Face model
+// directory: the tokenizer's files and, for a tokenizer.json that came without one, a
+// tokenizer_config.json naming its document-start token as the BOS. Bytes have no Hugging Face
+// tokenizer: nothing is written for them.
+void export_tokenizer_for_hf(const Tokenizer& tok, const std::filesystem::path& dir);
 // Reads what save_tokenizer_meta wrote. A directory without meta.json means "byte".
 std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& dir);
 // The names a data directory may hold for its tokenizer (meta.json and every kind's files).
