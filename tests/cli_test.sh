@@ -24,7 +24,7 @@ for flag in --model --preset --data --val-data --steps --batch-size --seq-len --
   --device --sampling --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
-for tool in loom-prepare loom-eval loom-generate loom-plan loom-tokenize; do
+for tool in loom-prepare loom-eval loom-generate loom-plan loom-tokenize loom-export-hf; do
   "$TOOLS/$tool" --help > /dev/null || { echo "FAIL: $tool --help"; fail=1; }
 done
 printf 'hello world, this is a small corpus for the loom tools. %.0s' {1..50} > "$work/a.txt"
@@ -53,6 +53,29 @@ expect "does not exist" "$TOOLS/loom-prepare" --tokenizer "$work/nope.json" --in
 expect "holds no tokenizer.json" "$TOOLS/loom-tokenize" --tokenizer "$work"
 expect "raise --vocab-size to at least 259" "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 \
   --log-level warn --data "$work/data_hf/train.bin" --vocab-size 256
+# loom-export-hf of that run's checkpoint: the model, generation_config.json with the document
+# start (<s>, id 1) as BOS and EOS, the tokenizer's files.
+"$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn --model llama \
+  --preset llama-tiny --data "$work/data_hf/train.bin" --vocab-size 259 --save-dir "$work/ck_hf" \
+  > /dev/null 2>&1 || { echo "FAIL: training on data_hf"; fail=1; }
+"$TOOLS/loom-export-hf" --checkpoint "$work/ck_hf" --out "$work/hf_out" --dtype bfloat16 \
+  > /dev/null 2>&1 || { echo "FAIL: loom-export-hf"; fail=1; }
+if python3 - "$work/hf_out" << 'PY'
+import json, os, sys
+d = sys.argv[1]
+g = json.load(open(os.path.join(d, "generation_config.json")))
+c = json.load(open(os.path.join(d, "config.json")))
+assert g["bos_token_id"] == g["eos_token_id"] == c["bos_token_id"] == 1, (g, c)
+assert c["dtype"] == "bfloat16" and c["vocab_size"] == 259, c
+assert os.path.exists(os.path.join(d, "tokenizer.json")), os.listdir(d)
+assert os.path.exists(os.path.join(d, "model.safetensors")), os.listdir(d)
+PY
+then echo "ok: loom-export-hf wrote the model, its token ids and its tokenizer"
+else echo "FAIL: loom-export-hf's directory"; fail=1; fi
+expect "does not exist" "$TOOLS/loom-export-hf" --checkpoint "$work/no_such_run" --out "$work/hf_x"
+expect "must be from 1e-6" "$TOOLS/loom-export-hf" --checkpoint "$work/ck_hf" --out "$work/hf_x" --shard-mb 0
+expect "--export-hf-shard-mb 0 is not valid" "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 \
+  --data "$work/data_hf/train.bin" --vocab-size 259 --export-hf-shard-mb 0
 run=("$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn)
 expect "missing.bin" "${run[@]}" --data "$work/missing.bin"
 head -c 1500 "$work/data/train.bin" > "$work/data/cut.bin"

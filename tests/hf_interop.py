@@ -11,6 +11,10 @@ must equal loom-eval's.
 HF -> loom: transformers builds a randomly initialised model (initializer_range 0.2, ten times
 the usual, so that every weight matters) and save_pretrained()s it; loom-eval --init-from-hf
 must produce the same logits.
+Sharded checkpoints both ways (loom's --export-hf-shard-mb, transformers' max_shard_size, each
+with model.safetensors.index.json), and Llama 3's RoPE scaling both ways (a transformers model
+with rope_type llama3, in transformers 5's rope_parameters and in the older top-level
+rope_scaling; loom fine-tunes it and exports it back).
 Both compare every logit: max |difference| <= 1e-5 x max(1, max |logit|).
 """
 import argparse
@@ -200,6 +204,68 @@ def check_exported_tokenizers(tools, work, text_file):
     return ok
 
 
+def check_weight_files(model_dir, sharded):
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if sharded:
+        ok = len(files) > 1 and os.path.exists(index) and "model.safetensors" not in files
+        if ok:
+            mapped = set(json.load(open(index))["weight_map"].values())
+            ok = mapped == set(files)
+    else:
+        ok = files == ["model.safetensors"] and not os.path.exists(index)
+    print(f"{'ok' if ok else 'FAIL'}: {os.path.basename(model_dir)}: "
+          f"{'sharded' if sharded else 'one file'}: {files}")
+    return ok
+
+
+def check_rope_scaling_round_trip(tools, work, data_dir, val, tokens, seq_len, batches):
+    """The llama3-scaled model in the older config format (rope_theta and rope_scaling at the top
+    level, "type"), which transformers 5 still reads; then loom trains it a few steps and exports
+    it, and transformers reads loom's rope_parameters."""
+    src = os.path.join(work, "hf-llama3-rope")
+    old = os.path.join(work, "hf-llama3-rope-old")
+    shutil.copytree(src, old)
+    config = json.load(open(os.path.join(old, "config.json")))
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    config["rope_scaling"] = rope
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(config, f)
+    # The scaling matters at these lengths: the same weights without it give other logits.
+    plain = os.path.join(work, "hf-llama3-rope-unscaled")
+    shutil.copytree(src, plain)
+    config = json.load(open(os.path.join(plain, "config.json")))
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    with open(os.path.join(plain, "config.json"), "w") as f:
+        json.dump(config, f)
+    scaled_logits = hf_logits(src, tokens, seq_len, batches)
+    gap = (hf_logits(plain, tokens, seq_len, batches) - scaled_logits).abs().max().item()
+    ok = gap > 100 * TOL * max(1.0, scaled_logits.abs().max().item())
+    print(f"{'ok' if ok else 'FAIL'}: without the scaling the logits move by {gap:.2e} "
+          f"(more than 100 x the bound)")
+    ok &= compare("llama3 rope in the older rope_scaling format, loaded by loom",
+                 loom_logits(tools, old, val, seq_len, batches,
+                             os.path.join(work, "hf-llama3-old.safetensors")),
+                 hf_logits(old, tokens, seq_len, batches))
+    out = os.path.join(work, "loom-llama3-rope")
+    run([os.path.join(tools, "loom-pretrain"), "--init-from-hf", src,
+         "--data", os.path.join(data_dir, "train.bin"), "--steps", "5", "--batch-size", "4",
+         "--seq-len", "64", "--lr", "1e-3", "--export-hf", out, "--threads", "1",
+         "--log-level", "warn"])
+    rope = json.load(open(os.path.join(out, "config.json")))["rope_parameters"]
+    same = rope == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32}
+    print(f"{'ok' if same else 'FAIL'}: loom's export keeps the rope parameters: {rope}")
+    ok &= same and compare("llama3 rope fine-tuned in loom, loaded by transformers",
+                           loom_logits(tools, out, val, seq_len, batches,
+                                       os.path.join(work, "loom-llama3.safetensors")),
+                           hf_logits(out, tokens, seq_len, batches))
+    return ok
+
+
 def compare(name, ours, theirs):
     ok = ours.shape == theirs.shape
     diff = (ours - theirs).abs().max().item() if ok else float("inf")
@@ -240,7 +306,10 @@ def main():
              # A padded vocabulary (256 -> 300 rows) and the fused norms and loss (their host
              # reference on the CPU): the export holds the true vocabulary, and transformers
              # gives the same logits.
-             "--pad-vocab-multiple", "100", "--norm", "fused", "--loss", "fused"])
+             "--pad-vocab-multiple", "100", "--norm", "fused", "--loss", "fused"]
+            # Llama's export in files of at most 50 kB: shards and their index.
+            + (["--export-hf-shard-mb", "0.05"] if model == "llama" else []))
+        ok &= check_weight_files(out_dir, sharded=model == "llama")
         ok &= compare(f"{model} trained in loom, loaded by transformers",
                       loom_logits(args.tools, out_dir, val, seq_len, batches,
                                   os.path.join(args.work, f"{model}-loom.safetensors")),
@@ -256,14 +325,28 @@ def main():
                                           num_key_value_heads=2, max_position_embeddings=128,
                                           rope_theta=10000.0, initializer_range=0.2),
     }
+    # Llama 3's RoPE scaling, made to matter at these lengths: an original context of 32, so that
+    # of head_dim 16's eight frequencies one is kept, one blended and six slowed 8 times.
+    configs["llama3-rope"] = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 10000.0})
     for name, config in configs.items():
         model = transformers.AutoModelForCausalLM.from_config(config)
         out_dir = os.path.join(args.work, f"hf-{name}")
-        model.save_pretrained(out_dir, safe_serialization=True)
+        # Llama's in shards of 50 kB, as the hub holds large models.
+        shard = {"max_shard_size": "50KB"} if name.startswith("llama") else {}
+        model.save_pretrained(out_dir, safe_serialization=True, **shard)
+        ok &= check_weight_files(out_dir, sharded=bool(shard))
         ok &= compare(f"{name} made by transformers, loaded by loom",
                       loom_logits(args.tools, out_dir, val, seq_len, batches,
                                   os.path.join(args.work, f"hf-{name}.safetensors")),
                       hf_logits(out_dir, tokens, seq_len, batches))
+    ok &= check_rope_scaling_round_trip(args.tools, args.work, data_dir, val, tokens, seq_len,
+                                        batches)
     return 0 if ok else 1
 
 

@@ -73,6 +73,7 @@
 #include "loom/train/checkpoint.h"
 #include "loom/train/config.h"
 #include "loom/train/grad_clip.h"
+#include "loom/train/hf_export.h"
 #include "loom/train/lr_schedule.h"
 #include "loom/train/metrics.h"
 #include "loom/train/optimizer.h"

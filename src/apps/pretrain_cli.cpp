@@ -170,6 +170,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
       ->capture_default_str();
   app.add_option("--resume", c.resume, "Resume from a save directory or a checkpoint directory");
   app.add_option("--export-hf", c.export_hf, "Write a Hugging Face directory at the end");
+  app.add_option("--export-hf-shard-mb", c.export_hf_shard_mb,
+                 "Largest weight file of the Hugging Face export, in MB (10^6 bytes); a larger "
+                 "model is written as shards with model.safetensors.index.json")
+      ->capture_default_str();
   app.add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
   app.add_option("--eval-every", c.eval_every, "Validation loss every N steps (0: only at the end)")
       ->capture_default_str();

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -256,6 +257,50 @@ void ensure_writable_dir(const std::filesystem::path& dir) {
   LOOM_CHECK(fd >= 0, "directory '{}' is not writable: {}", dir.string(), std::strerror(errno));
   ::close(fd);
   std::filesystem::remove(probe, ec);
+}
+
+MappedFile::MappedFile(const std::filesystem::path& path, std::string_view what, bool copy_on_write)
+    : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+  LOOM_CHECK(fd_ >= 0, "cannot open {} '{}': {}", what, path.string(), std::strerror(errno));
+  struct stat st {};
+  const bool stat_ok = ::fstat(fd_, &st) == 0;
+  const int stat_err = errno;
+  if (!stat_ok || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fail("cannot open {} '{}': {}", what, path.string(),
+         !stat_ok              ? std::strerror(stat_err)
+         : S_ISDIR(st.st_mode) ? "it is a directory"
+                               : "it is not a regular file");
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ > 0) {
+    // Private writable pages are copied on the first write; MAP_NORESERVE keeps a large file
+    // from counting against the commit limit for pages nobody writes.
+    map_ = copy_on_write
+               ? ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd_, 0)
+               : ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+    if (map_ == MAP_FAILED) {
+      const int err = errno;
+      map_ = nullptr;
+      ::close(fd_);
+      fail("cannot memory-map {} '{}': {}", what, path.string(), std::strerror(err));
+    }
+  }
+  if (!copy_on_write) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+MappedFile::~MappedFile() {
+  if (map_) ::munmap(map_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+size_t MappedFile::current_size() const {
+  struct stat st {};
+  const int status = fd_ >= 0 ? ::fstat(fd_, &st) : ::stat(path_.c_str(), &st);
+  return status == 0 ? static_cast<size_t>(st.st_size) : 0;
 }
 
 }  // namespace loom::core

@@ -132,24 +132,19 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
   writer.finish();
 }
 
-SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in.good() && std::filesystem::is_regular_file(path),
-             "cannot open safetensors file '{}'", path.string());
-  const auto file_size = std::filesystem::file_size(path);
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path)
+    : path_(path), file_(std::make_shared<MappedFile>(path, "safetensors file", true)) {
+  const uint64_t file_size = file_->size();
   LOOM_CHECK(file_size >= 8, "'{}' is truncated: {} bytes, a safetensors file has at least 8",
              path.string(), file_size);
-  unsigned char len_bytes[8];
-  in.read(reinterpret_cast<char*>(len_bytes), 8);
+  const unsigned char* bytes = file_->data();
   uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
+  for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(bytes[i]) << (8 * i);
   LOOM_CHECK(header_len <= file_size - 8,
              "'{}' is truncated or not safetensors: header of {} bytes "
              "in a file of {} bytes",
              path.string(), header_len, file_size);
-  std::string text(header_len, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(header_len));
-  LOOM_CHECK(static_cast<uint64_t>(in.gcount()) == header_len, "'{}': short read", path.string());
+  const std::string_view text(reinterpret_cast<const char*>(bytes) + 8, header_len);
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
@@ -206,26 +201,43 @@ std::vector<std::string> SafetensorsReader::names() const {
   return out;
 }
 
-at::Tensor SafetensorsReader::read(const std::string& name) const {
+const SafetensorsReader::Entry& SafetensorsReader::entry(const std::string& name) const {
   auto it = entries_.find(name);
   LOOM_CHECK(it != entries_.end(), "'{}' holds no tensor '{}'", path_.string(), name);
-  const auto& e = it->second;
-  auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-  std::ifstream in(path_, std::ios::binary);
-  LOOM_CHECK(in.good(), "cannot open safetensors file '{}'", path_.string());
-  in.seekg(static_cast<std::streamoff>(e.begin));
-  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.bytes));
-  LOOM_CHECK(in.good() && static_cast<uint64_t>(in.gcount()) == e.bytes,
+  return it->second;
+}
+
+const SafetensorsReader::Entry& SafetensorsReader::present(const std::string& name) const {
+  const auto& e = entry(name);
+  // A file cut short since it was opened would fault on the missing pages: an error instead.
+  LOOM_CHECK(e.begin + e.bytes <= file_->current_size(),
              "'{}': short read of tensor '{}' (the file changed since it was opened?)",
              path_.string(), name);
+  return e;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) const {
+  const auto& e = present(name);
+  auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  if (e.bytes > 0) std::memcpy(t.data_ptr(), file_->data() + e.begin, e.bytes);
   return t;
+}
+
+at::Tensor SafetensorsReader::view(const std::string& name) const {
+  const auto& e = present(name);
+  // A tensor's data must be aligned to its element size; files written by other tools may not
+  // align it (the format does not require it), and those tensors are copied instead.
+  if (e.bytes == 0 || e.begin % c10::elementSize(e.dtype) != 0) return read(name);
+  auto keep = file_;  // the mapping lives as long as any tensor viewing it
+  return at::from_blob(
+      file_->data() + e.begin, e.shape, [keep](void*) {}, at::TensorOptions().dtype(e.dtype));
 }
 
 SafetensorsContents load_safetensors(const std::filesystem::path& path) {
   const SafetensorsReader reader(path);
   SafetensorsContents out;
   out.metadata = reader.metadata();
-  for (const auto& name : reader.names()) out.tensors.emplace(name, reader.read(name));
+  for (const auto& name : reader.names()) out.tensors.emplace(name, reader.view(name));
   return out;
 }
 

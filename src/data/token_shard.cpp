@@ -1,10 +1,6 @@
 #include "loom/data/token_shard.h"
 
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -25,81 +21,63 @@ int32_t llmc_version_for(int64_t vocab_size) {
   return vocab_size <= kMaxU16Vocab ? kLlmcVersionU16 : kLlmcVersionU32;
 }
 
-TokenShard::TokenShard(const fs::path& path, ShardFormat format) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  LOOM_CHECK(fd >= 0, "cannot open token file '{}': {}", path.string(), std::strerror(errno));
-  struct stat st {};
-  ::fstat(fd, &st);
-  map_bytes_ = static_cast<size_t>(st.st_size);
-  if (map_bytes_ > 0) {
-    map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    LOOM_CHECK(map_ != MAP_FAILED, "cannot memory-map '{}': {}", path.string(), std::strerror(err));
-  } else {
-    ::close(fd);
+TokenShard::TokenShard(const fs::path& path, ShardFormat format)
+    : path_(path), file_(std::make_unique<core::MappedFile>(path, "token file")) {
+  const size_t file_bytes = file_->size();
+  const auto* bytes = file_->data();
+  int32_t first = 0;
+  if (file_bytes >= 4) std::memcpy(&first, bytes, 4);
+  if (format == ShardFormat::kAuto) {
+    const auto ext = path.extension().string();
+    if (file_bytes >= 4 && first == kLlmcMagic)
+      format = ShardFormat::kLlmc;
+    else if (ext == ".u16" || ext == ".raw")
+      format = ShardFormat::kRawU16;
+    else if (ext == ".u32")
+      format = ShardFormat::kRawU32;
+    else
+      format = ShardFormat::kLlmc;  // .bin and anything else: must be llm.c
   }
-  try {
-    const auto* bytes = static_cast<const unsigned char*>(map_);
-    int32_t first = 0;
-    if (map_bytes_ >= 4) std::memcpy(&first, bytes, 4);
-    if (format == ShardFormat::kAuto) {
-      const auto ext = path.extension().string();
-      if (map_bytes_ >= 4 && first == kLlmcMagic)
-        format = ShardFormat::kLlmc;
-      else if (ext == ".u16" || ext == ".raw")
-        format = ShardFormat::kRawU16;
-      else if (ext == ".u32")
-        format = ShardFormat::kRawU32;
-      else
-        format = ShardFormat::kLlmc;  // .bin and anything else: must be llm.c
-    }
-    if (format == ShardFormat::kLlmc) {
-      const size_t header_bytes = kLlmcHeaderInts * sizeof(int32_t);
-      // The magic first: a text or foreign file is more often the problem than a cut one.
-      LOOM_CHECK(map_bytes_ < 4 || first == kLlmcMagic,
-                 "token file '{}' has the wrong magic {}: an llm.c .bin shard starts with {} "
-                 "(for headerless tokens, name the file *.u16 or *.u32)",
-                 path.string(), first, kLlmcMagic);
-      LOOM_CHECK(map_bytes_ >= header_bytes,
-                 "token file '{}' is truncated: {} bytes, shorter than the {}-byte llm.c header",
-                 path.string(), map_bytes_, header_bytes);
-      int32_t header[3];
-      std::memcpy(header, bytes, sizeof(header));
-      version_ = header[1];
-      LOOM_CHECK(version_ == kLlmcVersionU16 || version_ == kLlmcVersionU32,
-                 "token file '{}' has llm.c version {}; loom reads version {} (uint16 tokens) "
-                 "and {} (uint32 tokens)",
-                 path.string(), version_, kLlmcVersionU16, kLlmcVersionU32);
-      width_ = version_ == kLlmcVersionU16 ? 2 : 4;
-      const int64_t count = header[2];
-      LOOM_CHECK(count >= 0, "token file '{}' has a negative token count {} in its header: corrupt",
-                 path.string(), count);
-      const size_t need = header_bytes + static_cast<size_t>(count) * static_cast<size_t>(width_);
-      LOOM_CHECK(map_bytes_ >= need,
-                 "token file '{}' is truncated: its header promises {} tokens ({} bytes) but the "
-                 "file has {} bytes",
-                 path.string(), count, need, map_bytes_);
-      data_ = bytes + header_bytes;
-      size_ = count;
-    } else {
-      width_ = format == ShardFormat::kRawU16 ? 2 : 4;
-      LOOM_CHECK(map_bytes_ % static_cast<size_t>(width_) == 0,
-                 "raw uint{} token file '{}' has a size ({} bytes) that is not a multiple of {}: "
-                 "truncated",
-                 8 * width_, path.string(), map_bytes_, width_);
-      data_ = bytes;
-      size_ = static_cast<int64_t>(map_bytes_) / width_;
-    }
-  } catch (...) {
-    if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
-    throw;
+  if (format == ShardFormat::kLlmc) {
+    const size_t header_bytes = kLlmcHeaderInts * sizeof(int32_t);
+    // The magic first: a text or foreign file is more often the problem than a cut one.
+    LOOM_CHECK(file_bytes < 4 || first == kLlmcMagic,
+               "token file '{}' has the wrong magic {}: an llm.c .bin shard starts with {} "
+               "(for headerless tokens, name the file *.u16 or *.u32)",
+               path.string(), first, kLlmcMagic);
+    LOOM_CHECK(file_bytes >= header_bytes,
+               "token file '{}' is truncated: {} bytes, shorter than the {}-byte llm.c header",
+               path.string(), file_bytes, header_bytes);
+    int32_t header[3];
+    std::memcpy(header, bytes, sizeof(header));
+    version_ = header[1];
+    LOOM_CHECK(version_ == kLlmcVersionU16 || version_ == kLlmcVersionU32,
+               "token file '{}' has llm.c version {}; loom reads version {} (uint16 tokens) "
+               "and {} (uint32 tokens)",
+               path.string(), version_, kLlmcVersionU16, kLlmcVersionU32);
+    width_ = version_ == kLlmcVersionU16 ? 2 : 4;
+    const int64_t count = header[2];
+    LOOM_CHECK(count >= 0, "token file '{}' has a negative token count {} in its header: corrupt",
+               path.string(), count);
+    const size_t need = header_bytes + static_cast<size_t>(count) * static_cast<size_t>(width_);
+    LOOM_CHECK(file_bytes >= need,
+               "token file '{}' is truncated: its header promises {} tokens ({} bytes) but the "
+               "file has {} bytes",
+               path.string(), count, need, file_bytes);
+    data_ = bytes + header_bytes;
+    size_ = count;
+  } else {
+    width_ = format == ShardFormat::kRawU16 ? 2 : 4;
+    LOOM_CHECK(file_bytes % static_cast<size_t>(width_) == 0,
+               "raw uint{} token file '{}' has a size ({} bytes) that is not a multiple of {}: "
+               "truncated",
+               8 * width_, path.string(), file_bytes, width_);
+    data_ = bytes;
+    size_ = static_cast<int64_t>(file_bytes) / width_;
   }
 }
 
-TokenShard::~TokenShard() {
-  if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
-}
+TokenShard::~TokenShard() = default;
 
 void TokenShard::copy_to(int64_t offset, int64_t count, int64_t* dst) const {
   LOOM_CHECK(offset >= 0 && count >= 0 && offset + count <= size_,
@@ -230,8 +208,8 @@ void LlmcShardWriter::finish() {
 
 void truncate_llmc_shard(const fs::path& path, int64_t tokens) {
   const TokenShard shard(path, ShardFormat::kLlmc);
-  LOOM_CHECK(tokens >= 0 && tokens <= shard.size(),
-             "cannot cut '{}' ({} tokens) to {} tokens", path.string(), shard.size(), tokens);
+  LOOM_CHECK(tokens >= 0 && tokens <= shard.size(), "cannot cut '{}' ({} tokens) to {} tokens",
+             path.string(), shard.size(), tokens);
   const auto bytes = static_cast<uintmax_t>(kLlmcHeaderInts * sizeof(int32_t)) +
                      static_cast<uintmax_t>(tokens) * shard.bytes_per_token();
   std::error_code ec;

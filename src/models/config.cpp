@@ -1,6 +1,7 @@
 #include "loom/models/config.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/ranges.h>
 
@@ -92,6 +93,25 @@ void ModelConfig::validate() const {
              share_layers);
   parse_layer_sharing(share_layers, n_layers);  // throws on a pattern that does not fit
   LOOM_CHECK(norm_eps > 0, "model config: norm_eps = {} must be positive", norm_eps);
+  const auto& rs = rope_scaling;
+  LOOM_CHECK(rs.type.empty() || rs.type == "linear" || rs.type == "llama3",
+             "model config: rope_scaling type '{}' is not supported (none, linear, llama3)",
+             rs.type);
+  LOOM_CHECK(rs.type.empty() || family == Family::kLlama,
+             "model config: rope_scaling '{}' scales Llama's rotary frequencies; a {} model has "
+             "none",
+             rs.type, to_string(family));
+  LOOM_CHECK(rs.type.empty() || (rs.factor >= 1 && std::isfinite(rs.factor)),
+             "model config: rope_scaling factor = {} must be at least 1", rs.factor);
+  LOOM_CHECK(
+      rs.type != "llama3" || (rs.low_freq_factor > 0 && rs.high_freq_factor > rs.low_freq_factor &&
+                              std::isfinite(rs.high_freq_factor)),
+      "model config: llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, not "
+      "{} and {}",
+      rs.low_freq_factor, rs.high_freq_factor);
+  LOOM_CHECK(rs.type != "llama3" || rs.original_max_seq_len > 0,
+             "model config: llama3 rope_scaling original_max_seq_len = {} must be positive",
+             rs.original_max_seq_len);
   LOOM_CHECK(dropout >= 0 && dropout < 1, "model config: dropout = {} must be in [0, 1)", dropout);
 }
 
@@ -141,6 +161,12 @@ nlohmann::json ModelConfig::to_json() const {
   if (ffn_rank != 0) j["ffn_rank"] = ffn_rank;
   if (mtp_heads != 0) j["mtp_heads"] = mtp_heads;
   if (!share_layers.empty()) j["share_layers"] = share_layers;
+  if (!rope_scaling.type.empty())
+    j["rope_scaling"] = {{"type", rope_scaling.type},
+                         {"factor", rope_scaling.factor},
+                         {"low_freq_factor", rope_scaling.low_freq_factor},
+                         {"high_freq_factor", rope_scaling.high_freq_factor},
+                         {"original_max_seq_len", rope_scaling.original_max_seq_len}};
   return j;
 }
 
@@ -152,6 +178,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   like["ffn_rank"] = c.ffn_rank;
   like["mtp_heads"] = c.mtp_heads;
   like["share_layers"] = c.share_layers;
+  like["rope_scaling"] = {{"type", ""},
+                          {"factor", 1.0},
+                          {"low_freq_factor", 1.0},
+                          {"high_freq_factor", 4.0},
+                          {"original_max_seq_len", int64_t{8192}}};
   core::check_json_like(j, like, "model config");
   try {
     c.family = family_from_string(j.at("family").get<std::string>());
@@ -169,6 +200,14 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
     c.ffn_rank = j.value("ffn_rank", int64_t{0});
     c.mtp_heads = j.value("mtp_heads", int64_t{0});
     c.share_layers = j.value("share_layers", std::string());
+    if (j.contains("rope_scaling")) {
+      const auto& rs = j.at("rope_scaling");
+      c.rope_scaling.type = rs.at("type").get<std::string>();
+      c.rope_scaling.factor = rs.at("factor").get<double>();
+      c.rope_scaling.low_freq_factor = rs.at("low_freq_factor").get<double>();
+      c.rope_scaling.high_freq_factor = rs.at("high_freq_factor").get<double>();
+      c.rope_scaling.original_max_seq_len = rs.at("original_max_seq_len").get<int64_t>();
+    }
     c.tie_embeddings = j.at("tie_embeddings").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     fail("model config JSON is missing a field or has a wrong type: {}", e.what());

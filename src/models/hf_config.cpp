@@ -80,17 +80,38 @@ ModelConfig read_hf_config(const fs::path& dir) {
       c.n_kv_heads = int_key_or(j, "num_key_value_heads", c.n_heads, file);
       c.d_ff = get_key<int64_t>(j, "intermediate_size", file);
       c.norm_eps = j.value("rms_norm_eps", 1e-6);
-      // transformers >= 5 keeps rope_theta inside rope_parameters; older configs at top level.
-      if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-        const auto& rp = j["rope_parameters"];
-        const auto rope_type = rp.value("rope_type", std::string("default"));
-        LOOM_CHECK(rope_type == "default", "'{}': rope_type '{}' is not supported (default)",
-                   file.string(), rope_type);
-        c.rope_theta = rp.value("rope_theta", 10000.0);
-      } else {
-        LOOM_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(),
-                   "'{}': rope_scaling is not supported", file.string());
-        c.rope_theta = j.value("rope_theta", 10000.0);
+      // transformers >= 5 keeps rope_theta and the scaling in rope_parameters; older configs
+      // have rope_theta at the top level and the scaling in rope_scaling ("type" before 4.45).
+      const bool v5 = j.contains("rope_parameters") && j["rope_parameters"].is_object();
+      c.rope_theta = v5 ? j["rope_parameters"].value("rope_theta", j.value("rope_theta", 10000.0))
+                        : j.value("rope_theta", 10000.0);
+      const json none = json::object();
+      const auto& rp = v5 ? j["rope_parameters"]
+                       : j.contains("rope_scaling") && j["rope_scaling"].is_object()
+                           ? j["rope_scaling"]
+                           : none;
+      LOOM_CHECK(v5 || !j.contains("rope_scaling") || j["rope_scaling"].is_null() ||
+                     j["rope_scaling"].is_object(),
+                 "'{}': rope_scaling is {}, not an object", file.string(),
+                 j["rope_scaling"].type_name());
+      const auto rope_type = rp.value("rope_type", rp.value("type", std::string("default")));
+      LOOM_CHECK(rope_type == "default" || rope_type == "linear" || rope_type == "llama3",
+                 "'{}': rope_type '{}' is not supported (default, linear, llama3)", file.string(),
+                 rope_type);
+      if (rope_type != "default") {
+        auto& rs = c.rope_scaling;
+        rs.type = rope_type;
+        LOOM_CHECK(rp.contains("factor"), "'{}': rope_type '{}' without a 'factor'", file.string(),
+                   rope_type);
+        rs.factor = rp["factor"].get<double>();
+        if (rope_type == "llama3") {
+          rs.low_freq_factor = rp.value("low_freq_factor", rs.low_freq_factor);
+          rs.high_freq_factor = rp.value("high_freq_factor", rs.high_freq_factor);
+          // transformers' fallback when the original length is not given.
+          rs.original_max_seq_len = int_key_or(
+              rp, "original_max_position_embeddings",
+              int_key_or(j, "max_position_embeddings", rs.original_max_seq_len, file), file);
+        }
       }
       c.tie_embeddings = j.value("tie_word_embeddings", false);
       const auto act = j.value("hidden_act", std::string("silu"));

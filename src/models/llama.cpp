@@ -184,11 +184,9 @@ Llama::Llama(const ModelConfig& config, pt::TpGroupPtr tp, ModelPart part)
                        std::move(heads));
   }
 
-  // Rotary tables: angle(t, i) = t * theta^(-2i / hd), duplicated over both halves.
-  const int64_t hd = config.head_dim();
-  auto inv_freq =
-      at::pow(config.rope_theta, -at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd));
-  auto angles = at::outer(at::arange(config.max_seq_len, at::kDouble), inv_freq);
+  // Rotary tables: angle(t, i) = t * inv_freq(i), duplicated over both halves.
+  auto angles =
+      at::outer(at::arange(config.max_seq_len, at::kDouble), rope_inverse_frequencies(config));
   angles = at::cat({angles, angles}, -1);
   rope_cos_ = angles.cos();
   rope_sin_ = angles.sin();
@@ -263,6 +261,32 @@ ParamInit Llama::init_for(const std::string& name) const {
     return {K::kNormal, residual};
   if (name.ends_with(".weight")) return {K::kNormal, 0.02};
   fail("Llama has no initialization rule for parameter '{}'", name);
+}
+
+at::Tensor rope_inverse_frequencies(const ModelConfig& config) {
+  const int64_t hd = config.head_dim();
+  auto inv_freq =
+      at::pow(config.rope_theta, -at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd));
+  const auto& rs = config.rope_scaling;
+  if (rs.type == "linear") return inv_freq / rs.factor;
+  if (rs.type != "llama3") return inv_freq;
+  // Llama 3.1: frequencies whose wavelength exceeds what the original context resolved
+  // (original_max_seq_len / low_freq_factor) slow down by `factor`; those that complete many turns
+  // within it (wavelength below original_max_seq_len / high_freq_factor) stay; in between, a
+  // linear blend in original_max_seq_len / wavelength.
+  auto* f = inv_freq.data_ptr<double>();
+  const double original = static_cast<double>(rs.original_max_seq_len);
+  for (int64_t i = 0; i < inv_freq.numel(); ++i) {
+    const double wavelength = 2 * M_PI / f[i];
+    if (wavelength > original / rs.low_freq_factor) {
+      f[i] /= rs.factor;
+    } else if (wavelength >= original / rs.high_freq_factor) {
+      const double blend =
+          (original / wavelength - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
+      f[i] = (1 - blend) * f[i] / rs.factor + blend * f[i];
+    }
+  }
+  return inv_freq;
 }
 
 }  // namespace loom::models

@@ -253,6 +253,10 @@ void TrainConfig::validate() const {
              "--adamw fused chooses the replicated optimizer's kernel; --zero {} shards the "
              "optimizer, whose engines update flat shards with loom's own pass (use --adamw auto)",
              zero);
+  LOOM_CHECK(export_hf_shard_mb >= 1e-6 && export_hf_shard_mb <= 1e9,
+             "--export-hf-shard-mb {} is not valid: the largest weight file in MB (10^6 bytes), "
+             "from 1e-6 (one byte) to 1e9",
+             export_hf_shard_mb);
   if (!profile_steps.empty()) {
     parse_profile_steps(profile_steps, steps);
     LOOM_CHECK(!profile_out.empty(),
@@ -340,6 +344,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["swiglu"] = swiglu;
   j["profile_steps"] = profile_steps;
   j["profile_out"] = profile_out;
+  j["export_hf_shard_mb"] = export_hf_shard_mb;
   return j;
 }
 
@@ -416,6 +421,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.swiglu = j.value("swiglu", std::string("auto"));
     c.profile_steps = j.value("profile_steps", std::string());
     c.profile_out = j.value("profile_out", std::string("loom-profile"));
+    c.export_hf_shard_mb = j.value("export_hf_shard_mb", 5000.0);
     return c;
   } catch (const nlohmann::json::exception& e) {
     fail("training config JSON has a field of the wrong type: {}", e.what());

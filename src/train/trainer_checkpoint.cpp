@@ -17,6 +17,7 @@
 #include "loom/dist/gather_tensors.h"
 #include "loom/models/hf.h"
 #include "loom/parallel/zero/zero_optimizer.h"
+#include "loom/train/hf_export.h"
 #include "loom/train/trainer.h"
 
 namespace loom::train {
@@ -671,8 +672,7 @@ void Trainer::export_hf() {
     try {
       auto whole = models::make_model(model().config());
       models::load_parameters(*whole, params, "the trained model");
-      models::save_hf(*whole, config_.export_hf);
-      data::export_tokenizer_for_hf(*tokenizer_, config_.export_hf);
+      write_hf_export(*whole, *tokenizer_, config_.export_hf, config_.export_hf_shard_mb);
       spdlog::info("exported Hugging Face model to {}{}", config_.export_hf,
                    config_.precision == "fp64"
                        ? " (the fp64 parameters rounded to float32: Hugging Face models are "

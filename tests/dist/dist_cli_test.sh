@@ -11,11 +11,24 @@
 #  6. pipeline parallelism from the command line: --pp 2 equals 1 rank, its checkpoint resumes
 #     on one process (another layout), its export is the whole model; bad pipeline flags are
 #     refused with status 2 on every rank.
+# The tp 2, ZeRO-3 and pp 2 runs also save checkpoints: loom-export-hf of each (one process,
+# whatever the layout it was saved under) writes the same bytes as the run's own --export-hf.
 set -uo pipefail
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail=0
 say() { echo "$@"; }
+# SAVE_DIR EXPORT_DIR LABEL: loom-export-hf of the newest checkpoint in SAVE_DIR writes the
+# weights and config.json that the run's --export-hf wrote into EXPORT_DIR.
+same_export() {
+  local again="$2-again" out
+  if ! out=$("$TOOLS/loom-export-hf" --checkpoint "$1" --out "$again" 2>&1); then
+    say "FAIL: loom-export-hf --checkpoint $1: $out"; fail=1; return
+  fi
+  if cmp "$2/model.safetensors" "$again/model.safetensors" && cmp "$2/config.json" "$again/config.json"
+  then say "ok: loom-export-hf of the $3 checkpoint writes what its --export-hf wrote"
+  else say "FAIL: loom-export-hf of the $3 checkpoint differs from its --export-hf"; fail=1; fi
+}
 
 # 1. The watchdog.
 start=$(date +%s)
@@ -80,7 +93,9 @@ print("ok: 1-rank and 2-rank losses agree:", [round(x["loss"], 6) for x in a])
 PY
 then say "FAIL: losses differ between 1 and 2 ranks"; fail=1; fi
 "$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m3.jsonl" --tp 2 --sequence-parallel \
-  --pad-vocab-multiple 8 --export-hf "$work/hf_tp2" || { say "FAIL: 2-rank tp run"; fail=1; }
+  --pad-vocab-multiple 8 --export-hf "$work/hf_tp2" --save-dir "$work/tp2" \
+  || { say "FAIL: 2-rank tp run"; fail=1; }
+same_export "$work/tp2" "$work/hf_tp2" "tp 2 (padded vocabulary)"
 if ! python3 - "$work/m1.jsonl" "$work/m3.jsonl" "$work/hf_tp2/config.json" <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
@@ -112,7 +127,9 @@ else say "ok: a sequence tp cannot split rejected with status 2"; fi
 # at another stage or on one rank without ZeRO (resharded); flags that do not fit are refused
 # with status 2 on every rank.
 "$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m4.jsonl" --zero 3 --activation-checkpointing full \
-  --offload-activations --save-dir "$work/z3" --save-every 1 || { say "FAIL: 2-rank --zero 3 run"; fail=1; }
+  --offload-activations --save-dir "$work/z3" --save-every 1 --export-hf "$work/hf_z3" \
+  || { say "FAIL: 2-rank --zero 3 run"; fail=1; }
+same_export "$work/z3" "$work/hf_z3" "dp 2 --zero 3"
 if ! python3 - "$work/m1.jsonl" "$work/m4.jsonl" <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
@@ -237,6 +254,7 @@ for p in 0 1; do
   [ -f "$work/pp2/step-00000003/model-pp00$p-tp000.safetensors" ] \
     || { say "FAIL: no model shard file for pipeline rank $p"; fail=1; }
 done
+same_export "$work/pp2" "$work/hf_pp2" "pp 2"
 # ZeRO-3 over the pipeline (each stage's blocks kept gathered across its micro-batches): the same
 # losses as one rank, and its export is the whole model.
 "$MPIEXEC" -np 2 "${run[@]}" --metrics-out "$work/m8.jsonl" --pp 2 --micro-batches 2 --zero 3 \

@@ -1,6 +1,7 @@
 #pragma once
 // File helpers with the guarantees checkpoints and data files need: atomic replacement
 // (write to a temporary name, fsync, rename) and content checksums.
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -45,5 +46,36 @@ uintmax_t remove_tree(const std::filesystem::path& path, std::error_code& ec) no
 // writer calls this before writing `bytes` to `path`; without the variable it only adds.
 // Throws loom::Error naming the path and the error, or a malformed variable.
 void account_write(const std::filesystem::path& path, uint64_t bytes);
+
+// A whole file mapped into memory for reading: the operating system pages it in as it is read
+// and may drop the pages again, so a reader of a file larger than memory holds none of it
+// itself. Token shards and safetensors files are read through one. With copy_on_write, the pages
+// may also be written (privately: the file never changes), so tensors viewing them are ordinary
+// writable tensors.
+class MappedFile {
+ public:
+  // Throws loom::Error "cannot open <what> '<path>': <reason>" for a missing or unreadable file.
+  explicit MappedFile(const std::filesystem::path& path, std::string_view what = "file",
+                      bool copy_on_write = false);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  // The file's bytes (nullptr for an empty file).
+  unsigned char* data() const { return static_cast<unsigned char*>(map_); }
+  size_t size() const { return size_; }
+  // The size of the mapped file now (it may have been truncated since it was mapped; reading
+  // mapped pages past its end would raise SIGBUS). A copy-on-write mapping keeps its file open
+  // for this, so it is the mapped file's size even if the path was renamed over since; a
+  // read-only one closes it (a run may map thousands of token shards) and asks the path.
+  size_t current_size() const;
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+};
 
 }  // namespace loom::core

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "loom/core/files.h"
+
 namespace loom::core {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -27,7 +29,8 @@ void save_safetensors(const std::filesystem::path& path, const NamedTensors& ten
                       const std::map<std::string, std::string>& metadata = {});
 
 // Throws loom::Error naming the path and the problem for a missing, truncated or malformed file.
-// Peak memory: the tensors themselves (each is read straight into its own storage).
+// The tensors view the memory-mapped file (SafetensorsReader::view): loading holds no copy, the
+// pages are read as the tensors are.
 SafetensorsContents load_safetensors(const std::filesystem::path& path);
 
 // One safetensors file written tensor by tensor: the names, dtypes and shapes are declared up
@@ -69,9 +72,11 @@ class SafetensorsWriter {
   bool finished_ = false;
 };
 
-// One safetensors file read tensor by tensor: the header is parsed and checked when the reader
-// is made, and a tensor's bytes are read only when it is asked for. What a loader that needs a
-// few tensors of a large file (a rank's own parameters in a checkpoint) uses.
+// One safetensors file read tensor by tensor: the file is memory-mapped and its header parsed
+// and checked when the reader is made; a tensor's bytes are read only when it is asked for. What
+// a loader that needs a few tensors of a large file (a rank's own parameters in a checkpoint)
+// uses. The file must not be truncated while a reader or a view of it lives (checkpoints and
+// exports are replaced by rename, which leaves an open file whole).
 class SafetensorsReader {
  public:
   // Throws loom::Error naming the path and the problem for a missing, truncated or malformed
@@ -83,8 +88,15 @@ class SafetensorsReader {
   std::vector<std::string> names() const;  // sorted
   bool contains(const std::string& name) const { return entries_.count(name) > 0; }
   // A new CPU tensor holding `name`'s data. Throws loom::Error naming the file for an unknown
-  // name or a short read.
+  // name, or a tensor whose bytes are no longer in the file (cut short since it was opened).
   at::Tensor read(const std::string& name) const;
+  // A CPU tensor viewing `name`'s bytes in the mapped file, without a copy. The mapping is
+  // private and copy-on-write: writing to the tensor never changes the file (two views of one
+  // name from one reader share memory, as two views of one tensor do). The tensor keeps the
+  // mapping alive after the reader is gone. A tensor whose data is not aligned to its element
+  // size is read (copied) instead. Errors as read's; the file must not be cut short while the
+  // view lives.
+  at::Tensor view(const std::string& name) const;
 
  private:
   struct Entry {
@@ -92,7 +104,11 @@ class SafetensorsReader {
     std::vector<int64_t> shape;
     uint64_t begin = 0, bytes = 0;  // from the start of the file
   };
+  const Entry& entry(const std::string& name) const;
+  const Entry& present(const std::string& name) const;  // entry(), its bytes still in the file
+
   std::filesystem::path path_;
+  std::shared_ptr<MappedFile> file_;
   std::map<std::string, Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };

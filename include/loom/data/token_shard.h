@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <vector>
+
+#include "loom/core/files.h"
 
 namespace loom::data {
 
@@ -61,8 +64,7 @@ class TokenShard {
 
  private:
   std::filesystem::path path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
+  std::unique_ptr<core::MappedFile> file_;
   const unsigned char* data_ = nullptr;
   int64_t size_ = 0;
   int width_ = 2;

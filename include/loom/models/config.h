@@ -25,6 +25,20 @@ struct ModelConfig {
   int64_t d_ff = 3072;      // MLP hidden width (SwiGLU's gate/up width for Llama)
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;  // Llama only
+  // RoPE frequency scaling for contexts longer than the model was first trained on (Llama only),
+  // as Hugging Face's rope types: "" (none), "linear" (every frequency divided by factor) or
+  // "llama3" (Llama 3.1's: wavelengths longer than original_max_seq_len / low_freq_factor
+  // divided by factor, shorter than original_max_seq_len / high_freq_factor kept, those between
+  // interpolated).
+  struct RopeScaling {
+    std::string type;
+    double factor = 1.0;
+    double low_freq_factor = 1.0;
+    double high_freq_factor = 4.0;
+    int64_t original_max_seq_len = 8192;
+    bool operator==(const RopeScaling&) const = default;
+  };
+  RopeScaling rope_scaling;
   double dropout = 0.0;
   bool tie_embeddings = true;  // GPT-2: always; Llama: usually untied
   // The MLP's linears as this many independent blocks (block-diagonal; 1: dense). Must divide

@@ -88,4 +88,8 @@ class Llama : public CausalLM {
   at::Tensor rope_cos_, rope_sin_, rope_cos_used_, rope_sin_used_;
 };
 
+// RoPE's inverse frequencies theta^(-2i / head_dim), i < head_dim / 2, in fp64, after the
+// config's rope_scaling (ModelConfig::RopeScaling).
+at::Tensor rope_inverse_frequencies(const ModelConfig& config);
+
 }  // namespace loom::models

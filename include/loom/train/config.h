@@ -153,6 +153,7 @@ struct TrainConfig {
   bool async_save = false;  // rank 0 writes the files on a background thread (checkpoint_writer.h)
   std::string resume;       // save directory or checkpoint directory
   std::string export_hf;    // write a Hugging Face directory at the end
+  double export_hf_shard_mb = 5000;  // its weight files hold at most this many MB (10^6 bytes)
   int64_t log_every = 10;
   int64_t eval_every = 0;    // 0 = only at the end
   int64_t eval_batches = 8;  // validation batches of batch_size sequences
