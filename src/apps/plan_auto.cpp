@@ -7,6 +7,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "loom/data/mixture.h"
 #include "loom/data/tokenizer.h"
 #include "loom/dist/backend_plan.h"
 #include "loom/ops/cuda.h"
@@ -105,7 +106,10 @@ void plan_layout_if_asked(PretrainCommandLine& cli, dist::Runtime& runtime) {
   const auto model =
       c.resume.empty()
           ? c.new_model_config(
-                data::load_tokenizer(std::filesystem::absolute(c.data).parent_path())->vocab_size())
+                data::load_tokenizer(std::filesystem::absolute(
+                                         data::parse_data_sources(c.data).front().paths.front())
+                                         .parent_path())
+                    ->vocab_size())
           : checkpoint_model_config(c.resume);
   plan::PlanRequest request;
   request.workload = {model, c.batch_size, c.seq_len, c.precision};

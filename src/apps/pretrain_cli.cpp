@@ -31,9 +31,14 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
   app.add_option("--vocab-size", c.vocab_size,
                  "Vocabulary size (0: from the data directory's meta.json, else 256)")
       ->capture_default_str();
-  app.add_option("--data", c.data, "Training tokens: llm.c .bin shard or raw uint16 *.u16")
+  app.add_option("--data", c.data,
+                 "Training tokens: a token shard (llm.c .bin, raw *.u16 / *.u32), or a mixture of "
+                 "sources [NAME=]PATH[:WEIGHT],... where PATH may be a glob of shards "
+                 "('web/*.bin'), e.g. web=web/*.bin:0.7,code=code.bin:0.3")
       ->required();
-  app.add_option("--val-data", c.val_data, "Validation tokens (same formats)");
+  app.add_option("--val-data", c.val_data,
+                 "Validation tokens (the same forms; each source is scored apart and reported "
+                 "by name)");
   app.add_option("--steps", c.steps, "Optimizer steps to train to")->capture_default_str();
   app.add_option("--batch-size", c.batch_size,
                  "Global batch: sequences per optimizer step (before --grad-accum splits it)")

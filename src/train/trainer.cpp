@@ -55,19 +55,30 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   schedule_ = {config_.lr, config_.min_lr, config_.warmup_steps, config_.schedule_steps()};
   schedule_.validate();
 
-  // Data and tokenizer: a data directory written by loom-prepare describes its tokenizer.
-  train_shard_ = std::make_shared<data::TokenShard>(config_.data);
-  tokenizer_dir_ = fs::absolute(config_.data).parent_path();
+  // Data and tokenizer: a data directory written by loom-prepare describes its tokenizer; every
+  // source's must be the same.
+  const auto train_sources = data::parse_data_sources(config_.data, "--data");
+  const auto val_sources = config_.val_data.empty()
+                               ? std::vector<data::DataSourceSpec>()
+                               : data::parse_data_sources(config_.val_data, "--val-data");
+  tokenizer_dir_ = fs::absolute(train_sources.front().paths.front()).parent_path();
   tokenizer_ = data::load_tokenizer(tokenizer_dir_);
-  if (!config_.val_data.empty()) val_shard_ = std::make_shared<data::TokenShard>(config_.val_data);
+  check_one_tokenizer(train_sources, val_sources);
+  auto opened = data::open_sources(train_sources);
+  int64_t data_tokens = 0;
+  for (const auto& source : opened)
+    for (const auto& shard : source.shards) data_tokens += shard->size();
   std::optional<CheckpointContents> resume;
-  const auto model_config = resolve_model_config(resume);
+  const auto model_config = resolve_model_config(resume, data_tokens);
   if (config_.sampling == "auto") config_.sampling = "epoch";  // a new run (a resume took its own)
   train_sampler_ = std::make_unique<data::WindowSampler>(
-      train_shard_, config_.seq_len, config_.seed, data::parse_sampling(config_.sampling),
+      std::move(opened), config_.seq_len, config_.seed, data::parse_sampling(config_.sampling),
       config_.batch_size);
-  if (val_shard_)
-    val_sampler_ = std::make_unique<data::WindowSampler>(val_shard_, config_.seq_len, config_.seed);
+  // Validation reads each source's windows in order (the draw settings are not used).
+  for (const auto& source : data::open_sources(val_sources))
+    val_samplers_.push_back(std::make_unique<data::WindowSampler>(
+        std::vector<data::SamplerSource>{source}, config_.seq_len, config_.seed,
+        data::Sampling::kEpoch, 1));
   if (!config_.save_dir.empty()) {
     core::ensure_writable_dir(config_.save_dir);
     // Starting afresh in a directory that holds another run's checkpoints would mix the two.
@@ -85,7 +96,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
                config_.freeze_variance_after};
   run.decays = default_decays;
   run.train_sampler = train_sampler_.get();
-  run.val_sampler = val_sampler_.get();
+  run.val_sampler = val_samplers_.empty() ? nullptr : val_samplers_.front().get();
   runtime_->build_model(model_config);
   check_model_fits(run.model_config);  // a custom model's shape is known once it is built
   // fp64 runs hold parameters (and so activations, gradients and optimizer state) in fp64, from
@@ -258,28 +269,55 @@ StepResult Trainer::train_step() {
 }
 
 double Trainer::evaluate(int64_t batches) {
-  LOOM_CHECK(val_sampler_ != nullptr, "evaluation needs --val-data");
+  LOOM_CHECK(!val_samplers_.empty(), "evaluation needs --val-data");
   torch::NoGradGuard no_grad;
   for (auto& chunk : run().chunks) chunk->eval();
-  // Whole batches of batch_size windows (the same windows whatever --grad-accum and the layout
-  // are), each dp rank taking a contiguous share, run in micro-batches to bound memory.
-  const int64_t windows =
-      std::min(batches * config_.batch_size, val_sampler_->num_sequential_windows());
-  const int64_t per_rank = (windows + data_ranks() - 1) / data_ranks();
-  const int64_t begin = std::min(windows, data_rank() * per_rank);
-  const int64_t end = std::min(windows, begin + per_rank);
-  double sum = 0;
-  {
-    core::Bf16Autocast autocast(config_.precision == "bf16", device_.type());
-    sum = runtime_->evaluate(begin, end, per_rank);
+  val_by_source_.clear();
+  double total_sum = 0;
+  int64_t total_windows = 0;
+  for (const auto& sampler : val_samplers_) {
+    // Whole batches of batch_size windows (the same windows whatever --grad-accum and the layout
+    // are), each dp rank taking a contiguous share, run in micro-batches to bound memory.
+    run().val_sampler = sampler.get();  // what the runners read the windows from
+    const int64_t windows =
+        std::min(batches * config_.batch_size, sampler->num_sequential_windows());
+    const int64_t per_rank = (windows + data_ranks() - 1) / data_ranks();
+    const int64_t begin = std::min(windows, data_rank() * per_rank);
+    const int64_t end = std::min(windows, begin + per_rank);
+    double sum = 0;
+    {
+      core::Bf16Autocast autocast(config_.precision == "bf16", device_.type());
+      sum = runtime_->evaluate(begin, end, per_rank);
+    }
+    if (data_ranks() > 1) {
+      auto sum_t = at::full({1}, sum, at::TensorOptions(at::kDouble).device(device_));
+      mesh_->comm(dist::Dim::dp).all_reduce(sum_t, dist::ReduceOp::Sum);
+      sum = sum_t.item<double>();
+    }
+    val_by_source_.emplace_back(sampler->sources().front().name,
+                                sum / static_cast<double>(windows));
+    total_sum += sum;
+    total_windows += windows;
   }
+  run().val_sampler = val_samplers_.front().get();
   for (auto& chunk : run().chunks) chunk->train();
-  if (data_ranks() > 1) {
-    auto sum_t = at::full({1}, sum, at::TensorOptions(at::kDouble).device(device_));
-    mesh_->comm(dist::Dim::dp).all_reduce(sum_t, dist::ReduceOp::Sum);
-    sum = sum_t.item<double>();
-  }
-  return sum / static_cast<double>(windows);
+  return total_sum / static_cast<double>(total_windows);
+}
+
+void Trainer::add_source_metrics(json& record) const {
+  const auto& sampler = *train_sampler_;
+  if (sampler.sources().size() < 2) return;
+  const int64_t after = step() * config_.batch_size;
+  const auto before = sampler.samples_drawn(after - config_.batch_size);
+  const auto total = sampler.samples_drawn(after);
+  json sources = json::object();
+  for (size_t s = 0; s < total.size(); ++s)
+    sources[sampler.sources()[s].name] = {
+        {"samples", total[s] - before[s]},
+        {"tokens", (total[s] - before[s]) * config_.seq_len},
+        {"epochs", static_cast<double>(total[s]) /
+                       static_cast<double>(sampler.windows_per_epoch(static_cast<int64_t>(s)))}};
+  record["sources"] = std::move(sources);
 }
 
 void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_s) const {
@@ -385,12 +423,22 @@ StepResult Trainer::fit() {
       record["run"] = {
           {"flags", config_.to_json()}, {"world_size", mesh_->world_size()}, {"dp", data_ranks()}};
     runtime_->add_metrics(last, record);
+    add_source_metrics(record);
     const bool final_step = step() == config_.steps;
-    if (val_sampler_ &&
+    if (!val_samplers_.empty() &&
         ((config_.eval_every > 0 && step() % config_.eval_every == 0) || final_step)) {
       const double val = evaluate(config_.eval_batches);
       record["val_loss"] = val;
-      spdlog::info("step {:>5}/{} | validation loss {:.4f}", step(), config_.steps, val);
+      std::string by_source;
+      if (val_by_source_.size() > 1) {
+        record["val_loss_by_source"] = json::object();
+        for (const auto& [name, loss] : val_by_source_) {
+          record["val_loss_by_source"][name] = loss;
+          by_source += fmt::format(" | {} {:.4f}", name, loss);
+        }
+      }
+      spdlog::info("step {:>5}/{} | validation loss {:.4f}{}", step(), config_.steps, val,
+                   by_source);
     }
     // By seconds, the ranks agree: one whose clock says "due" makes every rank save.
     const bool due_by_time =

@@ -474,7 +474,7 @@ fs::path Trainer::save_checkpoint(bool background) {
       for (auto& kv : strategy_tensors) opt_state.push_back(std::move(kv));
       json state = {{"model_config", model().config().to_json()},
                     {"train_config", config_.to_json()},
-                    {"data_tokens", train_shard_->size()},
+                    {"data_tokens", train_sampler_->tokens()},
                     {"elapsed_s", elapsed_s()},
                     {"tokenizer", tokenizer_->kind()}};
       state.update(strategy_state);

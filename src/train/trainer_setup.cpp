@@ -7,8 +7,10 @@
 #include <ATen/Context.h>
 
 #include <mutex>
+#include <set>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 #include "loom/core/json.h"
 #include "loom/core/rng.h"
 #include "loom/dist/backend_plan.h"
@@ -62,7 +64,8 @@ void Trainer::check_mesh_and_device() {
   }
 }
 
-models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointContents>& resume) {
+models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointContents>& resume,
+                                                  int64_t data_tokens) {
   if (custom_model_) {
     // Its shape is its own; what loom would build or load for it does not apply.
     LOOM_CHECK(config_.init_from_hf.empty() && config_.export_hf.empty(),
@@ -139,10 +142,10 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
         resume->state.contains("data_tokens")
             ? core::json_int64(resume->state["data_tokens"], "state.json data_tokens")
             : int64_t{-1};
-    LOOM_CHECK(saved_tokens == train_shard_->size(),
+    LOOM_CHECK(saved_tokens == data_tokens,
                "cannot resume bit-exactly: the checkpoint was trained on {} tokens of data, but "
                "--data '{}' holds {}",
-               saved_tokens, config_.data, train_shard_->size());
+               saved_tokens, config_.data, data_tokens);
   } else if (custom_model_) {
     return model_config;  // known once the factory has built it
   } else {
@@ -150,6 +153,34 @@ models::ModelConfig Trainer::resolve_model_config(std::optional<CheckpointConten
   }
   if (!custom_model_) model_config.validate();
   return model_config;
+}
+
+void Trainer::check_one_tokenizer(const std::vector<data::DataSourceSpec>& train,
+                                  const std::vector<data::DataSourceSpec>& val) const {
+  // What makes two tokenizers the same: their kind, size, document start and files' bytes.
+  const auto fingerprint = [](const data::Tokenizer& tok) {
+    std::string f =
+        fmt::format("{} {} {}", tok.kind(), tok.vocab_size(), tok.document_start().value_or(-1));
+    for (const auto& file : tok.files())
+      f += fmt::format(" {}:{:08x}", file.name, core::file_crc32(file.source));
+    return f;
+  };
+  const auto ours = fingerprint(*tokenizer_);
+  namespace fs = std::filesystem;
+  std::set<fs::path> seen = {tokenizer_dir_};
+  for (const auto* sources : {&train, &val})
+    for (const auto& source : *sources)
+      for (const auto& path : source.paths) {
+        const auto dir = fs::absolute(path).parent_path();
+        if (!seen.insert(dir).second) continue;
+        const auto other = data::load_tokenizer(dir);
+        LOOM_CHECK(fingerprint(*other) == ours,
+                   "data source '{}' ({}) was prepared with another tokenizer than '{}': {} ({} "
+                   "ids) against {} ({} ids) — the sources of a run must share one tokenizer "
+                   "(the same meta.json and tokenizer files)",
+                   source.name, dir.string(), tokenizer_dir_.string(), other->kind(),
+                   other->vocab_size(), tokenizer_->kind(), tokenizer_->vocab_size());
+      }
 }
 
 void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
@@ -169,8 +200,11 @@ void Trainer::check_model_fits(const models::ModelConfig& model_config) const {
              "--vocab-size to at least {} (or leave it at 0 to take the tokenizer's)",
              tokenizer_->kind(), tokenizer_dir_.string(), tokenizer_->vocab_size(),
              model_config.vocab_size, tokenizer_->vocab_size());
-  train_shard_->check_vocab(model_config.vocab_size);
-  if (val_shard_) val_shard_->check_vocab(model_config.vocab_size);
+  std::vector<const data::WindowSampler*> samplers = {train_sampler_.get()};
+  for (const auto& s : val_samplers_) samplers.push_back(s.get());
+  for (const auto* sampler : samplers)
+    for (const auto& source : sampler->sources())
+      for (const auto& shard : source.shards) shard->check_vocab(model_config.vocab_size);
 }
 
 at::Generator Trainer::dropout_generator() {
@@ -227,8 +261,21 @@ void Trainer::log_setup() const {
   spdlog::info(
       "data: {} tokens in {} | tokenizer {} | batch {} x {} tokens ({} micro-batches "
       "of {}) | {} threads",
-      train_shard_->size(), config_.data, tokenizer_->kind(), config_.batch_size, config_.seq_len,
-      config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
+      train_sampler_->tokens(), config_.data, tokenizer_->kind(), config_.batch_size,
+      config_.seq_len, config_.grad_accum, config_.micro_batch_size(), at::get_num_threads());
+  const auto& sampler = *train_sampler_;
+  if (sampler.sources().size() > 1 || sampler.sources().front().shards.size() > 1)
+    for (size_t s = 0; s < sampler.sources().size(); ++s) {
+      const auto& source = sampler.sources()[s];
+      int64_t tokens = 0;
+      for (const auto& shard : source.shards) tokens += shard->size();
+      spdlog::info("data source '{}': weight {:.3f}, {} shard{}, {} tokens, {} windows an epoch",
+                   source.name, source.weight, source.shards.size(),
+                   source.shards.size() == 1 ? "" : "s", tokens,
+                   sampler.sampling() == data::Sampling::kEpoch
+                       ? std::to_string(sampler.windows_per_epoch(static_cast<int64_t>(s)))
+                       : std::string("(random draw)"));
+    }
   const auto names = runtime_->strategy_names();
   spdlog::info("strategies: {}", names.empty() ? std::string("none (one process)")
                                                : fmt::format("{}", fmt::join(names, " -> ")));

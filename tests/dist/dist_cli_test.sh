@@ -11,6 +11,9 @@
 #  6. pipeline parallelism from the command line: --pp 2 equals 1 rank, its checkpoint resumes
 #     on one process (another layout), its export is the whole model; bad pipeline flags are
 #     refused with status 2 on every rank.
+#  7. a data mixture (a glob of two shards weighted 0.7, one shard 0.3; validation per source):
+#     1 rank to step 2, resumed on 2 ranks (dp 2) to step 4, equals 1 rank to step 4, and the
+#     records say each source's samples, epochs and validation loss.
 # The tp 2, ZeRO-3 and pp 2 runs also save checkpoints: loom-export-hf of each (one process,
 # whatever the layout it was saved under) writes the same bytes as the run's own --export-hf.
 set -uo pipefail
@@ -278,4 +281,46 @@ refuse_each "--pp 2 --schedule zigzag|--schedule 'zigzag' is not a known pipelin
             "--pp 2 --zero3-reshard-after-forward false|--zero3-reshard-after-forward false keeps ZeRO-3's gathered blocks across micro-batches: it needs --zero 3 (it is 0)" \
             "--pp 3|tp 1 x pp 3 = 3 ranks does not divide the world of 2 processes" \
             "--pp 2 --micro-batches 2 --grad-accum 4|--micro-batches 2 and --grad-accum 4 disagree"
+# 7. A data mixture, resumed at another layout.
+mkdir -p "$work/web" "$work/code"
+printf 'the quick brown fox jumps over the lazy dog, again and again. %.0s' {1..120} > "$work/w.txt"
+printf 'int main() { return fold(xs, 0, [](int a, int b) { return a + b; }); } %.0s' {1..120} > "$work/c.txt"
+"$TOOLS/loom-prepare" --input "$work/w.txt" --out-dir "$work/web" > /dev/null 2>&1 &&
+  cp "$work/data/train.bin" "$work/web/train2.bin" &&
+  "$TOOLS/loom-prepare" --input "$work/c.txt" --out-dir "$work/code" > /dev/null 2>&1 ||
+  { say "FAIL: preparing the mixture's sources"; fail=1; }
+mix_flags=("$TOOLS/loom-pretrain" --val-data "web=$work/web/val.bin,code=$work/code/val.bin"
+     --seq-len 16 --batch-size 4 --log-level warn --lr 3e-3 --warmup-steps 1 --precision fp64
+     --steps 4 --eval-every 2 --eval-batches 2)
+mix=("${mix_flags[@]}" --data "web=$work/web/train*.bin:0.7,code=$work/code/train.bin:0.3")
+"${mix[@]}" --metrics-out "$work/mix1.jsonl" --save-dir "$work/mix1" --save-every 2 \
+  || { say "FAIL: 1-rank mixture run"; fail=1; }
+"$MPIEXEC" -np 2 "${mix[@]}" --metrics-out "$work/mix2.jsonl" --resume "$work/mix1/step-00000002" \
+  --save-dir "$work/mix2" || { say "FAIL: mixture resumed on 2 ranks"; fail=1; }
+if python3 - "$work/mix1.jsonl" "$work/mix2.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [3, 4], (a, b)
+for x, y in zip(a[2:], b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-9 * abs(x["loss"]), (x["loss"], y["loss"])
+    assert x["sources"] == y["sources"], (x["sources"], y["sources"])
+    assert ("val_loss" in x) == ("val_loss" in y) == (x["step"] % 2 == 0), (x, y)
+    for k in ("web", "code") if "val_loss" in x else ():
+        assert abs(x["val_loss_by_source"][k] - y["val_loss_by_source"][k]) <= 1e-9 * x["val_loss"]
+for r in a:
+    s = r["sources"]
+    assert s["web"]["samples"] + s["code"]["samples"] == 4, s
+    assert s["web"]["tokens"] == 16 * s["web"]["samples"], s
+web = a[-1]["val_loss_by_source"]["web"]; code = a[-1]["val_loss_by_source"]["code"]
+assert web != code and min(web, code) <= a[-1]["val_loss"] <= max(web, code), a[-1]
+print("ok: a mixture resumed on 2 ranks continues the 1-rank run:",
+      [round(y["loss"], 6) for y in b], a[-1]["sources"], a[-1]["val_loss_by_source"])
+PY
+then :; else say "FAIL: the mixture run differs when resumed on 2 ranks, or its records are wrong"; fail=1; fi
+out=$("${mix_flags[@]}" --data "web=$work/web/train*.bin:0.7,code=$work/code/train.bin:zero" 2>&1)
+status=$?
+if [ $status -ne 2 ] || ! grep -qF "the weight 'zero' of 'code=" <<< "$out"; then
+  say "FAIL: a bad mixture weight -> status $status: $out"; fail=1
+else say "ok: a bad mixture weight rejected with status 2"; fi
 exit $fail

@@ -10,7 +10,11 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "loom/core/memory.h"
 #include "loom/data/sampler.h"
@@ -60,9 +64,14 @@ class Trainer {
   int preempted_by() const { return preempted_by_; }
   // One optimizer step over one global batch.
   StepResult train_step();
-  // Mean next-token loss over the first `batches` x batch_size sequential windows of the
-  // validation data (fewer if it is shorter), the windows split across the dp ranks.
+  // Mean next-token loss over the first `batches` x batch_size sequential windows of each
+  // validation source (fewer if it is shorter), the windows split across the dp ranks: the mean
+  // over all windows scored; each source's own mean is in val_loss_by_source() after.
   double evaluate(int64_t batches);
+  // The last evaluate()'s mean per --val-data source, in the order given.
+  const std::vector<std::pair<std::string, double>>& val_loss_by_source() const {
+    return val_by_source_;
+  }
   // Writes a checkpoint of the current state into config.save_dir (every rank calls this). It
   // first waits for a background write in flight. `in_background`: returns once the collective
   // part is done and rank 0 holds copies of what it writes; rank 0 writes the files on a thread
@@ -105,7 +114,12 @@ class Trainer {
   RunContext& run() { return runtime_->context(); }
   // Construction, in order (trainer_setup.cpp).
   void check_mesh_and_device();
-  models::ModelConfig resolve_model_config(std::optional<CheckpointContents>& resume);
+  // Every source of --data and --val-data reads one tokenizer (its files, byte for byte).
+  void check_one_tokenizer(const std::vector<data::DataSourceSpec>& train,
+                           const std::vector<data::DataSourceSpec>& val) const;
+  // `data_tokens`: the training data's tokens, which a resumed run must have the same of.
+  models::ModelConfig resolve_model_config(std::optional<CheckpointContents>& resume,
+                                           int64_t data_tokens);
   // What the built model must fit: the data's vocabulary, --seq-len, --attention fused.
   void check_model_fits(const models::ModelConfig& model_config) const;
   // Seeds the model's dropout stream (loom's models), or LibTorch's default CPU generator, which
@@ -138,6 +152,8 @@ class Trainer {
   // heads). Reads the device; collective over the world when there are heads.
   std::vector<double> mtp_losses();
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
+  // A mixture's step record: each source's samples in the step and epochs drawn so far.
+  void add_source_metrics(nlohmann::json& record) const;
   data::Batch on_device(data::Batch batch) const;
   double elapsed_s() const;
   int64_t data_rank() const { return mesh_->coord(dist::Dim::dp); }
@@ -150,8 +166,10 @@ class Trainer {
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::filesystem::path tokenizer_dir_;
-  std::shared_ptr<data::TokenShard> train_shard_, val_shard_;
-  std::unique_ptr<data::WindowSampler> train_sampler_, val_sampler_;
+  std::unique_ptr<data::WindowSampler> train_sampler_;
+  // One per --val-data source, each scored apart (evaluate); the last scores by source.
+  std::vector<std::unique_ptr<data::WindowSampler>> val_samplers_;
+  std::vector<std::pair<std::string, double>> val_by_source_;
   LrSchedule schedule_;
   MetricsWriter metrics_;
   int64_t last_peak_activations_ = 0;
