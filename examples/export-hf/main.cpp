@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
                  "with model.safetensors.index.json")
       ->capture_default_str();
   return loom::apps::run_app(app, argc, argv, [&] {
+    loom::core::setup_logging("info");
     const auto type = dtype == "bfloat16"  ? at::kBFloat16
                       : dtype == "float16" ? at::kHalf
                                            : at::kFloat;

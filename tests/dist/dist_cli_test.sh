@@ -12,7 +12,8 @@
 #     on one process (another layout), its export is the whole model; bad pipeline flags are
 #     refused with status 2 on every rank.
 #  7. a data mixture (a glob of two shards weighted 0.7, one shard 0.3; validation per source):
-#     1 rank to step 2, resumed on 2 ranks (dp 2) to step 4, equals 1 rank to step 4, and the
+#     1 rank to step 2, resumed on 2 ranks (dp 2) to step 4, equals 1 rank to step 4 (and resumed
+#     on 1 rank, bit for bit), and the
 #     records say each source's samples, epochs and validation loss.
 # The tp 2, ZeRO-3 and pp 2 runs also save checkpoints: loom-export-hf of each (one process,
 # whatever the layout it was saved under) writes the same bytes as the run's own --export-hf.
@@ -297,10 +298,15 @@ mix=("${mix_flags[@]}" --data "web=$work/web/train*.bin:0.7,code=$work/code/trai
   || { say "FAIL: 1-rank mixture run"; fail=1; }
 "$MPIEXEC" -np 2 "${mix[@]}" --metrics-out "$work/mix2.jsonl" --resume "$work/mix1/step-00000002" \
   --save-dir "$work/mix2" || { say "FAIL: mixture resumed on 2 ranks"; fail=1; }
-if python3 - "$work/mix1.jsonl" "$work/mix2.jsonl" <<'PY'
+"${mix[@]}" --metrics-out "$work/mix3.jsonl" --resume "$work/mix1/step-00000002" \
+  --save-dir "$work/mix3" || { say "FAIL: mixture resumed on 1 rank"; fail=1; }
+if python3 - "$work/mix1.jsonl" "$work/mix2.jsonl" "$work/mix3.jsonl" <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
 b = [json.loads(l) for l in open(sys.argv[2])]
+c = [json.loads(l) for l in open(sys.argv[3])]
+# The same layout resumes bit for bit.
+assert [(r["loss"], r["sources"]) for r in c] == [(r["loss"], r["sources"]) for r in a[2:]], (a, c)
 assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [3, 4], (a, b)
 for x, y in zip(a[2:], b):
     assert abs(x["loss"] - y["loss"]) <= 1e-9 * abs(x["loss"]), (x["loss"], y["loss"])
