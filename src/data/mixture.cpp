@@ -24,10 +24,6 @@ bool is_source_name(std::string_view s) {
   });
 }
 
-bool has_glob(std::string_view s) {
-  return s.find_first_of("*?[") != std::string_view::npos;
-}
-
 }  // namespace
 
 std::vector<DataSourceSpec> parse_data_sources(const std::string& spec, std::string_view flag) {

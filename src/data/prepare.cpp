@@ -23,11 +23,11 @@ namespace loom::data {
 
 namespace fs = std::filesystem;
 
-namespace {
-
 bool has_glob(std::string_view s) {
   return s.find_first_of("*?[") != std::string_view::npos;
 }
+
+namespace {
 
 std::vector<fs::path> sorted_files_below(const fs::path& dir) {
   std::vector<fs::path> files;
@@ -56,8 +56,7 @@ struct Batch {
 // bounded; the writer takes results in the order the reader made them.
 class Pipeline {
  public:
-  Pipeline(const Tokenizer& tok, int threads, size_t capacity)
-      : tok_(tok), capacity_(capacity) {
+  Pipeline(const Tokenizer& tok, int threads, size_t capacity) : tok_(tok), capacity_(capacity) {
     for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });
   }
   ~Pipeline() { stop(); }
@@ -65,9 +64,8 @@ class Pipeline {
   // Blocks while `capacity` batches are in flight. Rethrows a worker's or the writer's error.
   void submit(Batch batch) {
     std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] {
-      return static_cast<size_t>(next_submit_ - next_take_) < capacity_ || error_;
-    });
+    changed_.wait(
+        lock, [&] { return static_cast<size_t>(next_submit_ - next_take_) < capacity_ || error_; });
     if (error_) std::rethrow_exception(error_);
     todo_.emplace_back(next_submit_++, std::move(batch));
     changed_.notify_all();
@@ -227,9 +225,10 @@ std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs) {
       std::sort(matches.begin(), matches.end());
       files.insert(files.end(), matches.begin(), matches.end());
     } else {
-      fail("input '{}' does not exist (expected a file, a directory or a glob such as "
-           "'shards/*.jsonl')",
-           input);
+      fail(
+          "input '{}' does not exist (expected a file, a directory or a glob such as "
+          "'shards/*.jsonl')",
+          input);
     }
   }
   return files;
@@ -247,8 +246,9 @@ PrepareStats prepare_shards(const Tokenizer& tok, const PrepareOptions& o) {
   const auto elapsed = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  const int threads =
-      o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   PrepareStats stats;
 
   // Every token goes to one shard; the tail is moved to val.bin at the end, when the total is
@@ -287,12 +287,10 @@ PrepareStats prepare_shards(const Tokenizer& tok, const PrepareOptions& o) {
     if (write_error) std::rethrow_exception(write_error);
   }
   stats.tokens = writer.size();
-  LOOM_CHECK(stats.tokens >= 2, "the input holds {} tokens; at least 2 are needed",
-             stats.tokens);
+  LOOM_CHECK(stats.tokens >= 2, "the input holds {} tokens; at least 2 are needed", stats.tokens);
   writer.finish();
 
-  stats.val_tokens =
-      static_cast<int64_t>(static_cast<double>(stats.tokens) * o.val_fraction);
+  stats.val_tokens = static_cast<int64_t>(static_cast<double>(stats.tokens) * o.val_fraction);
   stats.train_tokens = stats.tokens - stats.val_tokens;
   std::error_code ec;
   try {

@@ -113,10 +113,15 @@ std::string WindowSampler::describe() const {
                      shards);
 }
 
+int64_t SamplerSource::tokens() const {
+  int64_t n = 0;
+  for (const auto& shard : shards) n += shard->size();
+  return n;
+}
+
 int64_t WindowSampler::tokens() const {
   int64_t n = 0;
-  for (const auto& source : sources_)
-    for (const auto& shard : source.shards) n += shard->size();
+  for (const auto& source : sources_) n += source.tokens();
   return n;
 }
 

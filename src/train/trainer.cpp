@@ -66,8 +66,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   check_one_tokenizer(train_sources, val_sources);
   auto opened = data::open_sources(train_sources);
   int64_t data_tokens = 0;
-  for (const auto& source : opened)
-    for (const auto& shard : source.shards) data_tokens += shard->size();
+  for (const auto& source : opened) data_tokens += source.tokens();
   std::optional<CheckpointContents> resume;
   const auto model_config = resolve_model_config(resume, data_tokens);
   if (config_.sampling == "auto") config_.sampling = "epoch";  // a new run (a resume took its own)

@@ -267,11 +267,9 @@ void Trainer::log_setup() const {
   if (sampler.sources().size() > 1 || sampler.sources().front().shards.size() > 1)
     for (size_t s = 0; s < sampler.sources().size(); ++s) {
       const auto& source = sampler.sources()[s];
-      int64_t tokens = 0;
-      for (const auto& shard : source.shards) tokens += shard->size();
       spdlog::info("data source '{}': weight {:.3f}, {} shard{}, {} tokens, {} windows an epoch",
                    source.name, source.weight, source.shards.size(),
-                   source.shards.size() == 1 ? "" : "s", tokens,
+                   source.shards.size() == 1 ? "" : "s", source.tokens(),
                    sampler.sampling() == data::Sampling::kEpoch
                        ? std::to_string(sampler.windows_per_epoch(static_cast<int64_t>(s)))
                        : std::string("(random draw)"));

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "loom/data/tokenizer.h"
@@ -35,6 +36,9 @@ struct PrepareStats {
   int64_t val_tokens = 0;
   double seconds = 0;
 };
+
+// Whether a path component holds a glob character (* ? [), as expand_inputs reads it.
+bool has_glob(std::string_view s);
 
 // The files `inputs` name, in order. Throws loom::Error naming an input that matches nothing.
 std::vector<std::filesystem::path> expand_inputs(const std::vector<std::string>& inputs);

@@ -55,6 +55,7 @@ struct SamplerSource {
   std::string name;
   std::vector<std::shared_ptr<const TokenShard>> shards;
   double weight = 1;
+  int64_t tokens() const;  // in all its shards
 };
 
 // Opens the shards of parsed --data sources (mixture.h).
