@@ -32,7 +32,9 @@ void write_file(const fs::path& path, const std::string& text) {
 
 // GPT-2's byte-level character for byte b, as UTF-8.
 std::string byte_char(int b) {
-  const auto printable = [](int c) { return (c >= 0x21 && c <= 0x7E) || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE; };
+  const auto printable = [](int c) {
+    return (c >= 0x21 && c <= 0x7E) || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE;
+  };
   int cp = b;
   if (!printable(b)) {
     cp = 0x100;
@@ -59,12 +61,11 @@ json byte_level_tokenizer(const std::vector<std::pair<std::string, std::string>>
           {"pre_tokenizer", pre_tokenizer},
           {"post_processor", nullptr},
           {"decoder", {{"type", "ByteLevel"}}},
-          {"model",
-           {{"type", "BPE"}, {"vocab", vocab}, {"merges", m}, {"byte_fallback", false}}}};
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", m}, {"byte_fallback", false}}}};
 }
 
-const json kGpt2PreTokenizer = {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                                {"use_regex", true}};
+const json kGpt2PreTokenizer = {
+    {"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
 
 fs::path save(const TempDir& dir, const json& j, const std::string& name = "tokenizer.json") {
   const fs::path path = dir.path() / name;
@@ -81,7 +82,9 @@ std::string varint(uint64_t v) {
   } while (v != 0);
   return out;
 }
-std::string field_varint(int f, uint64_t v) { return varint(uint64_t(f) << 3) + varint(v); }
+std::string field_varint(int f, uint64_t v) {
+  return varint(uint64_t(f) << 3) + varint(v);
+}
 std::string field_bytes(int f, const std::string& b) {
   return varint((uint64_t(f) << 3) | 2) + varint(b.size()) + b;
 }
@@ -99,9 +102,9 @@ const std::string kSp = "\xE2\x96\x81";  // U+2581
 
 // <unk> <s> </s> ▁ a b ▁a ab [X](user-defined) <0x43>(byte 'C'); "ab" outscores "▁a".
 std::string sp_model(int model_type, bool byte_fallback, const std::string& charsmap = "") {
-  std::string m = piece("<unk>", 0, 2) + piece("<s>", 0, 3) + piece("</s>", 0, 3) +
-                  piece(kSp, -1) + piece("a", -2) + piece("b", -3) + piece(kSp + "a", -0.5f) +
-                  piece("ab", -0.1f) + piece("[X]", 0, 4) + piece("<0x43>", 0, 6);
+  std::string m = piece("<unk>", 0, 2) + piece("<s>", 0, 3) + piece("</s>", 0, 3) + piece(kSp, -1) +
+                  piece("a", -2) + piece("b", -3) + piece(kSp + "a", -0.5f) + piece("ab", -0.1f) +
+                  piece("[X]", 0, 4) + piece("<0x43>", 0, 6);
   m += field_bytes(2, field_varint(3, model_type) + field_varint(35, byte_fallback ? 1 : 0));
   std::string norm = field_bytes(1, "identity") + field_varint(3, 1) + field_varint(4, 0);
   if (!charsmap.empty()) norm += field_bytes(2, charsmap);
@@ -112,9 +115,10 @@ std::string sp_model(int model_type, bool byte_fallback, const std::string& char
 
 TEST(HfTokenizer, ByteLevelBpeMergesByRankAndDecodesBack) {
   TempDir dir;
-  const auto path = save(dir, byte_level_tokenizer({{"h", "e"}, {"l", "l"}, {"he", "ll"},
-                                                    {"hell", "o"}, {byte_char(' '), "h"}},
-                                                   kGpt2PreTokenizer));
+  const auto path =
+      save(dir, byte_level_tokenizer(
+                    {{"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {byte_char(' '), "h"}},
+                    kGpt2PreTokenizer));
   const HfTokenizer tok(path);
   EXPECT_EQ(tok.vocab_size(), 261);
   EXPECT_EQ(tok.kind(), "hf-json");
@@ -135,15 +139,14 @@ TEST(HfTokenizer, IntervalsRepeatAsInOnigurumasRubySyntax) {
   // X{1,2}+ is (X{1,2})+ for the tokenizers library: "12345" stays one pre-token, and the
   // merge 2+3 applies across what a possessive {1,2} would have cut into 12|34|5.
   TempDir dir;
-  const json split = {{"type", "Sequence"},
-                      {"pretokenizers",
-                       json::array({{{"type", "Split"},
-                                     {"pattern", {{"Regex", "\\d{1,2}+"}}},
-                                     {"behavior", "Isolated"},
-                                     {"invert", false}},
-                                    {{"type", "ByteLevel"},
-                                     {"add_prefix_space", false},
-                                     {"use_regex", false}}})}};
+  const json split = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       json::array({{{"type", "Split"},
+                     {"pattern", {{"Regex", "\\d{1,2}+"}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
   const HfTokenizer tok(save(dir, byte_level_tokenizer({{"2", "3"}}, split)));
   EXPECT_EQ(tok.encode("12345"), (std::vector<int32_t>{'1', 256, '4', '5'}));
   EXPECT_EQ(tok.encode("1a2"), (std::vector<int32_t>{'1', 'a', '2'}));
@@ -171,20 +174,24 @@ TEST(HfTokenizer, AddedTokensSplitTheTextWithTheirFlags) {
 TEST(HfTokenizer, MetaspaceByteFallbackAndTheDocumentStart) {
   // The SentencePiece kind: Metaspace, byte fallback, <s> from tokenizer_config.json.
   TempDir dir;
-  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}, {kSp, 3}, {"a", 4}, {"b", 5},
-                {kSp + "a", 6}, {"ab", 7}, {kSp + "ab", 8}};
+  json vocab = {{"<unk>", 0}, {"<s>", 1},     {"</s>", 2}, {kSp, 3},       {"a", 4},
+                {"b", 5},     {kSp + "a", 6}, {"ab", 7},   {kSp + "ab", 8}};
   for (int b = 0; b < 256; ++b) vocab[fmt::format("<0x{:02X}>", b)] = 9 + b;
   const json j = {
       {"added_tokens", json::array({{{"id", 1}, {"content", "<s>"}, {"special", true}}})},
       {"normalizer", nullptr},
       {"pre_tokenizer",
-       {{"type", "Metaspace"}, {"replacement", kSp}, {"prepend_scheme", "first"}, {"split", false}}},
+       {{"type", "Metaspace"},
+        {"replacement", kSp},
+        {"prepend_scheme", "first"},
+        {"split", false}}},
       {"decoder",
        {{"type", "Sequence"},
-        {"decoders", json::array({{{"type", "Replace"}, {"pattern", {{"String", kSp}}}, {"content", " "}},
-                                  {{"type", "ByteFallback"}},
-                                  {{"type", "Fuse"}},
-                                  {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}}},
+        {"decoders",
+         json::array({{{"type", "Replace"}, {"pattern", {{"String", kSp}}}, {"content", " "}},
+                      {{"type", "ByteFallback"}},
+                      {{"type", "Fuse"}},
+                      {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}}},
       {"model",
        {{"type", "BPE"},
         {"vocab", vocab},
@@ -220,13 +227,11 @@ TEST(HfTokenizer, RefusesWhatItCannotReadNamingTheFile) {
   json bad_merge = byte_level_tokenizer({}, kGpt2PreTokenizer);
   bad_merge["model"]["merges"] = json::array({"a zz"});
   expect_refused(bad_merge, "merge 0");
-  json bad_regex = byte_level_tokenizer({}, {{"type", "Split"},
-                                             {"pattern", {{"Regex", "(unclosed"}}},
-                                             {"behavior", "Isolated"}});
+  json bad_regex = byte_level_tokenizer(
+      {}, {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}});
   expect_refused(bad_regex, "regular expression");
-  json bad_behavior = byte_level_tokenizer({}, {{"type", "Split"},
-                                                {"pattern", {{"String", " "}}},
-                                                {"behavior", "Sideways"}});
+  json bad_behavior = byte_level_tokenizer(
+      {}, {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "Sideways"}});
   expect_refused(bad_behavior, "Sideways");
   write_file(dir.path() / "broken.json", "{\"model\": {");
   const std::string message = error_of([&] { HfTokenizer tok(dir.path() / "broken.json"); });
@@ -274,7 +279,8 @@ TEST(SentencePieceTokenizer, RefusesWhatItCannotReadNamingTheFile) {
   const std::string model = sp_model(2, true);
   refused(model.substr(0, model.size() / 2), "truncated");
   refused("", "no pieces");
-  refused(piece("<unk>", 0, 2) + piece("", 0, 4) + field_bytes(2, field_varint(3, 2)), "piece 1 is empty");
+  refused(piece("<unk>", 0, 2) + piece("", 0, 4) + field_bytes(2, field_varint(3, 2)),
+          "piece 1 is empty");
 }
 
 TEST(Tokenizer, OpenTokenizerPicksTheKindFromThePathAndMetaKeepsIt) {

@@ -19,8 +19,14 @@ namespace {
 constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 
 // Piece types of sentencepiece_model.proto.
-enum PieceType : int { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5,
-                       kByte = 6 };
+enum PieceType : int {
+  kNormal = 1,
+  kUnknown = 2,
+  kControl = 3,
+  kUserDefined = 4,
+  kUnused = 5,
+  kByte = 6
+};
 
 // A minimal protobuf wire-format reader: the fields ModelProto needs, unknown ones skipped.
 class Wire {
@@ -54,12 +60,23 @@ class Wire {
   }
   void skip(int wire_type) {
     switch (wire_type) {
-      case 0: varint(); break;
-      case 1: LOOM_CHECK(s_.size() - pos_ >= 8, "{}: truncated protobuf", where_); pos_ += 8; break;
-      case 2: bytes(); break;
-      case 5: LOOM_CHECK(s_.size() - pos_ >= 4, "{}: truncated protobuf", where_); pos_ += 4; break;
-      default: fail("{}: not a SentencePiece model (protobuf wire type {} at byte {})", where_,
-                    wire_type, pos_);
+      case 0:
+        varint();
+        break;
+      case 1:
+        LOOM_CHECK(s_.size() - pos_ >= 8, "{}: truncated protobuf", where_);
+        pos_ += 8;
+        break;
+      case 2:
+        bytes();
+        break;
+      case 5:
+        LOOM_CHECK(s_.size() - pos_ >= 4, "{}: truncated protobuf", where_);
+        pos_ += 4;
+        break;
+      default:
+        fail("{}: not a SentencePiece model (protobuf wire type {} at byte {})", where_, wire_type,
+             pos_);
     }
   }
 
@@ -111,10 +128,14 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
       while (!p.done()) {
         const uint64_t t = p.varint();
         const int f = static_cast<int>(t >> 3), w = static_cast<int>(t & 7);
-        if (f == 1 && w == 2) piece = std::string(p.bytes());
-        else if (f == 2 && w == 5) score = p.fixed32_float();
-        else if (f == 3 && w == 0) type = static_cast<int>(p.varint());
-        else p.skip(w);
+        if (f == 1 && w == 2)
+          piece = std::string(p.bytes());
+        else if (f == 2 && w == 5)
+          score = p.fixed32_float();
+        else if (f == 3 && w == 0)
+          type = static_cast<int>(p.varint());
+        else
+          p.skip(w);
       }
       pieces.push_back(std::move(piece));
       scores.push_back(score);
@@ -124,20 +145,33 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
       while (!spec.done()) {
         const uint64_t t = spec.varint();
         const int f = static_cast<int>(t >> 3), w = static_cast<int>(t & 7);
-        const auto as_int = [&] { return static_cast<int32_t>(static_cast<int64_t>(spec.varint())); };
-        if (field == 2 && w == 0 && f == 3) model_type = as_int();
-        else if (field == 2 && w == 0 && f == 24) treat_whitespace_as_suffix = spec.varint() != 0;
-        else if (field == 2 && w == 0 && f == 35) byte_fallback = spec.varint() != 0;
-        else if (field == 2 && w == 0 && f == 40) unk_id = as_int();
-        else if (field == 2 && w == 0 && f == 41) bos_id = as_int();
-        else if (field == 2 && w == 2 && f == 44) unk_surface = std::string(spec.bytes());
-        else if (field == 3 && w == 2 && f == 1) normalizer_name = std::string(spec.bytes());
+        const auto as_int = [&] {
+          return static_cast<int32_t>(static_cast<int64_t>(spec.varint()));
+        };
+        if (field == 2 && w == 0 && f == 3)
+          model_type = as_int();
+        else if (field == 2 && w == 0 && f == 24)
+          treat_whitespace_as_suffix = spec.varint() != 0;
+        else if (field == 2 && w == 0 && f == 35)
+          byte_fallback = spec.varint() != 0;
+        else if (field == 2 && w == 0 && f == 40)
+          unk_id = as_int();
+        else if (field == 2 && w == 0 && f == 41)
+          bos_id = as_int();
+        else if (field == 2 && w == 2 && f == 44)
+          unk_surface = std::string(spec.bytes());
+        else if (field == 3 && w == 2 && f == 1)
+          normalizer_name = std::string(spec.bytes());
         else if (field != 2 && w == 2 && f == 2)
           (field == 3 ? charsmap : denormalizer_charsmap) = std::string(spec.bytes());
-        else if (field == 3 && w == 0 && f == 3) add_dummy_prefix = spec.varint() != 0;
-        else if (field == 3 && w == 0 && f == 4) remove_extra_whitespaces = spec.varint() != 0;
-        else if (field == 3 && w == 0 && f == 5) escape_whitespaces = spec.varint() != 0;
-        else spec.skip(w);
+        else if (field == 3 && w == 0 && f == 3)
+          add_dummy_prefix = spec.varint() != 0;
+        else if (field == 3 && w == 0 && f == 4)
+          remove_extra_whitespaces = spec.varint() != 0;
+        else if (field == 3 && w == 0 && f == 5)
+          escape_whitespaces = spec.varint() != 0;
+        else
+          spec.skip(w);
       }
     } else {
       model.skip(wire);
@@ -152,11 +186,9 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
              "{}: the model's normalizer '{}' carries a precompiled character map (e.g. NFKC), "
              "which loom does not apply; only the identity normalizer is supported",
              where, normalizer_name);
-  LOOM_CHECK(!treat_whitespace_as_suffix, "{}: treat_whitespace_as_suffix is not supported",
-             where);
+  LOOM_CHECK(!treat_whitespace_as_suffix, "{}: treat_whitespace_as_suffix is not supported", where);
   const auto n = static_cast<int32_t>(pieces.size());
-  LOOM_CHECK(unk_id >= 0 && unk_id < n, "{}: unk_id {} is outside the {} pieces", where, unk_id,
-             n);
+  LOOM_CHECK(unk_id >= 0 && unk_id < n, "{}: unk_id {} is outside the {} pieces", where, unk_id, n);
   byte_ids.fill(-1);
   piece_byte.assign(pieces.size(), -1);
   for (int32_t id = 0; id < n; ++id) {
@@ -166,15 +198,14 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
     if (types[id] == kUserDefined) user_defined.push_back(id);
     if (types[id] == kByte) {
       const int value = utf8::byte_piece_value(pieces[id]);
-      LOOM_CHECK(value >= 0, "{}: piece {} '{}' is a byte piece but not of the form <0xHH>",
-                 where, id, pieces[id]);
+      LOOM_CHECK(value >= 0, "{}: piece {} '{}' is a byte piece but not of the form <0xHH>", where,
+                 id, pieces[id]);
       byte_ids[value] = id;
       piece_byte[id] = value;
     }
   }
-  std::stable_sort(user_defined.begin(), user_defined.end(), [&](int32_t a, int32_t b) {
-    return pieces[a].size() > pieces[b].size();
-  });
+  std::stable_sort(user_defined.begin(), user_defined.end(),
+                   [&](int32_t a, int32_t b) { return pieces[a].size() > pieces[b].size(); });
 }
 
 // The identity normalizer: optional removal of leading, trailing and repeated spaces, the dummy

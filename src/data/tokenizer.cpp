@@ -52,7 +52,6 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) const {
 
 namespace {
 
-
 enum class CharClass { kLetter, kNumber, kSpace, kOther };
 
 struct CodePointRange {
@@ -453,7 +452,7 @@ void export_tokenizer_for_hf(const Tokenizer& tok, const fs::path& dir) {
 }
 
 std::vector<std::string> tokenizer_file_names() {
-  return {"meta.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+  return {"meta.json",      "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
           "tokenizer.model"};
 }
 
@@ -478,9 +477,10 @@ std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
   } else if (kind == "sentencepiece") {
     tok = std::make_unique<SentencePieceTokenizer>(dir / "tokenizer.model");
   } else {
-    fail("{}: unknown tokenizer '{}', expected \"byte\", \"gpt2-bpe\", \"hf-json\" or "
-         "\"sentencepiece\"",
-         meta_path.string(), kind);
+    fail(
+        "{}: unknown tokenizer '{}', expected \"byte\", \"gpt2-bpe\", \"hf-json\" or "
+        "\"sentencepiece\"",
+        meta_path.string(), kind);
   }
   // A vocab_size that disagrees with the files means they were swapped or edited since.
   if (meta.contains("vocab_size")) {
@@ -501,9 +501,10 @@ std::unique_ptr<Tokenizer> open_tokenizer(const fs::path& path) {
       return std::make_unique<SentencePieceTokenizer>(path / "tokenizer.model");
     if (fs::is_regular_file(path / "vocab.json") && fs::is_regular_file(path / "merges.txt"))
       return std::make_unique<Gpt2BpeTokenizer>(path / "vocab.json", path / "merges.txt");
-    fail("tokenizer directory {} holds no tokenizer.json, tokenizer.model, or vocab.json + "
-         "merges.txt",
-         path.string());
+    fail(
+        "tokenizer directory {} holds no tokenizer.json, tokenizer.model, or vocab.json + "
+        "merges.txt",
+        path.string());
   }
   LOOM_CHECK(fs::is_regular_file(path),
              "tokenizer {} does not exist (expected \"byte\", a tokenizer.json, a SentencePiece "
