@@ -53,6 +53,44 @@ expect "does not exist" "$TOOLS/loom-prepare" --tokenizer "$work/nope.json" --in
 expect "holds no tokenizer.json" "$TOOLS/loom-tokenize" --tokenizer "$work"
 expect "raise --vocab-size to at least 259" "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 \
   --log-level warn --data "$work/data_hf/train.bin" --vocab-size 256
+# --doc-mask needs the tokenizer's document-start token: the byte tokenizer has none; the
+# tokenizer.json above has <s>.
+expect "--doc-mask needs a tokenizer that puts a document-start token" "$TOOLS/loom-pretrain" \
+  --steps 1 --batch-size 2 --seq-len 16 --log-level warn --data "$work/data/train.bin" --doc-mask
+"$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn --data \
+  "$work/data_hf/train.bin" --vocab-size 259 --doc-mask > /dev/null 2>&1 ||
+  { echo "FAIL: --doc-mask training on data_hf"; fail=1; }
+# scripts/prepare-hf: parquet rows streamed into loom-prepare write the same bytes as the same
+# documents in a JSON-lines file; a missing column is named.
+PY=${LOOM_SOURCE_DIR}/.venv/bin/python
+if "$PY" - "$work" << 'PY'
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+docs = ["hello world, a first document", None, "zweites Dokument: \u00fc\u00df", "\U0001F600 emoji\n\nand   spaces",
+        "code: int main() { return 0; }"] * 40
+pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), sys.argv[1] + "/p1.parquet",
+               row_group_size=37)
+with open(sys.argv[1] + "/p1.jsonl", "w") as f:
+    for d in docs:
+        if d is not None:
+            f.write(json.dumps({"text": d}) + "\n")
+PY
+then
+  "$LOOM_SOURCE_DIR/scripts/prepare-hf" --parquet "$work/p1.parquet" --out-dir "$work/phf" \
+    --tokenizer "$work/tok" --prepare "$TOOLS/loom-prepare" > /dev/null 2>&1 ||
+    { echo "FAIL: scripts/prepare-hf"; fail=1; }
+  "$TOOLS/loom-prepare" --input "$work/p1.jsonl" --out-dir "$work/pjs" --tokenizer "$work/tok" \
+    > /dev/null 2>&1 || { echo "FAIL: loom-prepare of p1.jsonl"; fail=1; }
+  for f in train.bin val.bin meta.json tokenizer.json; do
+    cmp -s "$work/phf/$f" "$work/pjs/$f" || { echo "FAIL: prepare-hf's $f differs"; fail=1; }
+  done
+  expect "no column 'body' (--text-field); it has id, text" "$LOOM_SOURCE_DIR/scripts/prepare-hf" \
+    --parquet "$work/p1.parquet" --text-field body --out-dir "$work/p2" --prepare "$TOOLS/loom-prepare"
+  expect "does not exist" "$LOOM_SOURCE_DIR/scripts/prepare-hf" --parquet "$work/nope.parquet" \
+    --out-dir "$work/p2" --prepare "$TOOLS/loom-prepare"
+else
+  echo "FAIL: pyarrow is missing from .venv (scripts/setup installs it)"; fail=1
+fi
 # loom-export-hf of that run's checkpoint: the model, generation_config.json with the document
 # start (<s>, id 1) as BOS and EOS, the tokenizer's files.
 "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn --model llama \
@@ -74,6 +112,21 @@ then echo "ok: loom-export-hf wrote the model, its token ids and its tokenizer"
 else echo "FAIL: loom-export-hf's directory"; fail=1; fi
 expect "does not exist" "$TOOLS/loom-export-hf" --checkpoint "$work/no_such_run" --out "$work/hf_x"
 expect "must be from 1e-6" "$TOOLS/loom-export-hf" --checkpoint "$work/ck_hf" --out "$work/hf_x" --shard-mb 0
+# loom-eval --doc-mask on short documents (JSON lines): the data's tokenizer's <s> starts each
+# one, so the loss moves; the byte tokenizer has no document start.
+for i in $(seq 1 40); do printf '{"text": "note %d: %s"}\n' "$i" "$(printf 'xy%.0s' $(seq 1 $((i % 5 + 1))))"; done \
+  > "$work/docs.jsonl"
+"$TOOLS/loom-prepare" --tokenizer "$work/tok" --input "$work/docs.jsonl" --out-dir "$work/data_docs" \
+  > /dev/null 2>&1 || { echo "FAIL: loom-prepare of docs.jsonl"; fail=1; }
+plain=$("$TOOLS/loom-eval" --checkpoint "$work/ck_hf" --data "$work/data_docs/train.bin" \
+  --seq-len 32 --batches 2 --batch-size 2 2>/dev/null | tail -1)
+masked=$("$TOOLS/loom-eval" --checkpoint "$work/ck_hf" --data "$work/data_docs/train.bin" \
+  --seq-len 32 --batches 2 --batch-size 2 --doc-mask 2>/dev/null | tail -1)
+if [ -z "$plain" ] || [ -z "$masked" ] || [ "$plain" = "$masked" ]; then
+  echo "FAIL: loom-eval --doc-mask gave '$masked', without it '$plain'"; fail=1
+fi
+expect "--doc-mask needs a tokenizer" "$TOOLS/loom-eval" --checkpoint "$work/ck_hf" \
+  --data "$work/data/train.bin" --seq-len 16 --batches 1 --doc-mask
 expect "--export-hf-shard-mb 0 is not valid" "$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 \
   --data "$work/data_hf/train.bin" --vocab-size 259 --export-hf-shard-mb 0
 run=("$TOOLS/loom-pretrain" --steps 2 --batch-size 2 --seq-len 16 --log-level warn)

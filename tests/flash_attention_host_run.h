@@ -25,11 +25,12 @@ inline loom::kernels::AttentionStrides attention_strides_of(const at::Tensor& t)
 // Forward and backward of the host reference on fp32 CPU tensors q, k, v, d_o ([B, H, T, D],
 // last dimension contiguous). Outputs go into `out`'s tensors where defined (any strides with a
 // contiguous last dimension), else into new NaN-filled ones, so that an element the reference
-// never writes shows.
+// never writes shows. `first_key`: a document mask ([B, T] int32, contiguous) or none.
 inline FlashAttentionHostRun run_flash_attention_host(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const at::Tensor& d_o,
                                                       bool causal, float scale,
-                                                      FlashAttentionHostRun out = {}) {
+                                                      FlashAttentionHostRun out = {},
+                                                      const at::Tensor& first_key = {}) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   if (!out.o.defined()) out.o = at::full_like(q, nan);
   if (!out.lse.defined()) out.lse = at::full({q.size(0), q.size(1), q.size(2)}, nan);
@@ -45,6 +46,7 @@ inline FlashAttentionHostRun run_flash_attention_host(const at::Tensor& q, const
   p.head_dim = static_cast<int>(q.size(3));
   p.scale = scale;
   p.causal = causal;
+  p.first_key = first_key.defined() ? first_key.data_ptr<int32_t>() : nullptr;
   p.q_strides = attention_strides_of(q);
   p.k_strides = attention_strides_of(k);
   p.v_strides = attention_strides_of(v);

@@ -79,7 +79,17 @@ struct Reference {
   at::Tensor bound_o, bound_lse, bound_dq, bound_dk, bound_dv;
 };
 
-Reference reference(const Shape& s, const Inputs& in) {
+// The keys each query attends under a document mask's first keys [B, T], causal folded in:
+// bool [B, 1, T, T].
+at::Tensor allowed_keys(const at::Tensor& first_key) {
+  const int64_t t = first_key.size(1);
+  const auto keys = at::arange(t, at::kLong);
+  return ((keys.view({1, 1, t}) >= first_key.to(at::kLong).unsqueeze(-1)) &
+          (keys.view({1, 1, t}) <= keys.view({1, t, 1})))
+      .unsqueeze(1);
+}
+
+Reference reference(const Shape& s, const Inputs& in, const at::Tensor& first_key = {}) {
   const int64_t group = s.h / s.h_kv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
   auto q = in.q.to(at::kDouble).detach().requires_grad_(true);
@@ -87,13 +97,16 @@ Reference reference(const Shape& s, const Inputs& in) {
   auto v = in.v.to(at::kDouble).detach().requires_grad_(true);
   const auto d_o = in.d_o.to(at::kDouble);
   Reference r;
-  r.o = ops::attention_reference(q, k, v, {.causal = s.causal});
+  r.o = ops::attention_reference(q, k, v, {.causal = s.causal, .first_key = first_key});
   auto grads = torch::autograd::grad({r.o}, {q, k, v}, {d_o});
   r.dq = grads[0], r.dk = grads[1], r.dv = grads[2];
   torch::NoGradGuard no_grad;
   const auto kk = expand_kv(k, group), vv = expand_kv(v, group);
   auto scores = at::matmul(q, kk.transpose(-2, -1)) * scale;
-  if (s.causal) scores.masked_fill_(at::ones({s.t, s.s}, at::kBool).triu(1), -INFINITY);
+  if (first_key.defined())
+    scores.masked_fill_(allowed_keys(first_key).logical_not(), -INFINITY);
+  else if (s.causal)
+    scores.masked_fill_(at::ones({s.t, s.s}, at::kBool).triu(1), -INFINITY);
   r.lse = at::logsumexp(scores, -1);
   const auto p = at::softmax(scores, -1);
   const double a = at::matmul(q.abs(), kk.abs().transpose(-2, -1)).max().item<double>();
@@ -140,6 +153,106 @@ TEST(CpuAttention, ForwardAndBackwardTrackFp64AtEveryLevel) {
       for (double x : w) EXPECT_LE(x, 1.0);
     }
   }
+}
+
+// Token ids [B, T] with a document start (id 0) at a few places in each row: adjacent ones (a
+// document of one token), one at position 0 in the first row only, the rest spread at random.
+at::Tensor documents(int64_t b, int64_t t, uint64_t seed) {
+  auto gen = core::make_generator(seed);
+  auto tokens = at::randint(1, 50, {b, t}, gen, at::kLong);
+  const auto starts = at::randint(0, t, {b, std::max<int64_t>(1, t / 24)}, gen, at::kLong);
+  for (int64_t row = 0; row < b; ++row) tokens[row].index_fill_(0, starts[row], 0);
+  tokens[0][0] = 0;
+  tokens[b - 1][t / 2] = 0;
+  tokens[b - 1][t / 2 + 1] = 0;
+  return tokens;
+}
+
+// A document mask (ops::document_first_keys) through the kernel at every level, held to the same
+// fp64 estimate as the unmasked attention, and through ops::attention's other backends.
+TEST(CpuAttention, DocumentMaskTracksFp64AtEveryLevel) {
+  const Shape shapes[] = {{2, 4, 2, 150, 150, 32, true, false},
+                          {1, 2, 2, 300, 300, 64, true, true},
+                          {3, 1, 1, 70, 70, 16, true, false}};
+  for (const auto& shape : shapes) {
+    const auto in = make_inputs(shape, 17);
+    const auto first_key = ops::document_first_keys(documents(shape.b, shape.t, 23), 0);
+    const auto ref = reference(shape, in, first_key);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(shape.d));
+    for (auto isa : ops::available_cpu_isas()) {
+      SCOPED_TRACE(name(shape) + " docs " + ops::to_string(isa));
+      auto [o, lse] = ops::cpu_attention_forward(in.q, in.k, in.v, true, scale, isa, first_key);
+      auto [dq, dk, dv] = ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, true, scale,
+                                                      isa, first_key);
+      const double w[] = {worst(o, ref.o, ref.bound_o), worst(lse, ref.lse, ref.bound_lse),
+                          worst(dq, ref.dq, ref.bound_dq), worst(dk, ref.dk, ref.bound_dk),
+                          worst(dv, ref.dv, ref.bound_dv)};
+      std::printf("%-34s %-8s docs max |err| / bound: o %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
+                  name(shape).c_str(), ops::to_string(isa).c_str(), w[0], w[1], w[2], w[3], w[4]);
+      for (double x : w) EXPECT_LE(x, 1.0);
+    }
+    // ops::attention: auto (this kernel, with autograd), SDPA (a boolean mask) and the math.
+    for (auto backend : {ops::AttentionBackend::kAuto, ops::AttentionBackend::kSdpa,
+                         ops::AttentionBackend::kMath}) {
+      SCOPED_TRACE(name(shape) + " docs " + ops::to_string(backend));
+      auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
+           v = in.v.clone().requires_grad_(true);
+      auto o =
+          ops::attention(q, k, v, {.causal = true, .backend = backend, .first_key = first_key});
+      o.backward(in.d_o);
+      EXPECT_LE(worst(o, ref.o, ref.bound_o), 1.0);
+      EXPECT_LE(worst(q.grad(), ref.dq, ref.bound_dq), 1.0);
+      EXPECT_LE(worst(k.grad(), ref.dk, ref.bound_dk), 1.0);
+      EXPECT_LE(worst(v.grad(), ref.dv, ref.bound_dv), 1.0);
+    }
+  }
+}
+
+// What the mask means: each document of a window attends as if it were alone (the math in fp64,
+// document by document, against the whole window masked), and the first keys are those of the
+// document each position is in.
+TEST(CpuAttention, DocumentMaskEqualsEachDocumentAlone) {
+  const auto tokens = at::tensor({7, 7, 1, 7, 7, 7, 1, 1, 7, 7}, at::kLong).view({1, 10});
+  const auto first_key = ops::document_first_keys(tokens, 1);
+  EXPECT_TRUE(
+      at::equal(first_key, at::tensor({0, 0, 2, 2, 2, 2, 6, 7, 7, 7}, at::kInt).view({1, 10})));
+  EXPECT_EQ(first_key.scalar_type(), at::kInt);
+  auto gen = core::make_generator(4);
+  const auto q = at::randn({1, 2, 10, 16}, gen, at::kDouble);
+  const auto k = at::randn({1, 1, 10, 16}, gen, at::kDouble);
+  const auto v = at::randn({1, 1, 10, 16}, gen, at::kDouble);
+  const auto masked = ops::attention_reference(q, k, v, {.causal = true, .first_key = first_key});
+  const std::pair<int64_t, int64_t> docs[] = {{0, 2}, {2, 6}, {6, 7}, {7, 10}};
+  for (const auto& [a, b] : docs) {
+    const auto alone = ops::attention_reference(q.slice(2, a, b), k.slice(2, a, b),
+                                                v.slice(2, a, b), {.causal = true});
+    EXPECT_LE((masked.slice(2, a, b) - alone).abs().max().item<double>(), 1e-12) << a;
+  }
+  // The kernel, in fp32, on the same rows: the same documents.
+  const auto fp32 = ops::cpu_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), true,
+                                       0.25, first_key);
+  const auto math =
+      ops::attention_reference(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
+                               {.causal = true, .scale = 0.25, .first_key = first_key});
+  EXPECT_LE((fp32 - math).abs().max().item<double>(), 1e-5);
+}
+
+// First keys the kernels cannot take are refused, naming the value.
+TEST(CpuAttention, InvalidDocumentMaskIsRefused) {
+  const auto q = at::randn({1, 1, 4, 16});
+  auto run = [&](const at::Tensor& fk, bool causal = true) {
+    return error_of([&] { ops::attention(q, q, q, {.causal = causal, .first_key = fk}); });
+  };
+  auto msg = run(at::tensor({0, 0, 3, 2}, at::kInt).view({1, 4}));  // after its query
+  EXPECT_TRUE(contains(msg, "first_key[0, 2] = 3")) << msg;
+  msg = run(at::tensor({0, 1, 1, 0}, at::kInt).view({1, 4}));  // back to an earlier document
+  EXPECT_TRUE(contains(msg, "first_key[0, 3] = 0")) << msg;
+  msg = run(at::tensor({-1, 0, 0, 0}, at::kInt).view({1, 4}));
+  EXPECT_TRUE(contains(msg, "first_key[0, 0] = -1")) << msg;
+  msg = run(at::tensor({0, 0, 0, 0}, at::kLong).view({1, 4}));
+  EXPECT_TRUE(contains(msg, "int32 [batch, seq] = [1, 4]")) << msg;
+  msg = run(at::zeros({1, 4}, at::kInt), false);
+  EXPECT_TRUE(contains(msg, "needs causal attention")) << msg;
 }
 
 // Every head is one thread's, computed in a fixed order: the thread count changes no bit.

@@ -173,6 +173,40 @@ TEST(FusedAttentionGpu, EveryVariantOnSmallShapesMatchesTheHostReference) {
   }
 }
 
+// A document mask: the kernel against the host reference on the same first keys (the tolerances
+// of the unmasked cases above), and ops::attention's auto backend taking it to the kernel.
+TEST(FusedAttentionGpu, DocumentMaskMatchesTheHostReference) {
+  SKIP_WITHOUT_GPU();
+  const auto cuda = at::Device(at::kCUDA, 0);
+  auto tokens = at::randint(1, 100, {2, 300}, at::kLong);
+  for (int64_t start : {0, 63, 64, 130, 131, 250}) tokens[0][start] = 0;
+  for (int64_t start : {0, 200}) tokens[1][start] = 0;
+  const auto first_key = ops::document_first_keys(tokens, 0);
+  for (auto dtype : {at::kBFloat16, at::kHalf})
+    for (int d : {64, 128}) {
+      SCOPED_TRACE(fmt::format("d{} {}", d, dtype == at::kBFloat16 ? "bf16" : "fp16"));
+      auto opts = at::TensorOptions(dtype).device(cuda);
+      const auto q = at::randn({2, 4, 300, d}, opts), k = at::randn({2, 2, 300, d}, opts);
+      const auto v = at::randn({2, 2, 300, d}, opts), d_o = at::randn({2, 4, 300, d}, opts);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+      auto cpu = [](const at::Tensor& t) { return t.to(at::kFloat).cpu().contiguous(); };
+      const auto ref = loom::testing::run_flash_attention_host(
+          cpu(q), cpu(k), cpu(v), cpu(d_o), true, static_cast<float>(scale), {}, first_key);
+      auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+           vg = v.clone().requires_grad_();
+      auto o = ops::attention(qg, kg, vg, {.causal = true, .first_key = first_key.to(cuda)});
+      o.backward(d_o);
+      const double tolerance = dtype == at::kBFloat16 ? 1.5e-2 : 2e-3;
+      auto bound = [&](const at::Tensor& want) {
+        return tolerance * std::max(1.0, want.abs().max().item<double>());
+      };
+      EXPECT_LE(max_abs(o, ref.o), bound(ref.o)) << "o";
+      EXPECT_LE(max_abs(qg.grad(), ref.dq), bound(ref.dq)) << "dq";
+      EXPECT_LE(max_abs(kg.grad(), ref.dk), bound(ref.dk)) << "dk";
+      EXPECT_LE(max_abs(vg.grad(), ref.dv), bound(ref.dv)) << "dv";
+    }
+}
+
 // The kernel against the host reference of the same algorithm (fp32 on the same rounded inputs)
 // and against at::scaled_dot_product_attention in the same dtype. Bounds: every output and
 // gradient within max(2 x SDPA's own error against the fp32 reference, 2e-3) + 1e-3 of it: the

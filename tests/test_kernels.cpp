@@ -16,11 +16,13 @@
 #include "common/float16.h"
 #include "flash_attention_host_run.h"
 #include "loom/core/error.h"
+#include "loom/ops/attention.h"
 #include "loom/ops/bsr.h"
 #include "loom/ops/sparse24.h"
 #include "sparse24_util.h"
 
 namespace kernels = loom::kernels;
+namespace ops = loom::ops;
 
 namespace {
 
@@ -139,6 +141,39 @@ TEST_P(FlashAttentionHost, MatchesNaiveAttentionForwardAndBackward) {
                  kernels::bwd_first_q_tile(n, block_m, c.causal);
   EXPECT_EQ(run.forward.tiles, fwd_tiles * c.batch * c.q_heads);
   EXPECT_EQ(run.backward.tiles, bwd_tiles * c.batch * c.q_heads);
+}
+
+// A document mask: the reference against the fp64 math with the same mask
+// (ops::attention_reference), and whole tiles skipped on both sides — fewer than the causal count,
+// forward and backward.
+TEST(FlashAttentionHostDocuments, MatchesMaskedAttentionAndSkipsTiles) {
+  at::manual_seed(77);
+  const int t = 2 * kernels::kFwdBlockM + 50;
+  auto tokens = at::randint(1, 100, {2, t}, at::kLong);
+  for (int64_t start : {0, 70, 71, 150, 300}) tokens[0][start] = 0;
+  for (int64_t start : {0, 200}) tokens[1][start] = 0;
+  const auto first_key = ops::document_first_keys(tokens, 0);
+  const auto q = random_tensor(2, 4, t, 64, false), k = random_tensor(2, 2, t, 64, true);
+  const auto v = random_tensor(2, 2, t, 64, false), d_o = random_tensor(2, 4, t, 64, false);
+  const float scale = 0.125f;
+  const auto run =
+      loom::testing::run_flash_attention_host(q, k, v, d_o, true, scale, {}, first_key);
+  auto q64 = q.to(at::kDouble).requires_grad_(true), k64 = k.to(at::kDouble).requires_grad_(true),
+       v64 = v.to(at::kDouble).requires_grad_(true);
+  const auto o = ops::attention_reference(q64, k64, v64,
+                                          {.causal = true, .scale = scale, .first_key = first_key});
+  (o * d_o.to(at::kDouble)).sum().backward();
+  EXPECT_LE(scaled_error(run.o, o.detach()), 1e-5);
+  EXPECT_LE(scaled_error(run.dq, q64.grad()), 1e-5);
+  EXPECT_LE(scaled_error(run.dk, k64.grad()), 1e-5);
+  EXPECT_LE(scaled_error(run.dv, v64.grad()), 1e-5);
+  const auto causal = loom::testing::run_flash_attention_host(q, k, v, d_o, true, scale);
+  std::printf("  documents: tiles fwd %lld bwd %lld; causal fwd %lld bwd %lld\n",
+              static_cast<long long>(run.forward.tiles), static_cast<long long>(run.backward.tiles),
+              static_cast<long long>(causal.forward.tiles),
+              static_cast<long long>(causal.backward.tiles));
+  EXPECT_LT(run.forward.tiles, causal.forward.tiles);
+  EXPECT_LT(run.backward.tiles, causal.backward.tiles);
 }
 
 std::vector<Case> cases() {

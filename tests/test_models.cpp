@@ -75,6 +75,89 @@ TEST_P(BothFamilies, ChangingTokenTNeverChangesEarlierLogits) {
   EXPECT_FALSE(at::allclose(a.slice(1, 11), b.slice(1, 11), 0, 1e-3));
 }
 
+// Token ids [2, 24] of vocabulary 61 with documents starting (token 1) at 0, 9 and 17 in row 0
+// and at 0 and 5 in row 1; no other position holds 1.
+at::Tensor two_rows_of_documents(uint64_t seed) {
+  auto tokens = at::randint(2, 61, {2, 24}, loom::core::make_generator(seed));
+  for (int64_t at_pos : {0, 9, 17}) tokens[0][at_pos] = 1;
+  for (int64_t at_pos : {0, 5}) tokens[1][at_pos] = 1;
+  return tokens;
+}
+
+// Under a document mask a document's logits do not depend on the documents before it in the
+// window; with RoPE (Llama) they equal the document's logits alone, which only relative
+// positions reach. fp64, so that the comparisons measure the mask, not rounding.
+TEST_P(BothFamilies, DocumentMaskKeepsDocumentsApart) {
+  auto m = make(tiny(GetParam()));
+  m->to(at::kDouble);
+  m->eval();
+  torch::NoGradGuard no_grad;
+  const auto tokens = two_rows_of_documents(5);
+  auto earlier_changed = tokens.clone();
+  earlier_changed[0][3] = (tokens[0][3].item<int64_t>() + 1 - 2) % 59 + 2;  // in document 0..8
+  earlier_changed[1][2] = (tokens[1][2].item<int64_t>() + 1 - 2) % 59 + 2;  // in document 0..4
+  const auto unmasked = m->forward(tokens);
+  m->set_document_mask(1);
+  EXPECT_EQ(m->document_mask(), 1);
+  const auto masked = m->forward(tokens);
+  const auto masked_changed = m->forward(earlier_changed);
+  // Row 0 from position 9 and row 1 from 5 lie in later documents: unchanged.
+  EXPECT_LT(max_rel_diff(masked_changed[0].slice(0, 9), masked[0].slice(0, 9)), 1e-12);
+  EXPECT_LT(max_rel_diff(masked_changed[1].slice(0, 5), masked[1].slice(0, 5)), 1e-12);
+  // The first document of each row sees what it saw without the mask; later ones do not.
+  EXPECT_LT(max_rel_diff(masked[0].slice(0, 0, 9), unmasked[0].slice(0, 0, 9)), 1e-12);
+  EXPECT_GT(max_rel_diff(masked[0].slice(0, 9), unmasked[0].slice(0, 9)), 1e-3);
+  if (GetParam() == models::Family::kLlama) {
+    const auto alone = m->forward(tokens.slice(1, 9, 17));
+    EXPECT_LT(max_rel_diff(masked.slice(0, 0, 1).slice(1, 9, 17), alone.slice(0, 0, 1)), 1e-10);
+  }
+  m->set_document_mask(std::nullopt);
+  EXPECT_LT(max_rel_diff(m->forward(tokens), unmasked), 1e-15);
+}
+
+// Recomputation in backward (full or selective) uses the first keys of its own forward, and a
+// pipeline's later part reads them from the tokens it is given: the same loss and gradients as
+// the whole model run plainly.
+TEST_P(BothFamilies, DocumentMaskHoldsThroughRecomputeAndPipelineParts) {
+  const auto config = tiny(GetParam());
+  const auto tokens = two_rows_of_documents(6);
+  const auto targets = at::roll(tokens, -1, 1);
+  auto grads_of = [&](models::CausalLM& model) {
+    model.zero_grad();
+    auto loss = model.loss(tokens, targets);
+    loss.backward();
+    std::vector<at::Tensor> g{loss.detach()};
+    for (const auto& p : model.parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  auto plain = make(config);
+  plain->set_document_mask(1);
+  const auto want = grads_of(*plain);
+  for (auto mode :
+       {models::ActivationCheckpointing::kFull, models::ActivationCheckpointing::kSelective}) {
+    auto m = make(config);
+    m->set_document_mask(1);
+    m->set_activation_checkpointing(mode);
+    const auto got = grads_of(*m);
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_LT(max_rel_diff(got[i], want[i]), 1e-6) << models::to_string(mode) << " " << i;
+  }
+  // Two parts: layers [0, 1) with the embedding, [1, 2) with the head.
+  auto first = models::make_model(config, nullptr, {0, 1, true, false});
+  auto last = models::make_model(config, nullptr, {1, 2, false, true});
+  models::init_parameters(*first, 1);
+  models::init_parameters(*last, 1);
+  first->set_document_mask(1);
+  last->set_document_mask(1);
+  torch::NoGradGuard no_grad;
+  const auto hidden = first->forward_part(tokens);
+  const auto msg = loom::testing::error_of([&] { last->forward_part(hidden); });
+  EXPECT_TRUE(contains(msg, "needs the micro-batch's token ids")) << msg;
+  const auto loss = last->loss_from_logits(last->forward_part(hidden, tokens), targets);
+  EXPECT_LT(std::abs(loss.item<double>() - want[0].item<double>()), 1e-6);
+  EXPECT_TRUE(contains(error_of([&] { plain->set_document_mask(61); }), "start token 61"));
+}
+
 TEST_P(BothFamilies, InitializationDependsOnSeedAndNameOnly) {
   auto c2 = tiny(GetParam());
   auto c4 = c2;

@@ -2,6 +2,8 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+
 #include "loom/apps/cli.h"
 #include "loom/loom.h"
 
@@ -15,6 +17,7 @@ int main(int argc, char** argv) {
   int64_t seq_len = 128, batches = 8, batch_size = 8;
   std::string logits_out;
   int threads = 0;
+  bool doc_mask = false;
   auto* source = app.add_option_group("model", "Where the model comes from");
   source->add_option("--checkpoint", checkpoint, "loom checkpoint or save directory");
   source->add_option("--init-from-hf", hf_dir, "Hugging Face directory");
@@ -27,6 +30,10 @@ int main(int argc, char** argv) {
   app.add_option("--logits-out", logits_out,
                  "Also write the logits of the scored windows ([K, T, vocab], fp32) to this "
                  "safetensors file");
+  app.add_flag("--doc-mask", doc_mask,
+               "Attention within each document of a window, as loom-pretrain --doc-mask: a "
+               "document begins at each document-start token of the data's tokenizer (the "
+               "meta.json beside --data)");
   return loom::apps::run_app(app, argc, argv, [&] {
     if (threads > 0) at::set_num_threads(threads);
     LOOM_CHECK(batches > 0 && batch_size > 0, "--batches {} and --batch-size {} must be positive",
@@ -35,6 +42,16 @@ int main(int argc, char** argv) {
                                     : loom::train::load_model_from_checkpoint(checkpoint);
     auto shard = std::make_shared<loom::data::TokenShard>(data);
     shard->check_vocab(model->config().vocab_size);
+    if (doc_mask) {
+      const auto dir = std::filesystem::absolute(data).parent_path();
+      const auto tokenizer = loom::data::load_tokenizer(dir);
+      const auto start = tokenizer->document_start();
+      LOOM_CHECK(start,
+                 "--doc-mask needs a tokenizer that puts a document-start token (BOS, "
+                 "<|endoftext|>) before each document; the {} tokenizer of {} has none",
+                 tokenizer->kind(), dir.string());
+      model->set_document_mask(*start);
+    }
     loom::data::WindowSampler windows(shard, seq_len, /*seed=*/0);
     LOOM_CHECK(batches <= windows.num_sequential_windows(),
                "--batches {} windows of {} tokens do not fit in '{}' ({} tokens: at most {})",

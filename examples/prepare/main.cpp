@@ -10,9 +10,10 @@ int main(int argc, char** argv) {
   loom::data::PrepareOptions options;
   std::string vocab, merges, tokenizer, out_dir;
   app.add_option("--input", options.inputs,
-                 "Files, directories (every file below) and globs ('data/*.jsonl'), in the order "
-                 "given. A text file is one document; each line of a JSON-lines file (*.jsonl, "
-                 "*.ndjson) is one. Each document is preceded by the tokenizer's document-start "
+                 "Files, directories (every file below), globs ('data/*.jsonl') and named pipes, "
+                 "in the order given; '-' is standard input. A text file is one document; each "
+                 "line of a JSON-lines file (*.jsonl, *.ndjson, or any input with --format "
+                 "jsonl) is one. Each document is preceded by the tokenizer's document-start "
                  "token when it has one (BOS <s> or <|begin_of_text|>, GPT-2's <|endoftext|>)")
       ->required();
   app.add_option("--out-dir", out_dir, "Directory for train.bin, val.bin, meta.json")->required();

@@ -30,6 +30,11 @@
 // through those functions. The forward kernel is in flash_attention_forward.cuh, the backward
 // ones in flash_attention_backward.cuh; this file checks the arguments and launches them.
 //
+// Document masks (AttentionProblem::first_key): rows non-decreasing, so the forward starts at
+// the key tile of its first row's first key and the backward ends at the last query tile whose
+// last row's first key reaches the key tile (a binary search of the row); only the tiles a
+// document boundary crosses read first keys element by element.
+//
 // Masked scores are -inf before the softmax. A row whose keys are all masked (only with kv_len 0)
 // keeps m = -inf and l = 0; the update then uses 0 in place of m (no inf - inf), so P = 0, O = 0
 // and lse = -inf, and the backward (lse2 = +inf) gives that row P = 0 and no gradient.
@@ -128,6 +133,7 @@ Status run_forward(const FlashAttentionParams& p, cudaStream_t stream) {
   a.v = static_cast<const E*>(p.v);
   a.o = static_cast<E*>(p.o);
   a.lse = p.lse;
+  a.first_key = p.first_key;
   a.qs = p.q_strides;
   a.ks = p.k_strides;
   a.vs = p.v_strides;
@@ -192,6 +198,7 @@ Status run_backward(const FlashAttentionParams& p, char* workspace, cudaStream_t
     a.dq_accum = dq_accum;
     a.lse2 = lse2;
     a.delta = delta;
+    a.first_key = p.first_key;
     a.qs = p.q_strides;
     a.ks = p.k_strides;
     a.vs = p.v_strides;

@@ -65,6 +65,7 @@ struct BwdArgs {
   float* dq_accum;
   const float* lse2;
   const float* delta;
+  const int32_t* first_key;  // [batch, q_len] document mask, or null (AttentionProblem)
   AttentionStrides qs, ks, vs, dos, dks, dvs;
   int q_heads, group, q_len, kv_len, q_len_padded;
   float scale, scale_log2;
@@ -108,8 +109,11 @@ __global__ void __launch_bounds__(kBwdThreads) flash_bwd_kernel(const BwdArgs<E>
   const E* k = a.k + b * a.ks.batch + kvh * a.ks.head;
   const E* v = a.v + b * a.vs.batch + kvh * a.vs.head;
   const int m_first = bwd_first_q_tile(n_block, kBlockM, a.causal);
-  const int m_tiles = attention_ceil_div(a.q_len, kBlockM);
-  const int per_head = m_tiles > m_first ? m_tiles - m_first : 0;
+  // Document mask: this batch row's first keys; query tiles past the last one whose first keys
+  // reach this key tile are skipped.
+  const int32_t* fk = a.first_key == nullptr ? nullptr : a.first_key + int64_t(b) * a.q_len;
+  const int m_end = bwd_end_q_tile(fk, a.q_len, n_block, kBlockM);
+  const int per_head = m_end > m_first ? m_end - m_first : 0;
   const int n_iter = a.group * per_head;  // (query head of the group, query tile) pairs
 
   load_tile<kBwdBlockN, kHeadDim, kStride, kBwdThreads>(sK, k, a.ks.seq, n0, a.kv_len, a.vec, tid);
@@ -173,15 +177,18 @@ __global__ void __launch_bounds__(kBwdThreads) flash_bwd_kernel(const BwdArgs<E>
 
     // P^T = exp(scale S^T - lse) = exp2(S^T scale log2(e) - lse2), 0 where masked.
     const bool mask = bwd_tile_needs_mask(m_block, kBlockM, n_block, a.kv_len, a.causal);
+    const bool doc_mask = bwd_tile_needs_doc_mask(fk, m_block, kBlockM, n_block, a.q_len);
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int qc = acc_col(lane, j, i);
         float p = exp2f(fmaf(s[j][i], a.scale_log2, -lse2[qc]));
-        if (mask) {
+        if (mask || doc_mask) {
           const int key = n0 + key_row0 + acc_row(lane, i);
           if (key >= a.kv_len || (a.causal && key > m0 + qc)) p = 0.f;
+          // Queries past q_len (lse2 = +inf) already have P = 0: their first key is not read.
+          if (doc_mask && m0 + qc < a.q_len && key < fk[m0 + qc]) p = 0.f;
         }
         s[j][i] = p;
       }

@@ -44,6 +44,12 @@ struct AttentionProblem {
   int head_dim = 0;
   float scale = 0.f;  // multiplies q k^T; callers usually pass 1/sqrt(head_dim)
   bool causal = false;
+  // Document mask (optional, causal only): first_key[b * q_len + i] is the first key query i of
+  // batch b may attend, so it attends keys [first_key[..i], i]. Non-decreasing along each row
+  // with 0 <= first_key[i] <= i (documents lie one after another in a window), which is what
+  // lets whole tiles be skipped; ops::document_first_keys makes such rows. int32, contiguous
+  // [batch, q_len]; a device pointer for the kernel, a host one for the reference. Null: none.
+  const int32_t* first_key = nullptr;
   AttentionStrides q_strides, k_strides, v_strides, o_strides;
   AttentionStrides d_o_strides, dq_strides, dk_strides, dv_strides;  // backward only
 };
@@ -106,6 +112,46 @@ LOOM_HOST_DEVICE constexpr bool bwd_tile_needs_mask(int m_block, int block_m, in
   return n0 + kBwdBlockN > kv_len || (causal && n0 + kBwdBlockN - 1 > m_block * block_m);
 }
 
+// Document mask (AttentionProblem::first_key; `fk` is batch b's row of it, or null). Rows are
+// non-decreasing, so a tile's first query has its smallest first key and its last the largest.
+//
+// Forward: the first key tile query tile m_block visits: the one holding its first row's first
+// key (earlier tiles are masked for every row of it).
+LOOM_HOST_DEVICE inline int fwd_first_kv_tile(const int32_t* fk, int m_block) {
+  return fk == nullptr ? 0 : fk[m_block * kFwdBlockM] / kFwdBlockN;
+}
+// Whether some key of tile n_block lies before the first key of some row of query tile
+// m_block (its last row's): the tile needs the element-wise document mask.
+LOOM_HOST_DEVICE inline bool fwd_tile_needs_doc_mask(const int32_t* fk, int m_block, int n_block,
+                                                     int q_len) {
+  if (fk == nullptr) return false;
+  const int last = ((m_block + 1) * kFwdBlockM < q_len ? (m_block + 1) * kFwdBlockM : q_len) - 1;
+  return fk[last] > n_block * kFwdBlockN;
+}
+// Backward: one past the last query tile (of block_m rows) that key tile n_block meets: queries
+// whose first key lies after the tile's last key see none of it, and (rows non-decreasing) nor
+// does any query after them. A binary search over the row: log2(q_len) reads.
+LOOM_HOST_DEVICE inline int bwd_end_q_tile(const int32_t* fk, int q_len, int n_block, int block_m) {
+  if (fk == nullptr) return attention_ceil_div(q_len, block_m);
+  const int last_key = n_block * kBwdBlockN + kBwdBlockN - 1;
+  int lo = 0, hi = q_len;  // the queries with fk <= last_key are [0, lo)
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (fk[mid] <= last_key)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return attention_ceil_div(lo, block_m);
+}
+// Backward: whether tile (m_block of block_m rows, n_block) needs the element-wise document mask.
+LOOM_HOST_DEVICE inline bool bwd_tile_needs_doc_mask(const int32_t* fk, int m_block, int block_m,
+                                                     int n_block, int q_len) {
+  if (fk == nullptr) return false;
+  const int last = ((m_block + 1) * block_m < q_len ? (m_block + 1) * block_m : q_len) - 1;
+  return fk[last] > n_block * kBwdBlockN;
+}
+
 // ---- Checks ------------------------------------------------------------------------------------
 // Checks the shapes, head_dim and scale of `p`. for_kernel: also the limits of the CUDA kernel
 // (head_dim 64 or 128). Strides and pointers are checked by each entry point.
@@ -132,6 +178,8 @@ inline Status check_attention_problem(const AttentionProblem& p, bool for_kernel
   }
   if (!(p.scale > 0.f) || !std::isfinite(p.scale))
     return bad("scale " + str(p.scale) + " must be finite and > 0");
+  if (p.first_key != nullptr && !p.causal)
+    return bad("a document mask (first_key) needs causal attention");
   if (p.causal && p.q_len != p.kv_len)
     return bad("causal attention needs q_len == kv_len; got q_len " + str(p.q_len) +
                " and kv_len " + str(p.kv_len));

@@ -12,6 +12,7 @@ struct FwdArgs {
   const E* v;
   E* o;
   float* lse;
+  const int32_t* first_key;  // [batch, q_len] document mask, or null (AttentionProblem)
   AttentionStrides qs, ks, vs, os;
   int q_heads, group, q_len, kv_len;
   float scale, scale_log2;
@@ -52,11 +53,26 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
   const E* k = a.k + b * a.ks.batch + kvh * a.ks.head;
   const E* v = a.v + b * a.vs.batch + kvh * a.vs.head;
   const int n_tiles = fwd_num_kv_tiles(m_block, a.q_len, a.kv_len, a.causal);
+  // Document mask: this batch row's first keys; the tiles before the first row's are skipped.
+  const int32_t* fk = a.first_key == nullptr ? nullptr : a.first_key + int64_t(b) * a.q_len;
+  const int n_first = fwd_first_kv_tile(fk, m_block);
+  // The first key of this thread's rows g and g + 8 (acc_row(lane, 0) and acc_row(lane, 2)).
+  int row_first_key[2] = {0, 0};
+  if (fk != nullptr) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_row0 + acc_row(lane, 2 * r);
+      row_first_key[r] = row < a.q_len ? fk[row] : 0;
+    }
+  }
 
-  if (n_tiles > 0) {
+  if (n_tiles > n_first) {
+    const int first0 = n_first * kFwdBlockN;
     load_tile<kFwdBlockM, kHeadDim, kStride, kFwdThreads>(sQ, q, a.qs.seq, m0, a.q_len, a.vec, tid);
-    load_tile<kFwdBlockN, kHeadDim, kStride, kFwdThreads>(sK, k, a.ks.seq, 0, a.kv_len, a.vec, tid);
-    load_tile<kFwdBlockN, kHeadDim, kStride, kFwdThreads>(sV, v, a.vs.seq, 0, a.kv_len, a.vec, tid);
+    load_tile<kFwdBlockN, kHeadDim, kStride, kFwdThreads>(sK, k, a.ks.seq, first0, a.kv_len, a.vec,
+                                                          tid);
+    load_tile<kFwdBlockN, kHeadDim, kStride, kFwdThreads>(sV, v, a.vs.seq, first0, a.kv_len, a.vec,
+                                                          tid);
   }
   cp_async_commit();
 
@@ -67,8 +83,8 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
   float row_sum[2] = {0.f, 0.f};
   uint32_t q_frag[kKSteps][4];
 
-  for (int n_block = 0; n_block < n_tiles; ++n_block) {
-    const int stage = n_block & 1;
+  for (int n_block = n_first; n_block < n_tiles; ++n_block) {
+    const int stage = (n_block - n_first) & 1;
     if (n_block + 1 < n_tiles) {
       const int next0 = (n_block + 1) * kFwdBlockN;
       E* sKn = sK + (stage ^ 1) * kFwdBlockN * kStride;
@@ -83,7 +99,7 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (n_block == 0) {
+    if (n_block == n_first) {
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk)
         load_a(q_frag[kk], sQ, kStride, warp * 16, kk * 16, lane);
@@ -105,14 +121,16 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
     }
 
     const int n0 = n_block * kFwdBlockN;
-    if (fwd_tile_needs_mask(m_block, n_block, a.kv_len, a.causal)) {
+    if (fwd_tile_needs_mask(m_block, n_block, a.kv_len, a.causal) ||
+        fwd_tile_needs_doc_mask(fk, m_block, n_block, a.q_len)) {
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = n0 + acc_col(lane, j, i);
           const int row = warp_row0 + acc_row(lane, i);
-          if (key >= a.kv_len || (a.causal && key > row)) s[j][i] = -INFINITY;
+          if (key >= a.kv_len || (a.causal && key > row) || key < row_first_key[i / 2])
+            s[j][i] = -INFINITY;
         }
       }
     }

@@ -49,6 +49,7 @@ Status flash_attention_forward_host(const FlashAttentionHostParams& p,
   const int m_tiles = attention_ceil_div(p.q_len, kFwdBlockM);
   std::vector<float> m(kFwdBlockM), l(kFwdBlockM), acc(size_t(kFwdBlockM) * D), scores(kFwdBlockN);
   for (int b = 0; b < p.batch; ++b) {
+    const int32_t* fk = p.first_key == nullptr ? nullptr : p.first_key + int64_t(b) * p.q_len;
     for (int h = 0; h < p.q_heads; ++h) {
       const int kvh = h / group;
       for (int m_block = 0; m_block < m_tiles; ++m_block) {
@@ -58,11 +59,12 @@ Status flash_attention_forward_host(const FlashAttentionHostParams& p,
         std::fill(l.begin(), l.end(), 0.f);    // running sum of exp(scale * q.k - m)
         std::fill(acc.begin(), acc.end(), 0.f);
         const int n_tiles = fwd_num_kv_tiles(m_block, p.q_len, p.kv_len, p.causal);
-        for (int n_block = 0; n_block < n_tiles; ++n_block) {
+        for (int n_block = fwd_first_kv_tile(fk, m_block); n_block < n_tiles; ++n_block) {
           if (stats) ++stats->tiles;
           const int n0 = n_block * kFwdBlockN;
           const int cols = std::min(kFwdBlockN, p.kv_len - n0);
           const bool mask = fwd_tile_needs_mask(m_block, n_block, p.kv_len, p.causal);
+          const bool doc_mask = fwd_tile_needs_doc_mask(fk, m_block, n_block, p.q_len);
           for (int r = 0; r < rows; ++r) {
             const int row = m0 + r;
             const float* q = row_ptr(p.q, p.q_strides, b, h, row);
@@ -71,7 +73,7 @@ Status flash_attention_forward_host(const FlashAttentionHostParams& p,
             for (int c = 0; c < cols; ++c) {
               const int key = n0 + c;
               float x = -kInf;
-              if (!(mask && p.causal && key > row))
+              if (!(mask && p.causal && key > row) && !(doc_mask && key < fk[row]))
                 x = dot(q, row_ptr(p.k, p.k_strides, b, kvh, key), D) * p.scale;
               scores[c] = x;
               tile_max = std::max(tile_max, x);
@@ -138,19 +140,22 @@ Status flash_attention_backward_host(const FlashAttentionHostParams& p,
   const int m_tiles = attention_ceil_div(p.q_len, block_m);
   std::vector<float> dk_acc(size_t(kBwdBlockN) * D), dv_acc(size_t(kBwdBlockN) * D);
   for (int b = 0; b < p.batch; ++b) {
+    const int32_t* fk = p.first_key == nullptr ? nullptr : p.first_key + int64_t(b) * p.q_len;
     for (int kvh = 0; kvh < p.kv_heads; ++kvh) {
       for (int n_block = 0; n_block < n_tiles; ++n_block) {
         const int n0 = n_block * kBwdBlockN;
         const int cols = std::min(kBwdBlockN, p.kv_len - n0);
         std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
         std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+        const int m_end = std::min(m_tiles, bwd_end_q_tile(fk, p.q_len, n_block, block_m));
         for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-          for (int m_block = bwd_first_q_tile(n_block, block_m, p.causal); m_block < m_tiles;
+          for (int m_block = bwd_first_q_tile(n_block, block_m, p.causal); m_block < m_end;
                ++m_block) {
             if (stats) ++stats->tiles;
             const int m0 = m_block * block_m;
             const int rows = std::min(block_m, p.q_len - m0);
             const bool mask = bwd_tile_needs_mask(m_block, block_m, n_block, p.kv_len, p.causal);
+            const bool doc_mask = bwd_tile_needs_doc_mask(fk, m_block, block_m, n_block, p.q_len);
             for (int r = 0; r < rows; ++r) {
               const int query = m0 + r;
               const float* q = row_ptr(p.q, p.q_strides, b, h, query);
@@ -161,6 +166,7 @@ Status flash_attention_backward_host(const FlashAttentionHostParams& p,
               for (int c = 0; c < cols; ++c) {
                 const int key = n0 + c;
                 if (mask && p.causal && key > query) continue;  // P = 0, dS = 0
+                if (doc_mask && key < fk[query]) continue;
                 const float* k = row_ptr(p.k, p.k_strides, b, kvh, key);
                 const float* v = row_ptr(p.v, p.v_strides, b, kvh, key);
                 // P = exp(scale S - lse), recomputed; lse = -inf (no key) gives P = 0.

@@ -142,6 +142,10 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "(PaLM; keeps the softmax normaliser near 1 in low precision; the validation "
                  "loss stays the cross-entropy alone); 0: none")
       ->capture_default_str();
+  app.add_flag("--doc-mask", c.doc_mask,
+               "Attention stays within each document of a window: a document begins at each "
+               "document-start token the tokenizer put before it (BOS, GPT-2's <|endoftext|>); "
+               "positions still count from the window's start. Not with --cp > 1 yet");
   app.add_option("--peak-tflops", c.peak_tflops,
                  "The device's dense bf16 peak (TFLOP/s) for the MFU metric; 0: from the GPU's "
                  "name (H100/H200 989, A100 312, ...)")

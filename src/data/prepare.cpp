@@ -10,6 +10,7 @@
 #include <deque>
 #include <exception>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -169,12 +170,14 @@ void read_documents(const std::vector<fs::path>& files, const PrepareOptions& o,
   };
   for (const fs::path& file : files) {
     ++stats.files;
-    if (!is_jsonl(file, o.format)) {
-      add(core::read_file(file));
-      continue;
-    }
     std::ifstream in(file, std::ios::binary);
     LOOM_CHECK(in.good(), "cannot open '{}': {}", file.string(), std::strerror(errno));
+    if (!is_jsonl(file, o.format)) {
+      // Read as a stream: a pipe or standard input has no size to read up to.
+      add(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+      LOOM_CHECK(!in.bad(), "reading '{}' failed", file.string());
+      continue;
+    }
     std::string line;
     for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -202,9 +205,12 @@ void read_documents(const std::vector<fs::path>& files, const PrepareOptions& o,
 std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs) {
   std::vector<fs::path> files;
   for (const std::string& input : inputs) {
-    const fs::path path(input);
+    // "-": standard input, read once as it streams (JSON lines with --format jsonl).
+    const fs::path path(input == "-" ? std::string("/dev/stdin") : input);
     std::error_code ec;
-    if (fs::is_directory(path, ec)) {
+    if (input == "-" || fs::is_fifo(path, ec)) {
+      files.push_back(path);
+    } else if (fs::is_directory(path, ec)) {
       const auto below = sorted_files_below(path);
       LOOM_CHECK(!below.empty(), "input directory '{}' holds no files", input);
       files.insert(files.end(), below.begin(), below.end());

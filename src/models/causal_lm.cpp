@@ -120,8 +120,28 @@ at::Tensor CausalLM::token_positions(int64_t first, int64_t len, int64_t slice_l
   return execution_->context->local_positions(slice_len, device).narrow(0, first, len);
 }
 
+void CausalLM::set_document_mask(std::optional<int64_t> start_token) {
+  if (start_token) {
+    LOOM_CHECK(takes_document_mask(),
+               "a document mask needs loom's attention; this {} model computes its own: train it "
+               "without --doc-mask",
+               to_string(config_.family));
+    LOOM_CHECK(*start_token >= 0 && *start_token < config_.vocab_size,
+               "document mask: start token {} is not an id of the vocabulary [0, {})", *start_token,
+               config_.vocab_size);
+    LOOM_CHECK(context_parallel_size() == 1,
+               "a document mask under context parallelism (cp {}) is not supported yet: ring "
+               "attention takes no mask; train with cp 1 or without --doc-mask",
+               context_parallel_size());
+  }
+  document_start_ = start_token;
+}
+
 void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
   if (group && group->size() > 1) {
+    LOOM_CHECK(!document_start_,
+               "context parallelism with a document mask is not supported yet: ring attention "
+               "takes no mask; train with cp 1 or without --doc-mask");
     LOOM_CHECK(config_.family != Family::kCustom,
                "context parallelism needs to know where each token sits in its sequence; a "
                "custom model does not say: train it with cp 1");
@@ -139,7 +159,18 @@ void CausalLM::set_context_parallel(parallel::context::ContextGroupPtr group) {
   execution_->context = group && group->size() > 1 ? std::move(group) : nullptr;
 }
 
-at::Tensor CausalLM::forward_part(const at::Tensor& input) {
+at::Tensor CausalLM::forward_part(const at::Tensor& input, const at::Tensor& tokens) {
+  first_key_ = at::Tensor();
+  if (document_start_) {
+    const auto& ids = part_.first ? input : tokens;
+    LOOM_CHECK(ids.defined() && ids.dim() == 2 && ids.size(0) == input.size(0),
+               "{} runs under a document mask and needs the micro-batch's token ids [batch, seq] "
+               "(forward_part(hidden, tokens)); got {}",
+               part_.describe(config_.n_layers),
+               ids.defined() ? fmt::format("{}", ids.sizes()) : std::string("none"));
+    first_key_ = ops::document_first_keys(ids.to(input.device()), *document_start_);
+  }
+  const auto forget_first_key = c10::make_scope_exit([this] { first_key_ = at::Tensor(); });
   at::Tensor x;
   if (part_.first) {
     check_tokens(input);
@@ -159,6 +190,7 @@ at::Tensor CausalLM::forward_part(const at::Tensor& input) {
     const auto stop_keeping = c10::make_scope_exit([this] { keep_trunk_ = false; });
     x = run_layers(x);
   }
+  trunk_first_key_ = trunk_.defined() ? first_key_ : at::Tensor();
   if (!part_.last) return x;
   auto logits = head(x);
   if (trunk_.defined()) trunk_logits_ = TensorImplWeak(logits.getIntrusivePtr());
@@ -199,12 +231,13 @@ at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor
                "and loss_from_logits in turn",
                mtp_heads_.size());
     const auto trunk = std::exchange(trunk_, at::Tensor());
+    const auto first_key = std::exchange(trunk_first_key_, at::Tensor());
     trunk_logits_.reset();
     LOOM_CHECK(targets.dim() == 2 && targets.sizes() == logits.sizes().slice(0, 2),
                "loss: targets {} must be [batch, seq] of the logits {}", targets.sizes(),
                logits.sizes());
     // The heads first: their forwards run while the main head's cross-entropy holds nothing yet.
-    const auto heads = mtp_loss(trunk, targets);
+    const auto heads = mtp_loss(trunk, targets, first_key);
     return token_loss(logits, targets) + heads;
   }
   if (context_parallel_size() > 1) {
@@ -220,7 +253,8 @@ at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor
   return token_loss(logits, targets);
 }
 
-at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets) {
+at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets,
+                              const at::Tensor& first_key) {
   const int64_t heads = static_cast<int64_t>(mtp_heads_.size()), seq = targets.size(1);
   LOOM_CHECK(seq > heads,
              "multi-token prediction with {} heads needs sequences of more than {} tokens (head "
@@ -230,10 +264,11 @@ at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets
   for (int64_t i = 0; i < heads; ++i) {
     const double weight = mtp_weights_[static_cast<size_t>(i)];
     if (weight == 0) continue;
-    // Runs again in backward: holds the targets by value (the model outlives the step).
-    terms.push_back([this, i, weight, targets](const std::vector<at::Tensor>& in) {
+    // Runs again in backward: holds the targets and first keys by value (the model outlives the
+    // step).
+    terms.push_back([this, i, weight, targets, first_key](const std::vector<at::Tensor>& in) {
       const int64_t shift = i + 1;
-      const auto logits = unembed(mtp_hidden(i, in[0]));
+      const auto logits = unembed(mtp_hidden(i, in[0], first_key));
       const int64_t t = logits.size(1);
       const auto loss =
           token_loss(logits.narrow(1, 0, t - shift), targets.narrow(1, shift, t - shift));
@@ -289,7 +324,8 @@ void CausalLM::register_mtp_heads(const std::shared_ptr<torch::nn::Module>& cont
     container->register_module(std::to_string(i), mtp_heads_[i]);
 }
 
-at::Tensor CausalLM::mtp_hidden(int64_t /*index*/, const at::Tensor& /*trunk*/) {
+at::Tensor CausalLM::mtp_hidden(int64_t /*index*/, const at::Tensor& /*trunk*/,
+                                const at::Tensor& /*first_key*/) {
   fail("this {} model has no multi-token prediction heads", to_string(config_.family));
 }
 
@@ -321,10 +357,11 @@ std::vector<at::Tensor> CausalLM::forward_heads(const at::Tensor& tokens) {
     shard = forward_part(tokens);
   }
   const auto trunk = std::exchange(trunk_, at::Tensor());
+  const auto first_key = std::exchange(trunk_first_key_, at::Tensor());
   trunk_logits_.reset();
   std::vector<at::Tensor> out{whole_logits(shard)};
   for (int64_t i = 0; i < config_.mtp_heads; ++i)
-    out.push_back(whole_logits(unembed(mtp_hidden(i, trunk))));
+    out.push_back(whole_logits(unembed(mtp_hidden(i, trunk, first_key))));
   return out;
 }
 
@@ -434,13 +471,14 @@ namespace {
 template <typename Attend>
 at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4> shape, double p,
                           const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
-                          int64_t layer, Attend attend) {
+                          int64_t layer, const at::Tensor& first_key, Attend attend) {
   // Holds the group by value: with kSelective this runs again in backward (where the stream's
   // position is the checkpoint's to restore).
   const auto backend = execution ? execution->attention : ops::AttentionBackend::kAuto;
   auto chooser = execution ? execution->attention_chooser : nullptr;
   const uint32_t site = ops::dropout_site(layer, ops::DropoutPlace::kAttentionProbs);
-  auto run = [p, tp, backend, chooser, shape, site, attend](const std::vector<at::Tensor>& in) {
+  auto run = [p, tp, backend, chooser, shape, site, first_key,
+              attend](const std::vector<at::Tensor>& in) {
     const auto mask_options = in[0].options().dtype(ops::accumulation_dtype(in[0].scalar_type()));
     return attend(in, ops::AttentionOptions{.causal = true,
                                             .dropout = p,
@@ -448,6 +486,7 @@ at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4>
                                                 {shape[0], shape[1], shape[2], shape[3]},
                                                 mask_options, p, *tp, 1, site),
                                             .backend = backend,
+                                            .first_key = first_key,
                                             .chooser = chooser.get()});
   };
   if (!execution || execution->checkpointing != ActivationCheckpointing::kSelective)
@@ -461,21 +500,23 @@ at::Tensor attention_core(std::vector<at::Tensor> inputs, std::array<int64_t, 4>
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
-                            int64_t layer) {
+                            int64_t layer, const at::Tensor& first_key) {
   const int64_t t = q.size(2);
   if (execution && execution->context) {
     LOOM_CHECK(p == 0,
                "attention dropout ({}) under context parallelism is not supported yet: train "
                "with --dropout 0 or cp 1",
                p);
+    LOOM_CHECK(!first_key.defined(),
+               "a document mask under context parallelism is not supported yet");
     auto group = execution->context;
     return attention_core(
-        {q, k, v}, {q.size(0), q.size(1), t, t}, 0.0, tp, execution, layer,
+        {q, k, v}, {q.size(0), q.size(1), t, t}, 0.0, tp, execution, layer, {},
         [group](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
           return parallel::context::ring_attention(in[0], in[1], in[2], *group, o.scale);
         });
   }
-  return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution, layer,
+  return attention_core({q, k, v}, {q.size(0), q.size(1), t, t}, p, tp, execution, layer, first_key,
                         [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
                           return ops::attention(in[0], in[1], in[2], o);
                         });
@@ -483,18 +524,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
                                    const pt::TpGroupPtr& tp, const BlockExecutionPtr& execution,
-                                   int64_t layer) {
+                                   int64_t layer, const at::Tensor& first_key) {
   const int64_t t = qkv.size(1);
   if (execution && execution->context) {
     // Ring attention takes q, k and v apart: the heads of the packed projection, bias added.
     const auto x = bias.defined() ? qkv + bias.view({3, qkv.size(3), qkv.size(4)}) : qkv;
     return causal_attention(x.select(2, 0).transpose(1, 2), x.select(2, 1).transpose(1, 2),
-                            x.select(2, 2).transpose(1, 2), p, tp, execution, layer);
+                            x.select(2, 2).transpose(1, 2), p, tp, execution, layer, first_key);
   }
   std::vector<at::Tensor> inputs{qkv};
   if (bias.defined()) inputs.push_back(bias);
   return attention_core(
-      std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution, layer,
+      std::move(inputs), {qkv.size(0), qkv.size(3), t, t}, p, tp, execution, layer, first_key,
       [](const std::vector<at::Tensor>& in, const ops::AttentionOptions& o) {
         return ops::attention_packed(in[0], o, in.size() > 1 ? in[1] : at::Tensor());
       });

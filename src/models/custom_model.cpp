@@ -75,6 +75,7 @@ class CustomModel final : public CausalLM {
 
  protected:
   at::Tensor embed(const at::Tensor& tokens) override { return tokens; }
+  bool takes_document_mask() const override { return false; }
   at::Tensor run_layers(const at::Tensor& tokens) override {
     const auto run = [this](int64_t i, const at::Tensor& x,
                             const std::function<at::Tensor(const at::Tensor&)>& block) {

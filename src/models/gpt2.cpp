@@ -72,7 +72,7 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x) {
   return forward(x, layer_);
 }
 
-at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer) {
+at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer, const at::Tensor& first_key) {
   auto& tp = *tp_;
   const int64_t h = config_.n_heads / tp.size(), hd = config_.head_dim();
   const double p = is_training() ? config_.dropout : 0.0;
@@ -89,7 +89,7 @@ at::Tensor Gpt2Block::forward(const at::Tensor& x, int64_t layer) {
   auto qkv = (bias_in_attention ? c_attn_->forward_without_bias(a) : c_attn_->forward(a))
                  .view({b, t, 3, h, hd});
   auto y = causal_attention_packed(qkv, bias_in_attention ? c_attn_->bias : at::Tensor(), p, tp_,
-                                   execution_, layer);
+                                   execution_, layer, first_key);
   y = y.transpose(1, 2).reshape({b, t, h * hd});
   // The residual add and ln_2 in one op (one read of the residual stream where fused).
   const auto [out, normed] =
@@ -178,8 +178,8 @@ at::Tensor Gpt2::run_layers(const at::Tensor& input) {
   for (int64_t i = 0; i < layers; ++i) {
     auto block = h_[block_index(i)];
     // Dropout keyed by the layer it runs as, not the block: a shared block's uses differ.
-    x = run_block(i, x, [block, layer = first + i](const at::Tensor& in) {
-      return block->forward(in, layer);
+    x = run_block(i, x, [block, layer = first + i, fk = first_key()](const at::Tensor& in) {
+      return block->forward(in, layer, fk);
     });
   }
   return x;
@@ -194,9 +194,11 @@ at::Tensor Gpt2::unembed(const at::Tensor& normed) {
   return at::matmul(pt::enter_tp_region(normed, tp(), 1), wte_->weight.t());
 }
 
-at::Tensor Gpt2::mtp_hidden(int64_t index, const at::Tensor& trunk) {
+at::Tensor Gpt2::mtp_hidden(int64_t index, const at::Tensor& trunk, const at::Tensor& first_key) {
   const auto i = static_cast<size_t>(index);
-  return ops::add_norm(mtp_execution()->norm, mtp_blocks_.at(i)->forward(trunk), {},
+  auto& block = *mtp_blocks_.at(i);
+  return ops::add_norm(mtp_execution()->norm,
+                       block.forward(trunk, config().n_layers + index, first_key), {},
                        layer_norm_params(mtp_norms_.at(i)))
       .normed;
 }

@@ -102,7 +102,7 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
 }
 
 at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                               int64_t layer) {
+                               int64_t layer, const at::Tensor& first_key) {
   auto& tp = *tp_;
   const int64_t hd = config_.head_dim();
   const int64_t heads = config_.n_heads / tp.size();
@@ -117,7 +117,7 @@ at::Tensor LlamaBlock::forward(const at::Tensor& x, const at::Tensor& cos, const
   auto k = k_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto v = v_proj_->forward(hn).view({b, t, kv_heads, hd}).transpose(1, 2);
   auto y = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, p, tp_, execution_,
-                            layer);
+                            layer, first_key);
   y = y.transpose(1, 2).reshape({b, t, heads * hd});
   // Like Hugging Face's Llama, dropout (if any) acts on attention probabilities only.
   // The residual add and the second norm in one op (one read of the residual stream where fused).
@@ -224,9 +224,10 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
   for (int64_t i = 0; i < layers; ++i) {
     auto block = layers_[block_index(i)];
     // Dropout keyed by the layer it runs as, not the block: a shared block's uses differ.
-    x = run_block(i, x, [block, cos, sin, layer = first + i](const at::Tensor& in) {
-      return block->forward(in, cos, sin, layer);
-    });
+    x = run_block(i, x,
+                  [block, cos, sin, layer = first + i, fk = first_key()](const at::Tensor& in) {
+                    return block->forward(in, cos, sin, layer, fk);
+                  });
   }
   return x;
 }
@@ -240,10 +241,12 @@ at::Tensor Llama::unembed(const at::Tensor& normed) {
   return lm_head_ ? lm_head_->forward(h) : at::matmul(h, embed_tokens_->weight.t());
 }
 
-at::Tensor Llama::mtp_hidden(int64_t index, const at::Tensor& trunk) {
+at::Tensor Llama::mtp_hidden(int64_t index, const at::Tensor& trunk, const at::Tensor& first_key) {
   const auto i = static_cast<size_t>(index);
   const auto [cos, sin] = rope_tables(trunk);
-  return ops::add_norm(mtp_execution()->norm, mtp_blocks_.at(i)->forward(trunk, cos, sin), {},
+  auto& block = *mtp_blocks_.at(i);
+  return ops::add_norm(mtp_execution()->norm,
+                       block.forward(trunk, cos, sin, config().n_layers + index, first_key), {},
                        mtp_norms_.at(i)->params())
       .normed;
 }

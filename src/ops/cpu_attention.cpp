@@ -8,9 +8,11 @@
 #include <array>
 #include <vector>
 
+#include "autograd_args.h"
 #include "cpu_attention_kernel.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/attention.h"
 
 namespace loom::ops {
 
@@ -62,6 +64,7 @@ struct ForwardArgs {
   Strided q, k, v, o;
   float* lse;  // [B, H, T]
   Bias bias;
+  const int32_t* first_key = nullptr;  // [B, T] document mask, or null
 };
 
 struct BackwardArgs {
@@ -69,7 +72,15 @@ struct BackwardArgs {
   Strided q, k, v, o, d_o, dq, dk, dv;
   const float* lse;
   Bias bias;
+  const int32_t* first_key = nullptr;
 };
+
+// The head sizes with batch row b's first keys of a document mask.
+kernel::Head head_of_row(const kernel::Head& h, const int32_t* first_key, int64_t b) {
+  kernel::Head row = h;
+  row.first_key = first_key == nullptr ? nullptr : first_key + b * h.t;
+  return row;
+}
 
 // Over (batch, query head) indices [begin, end): one thread's share, with its own buffers.
 template <int R, int NVMax>
@@ -83,7 +94,8 @@ LOOM_FORCE_INLINE void run_range(const ForwardArgs& a, int64_t begin, int64_t en
                                  take(R * d)};
   for (int64_t index = begin; index < end; ++index) {
     const int64_t b = index / a.p.heads, hq = index % a.p.heads, hk = hq / a.p.group();
-    kernel::forward_head<R, NVMax>(h, {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)},
+    kernel::forward_head<R, NVMax>(head_of_row(h, a.first_key, b),
+                                   {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)},
                                    {a.k.at(b, hk), a.k.row, Bias::head(a.bias.k, hk, d)},
                                    {a.v.at(b, hk), a.v.row, Bias::head(a.bias.v, hk, d)},
                                    a.o.at(b, hq), a.o.row, a.lse + index * h.t, w);
@@ -115,12 +127,13 @@ LOOM_FORCE_INLINE void run_range(const BackwardArgs& a, int64_t begin, int64_t e
   const int64_t bias_width = (a.p.heads + 2 * a.p.kv_heads) * d;
   for (int64_t index = begin; index < end; ++index) {
     const int64_t b = index / a.p.kv_heads, hk = index % a.p.kv_heads;
+    const kernel::Head row_head = head_of_row(h, a.first_key, b);
     float* grad = a.bias.grad_partial == nullptr ? nullptr : a.bias.grad_partial + b * bias_width;
     kernel::begin_kv_head(h, {a.k.at(b, hk), a.k.row, Bias::head(a.bias.k, hk, d)},
                           {a.v.at(b, hk), a.v.row, Bias::head(a.bias.v, hk, d)}, w);
     for (int64_t hq = hk * a.p.group(); hq < (hk + 1) * a.p.group(); ++hq)
       kernel::backward_query_head<R, NVMax>(
-          h, {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)}, a.o.at(b, hq), a.o.row,
+          row_head, {a.q.at(b, hq), a.q.row, Bias::head(a.bias.q, hq, d)}, a.o.at(b, hq), a.o.row,
           {a.d_o.at(b, hq), a.d_o.row}, a.lse + (b * a.p.heads + hq) * h.t, a.dq.at(b, hq),
           a.dq.row, grad == nullptr ? nullptr : grad + hq * d, w);
     kernel::copy_rows(a.dk.at(b, hk), a.dk.row, w.dk, d, h.s, d);
@@ -211,11 +224,16 @@ void check_isa(CpuIsa isa) {
 // Forward into o ([B, H, T, D], unit last stride) and lse ([B, H, T], contiguous).
 void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                   double scale, CpuIsa isa, const at::Tensor& o, const at::Tensor& lse,
-                  const Bias& bias = {}) {
+                  const Bias& bias, const at::Tensor& first_key) {
   RECORD_FUNCTION("loom::cpu_attention", std::vector<c10::IValue>({q}));
-  const ForwardArgs args{
-      problem_of(q, k, causal, scale), strided(q), strided(k), strided(v), strided(o),
-      lse.data_ptr<float>(),           bias};
+  const ForwardArgs args{problem_of(q, k, causal, scale),
+                         strided(q),
+                         strided(k),
+                         strided(v),
+                         strided(o),
+                         lse.data_ptr<float>(),
+                         bias,
+                         first_key.defined() ? first_key.data_ptr<int32_t>() : nullptr};
   if (q.size(2) > 0)
     run_heads(isa, args, args.p.batch * args.p.heads, forward_scratch(args.p.head));
 }
@@ -224,7 +242,7 @@ void forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, bool causal,
                    double scale, CpuIsa isa, const at::Tensor& dq, const at::Tensor& dk,
-                   const at::Tensor& dv, const Bias& bias = {}) {
+                   const at::Tensor& dv, const Bias& bias, const at::Tensor& first_key) {
   RECORD_FUNCTION("loom::cpu_attention_backward", std::vector<c10::IValue>({d_o}));
   if (q.size(2) == 0) {
     dk.zero_(), dv.zero_();
@@ -240,16 +258,21 @@ void backward_into(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor&
                           strided(dk),
                           strided(dv),
                           lse.data_ptr<float>(),
-                          bias};
+                          bias,
+                          first_key.defined() ? first_key.data_ptr<int32_t>() : nullptr};
   run_heads(isa, args, args.p.batch * args.p.kv_heads, backward_scratch(args.p.head));
 }
 
+using FirstKey = detail::NoGradTensor;
+
 struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                            const FirstKey& first_key) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [o, lse] = cpu_attention_forward(q, k, v, causal, scale, best_cpu_isa());
+    auto [o, lse] = cpu_attention_forward(q, k, v, causal, scale, best_cpu_isa(), first_key.value);
     ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["first_key"] = first_key.to_ivalue();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     return o;
@@ -259,8 +282,9 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
     const auto saved = ctx->get_saved_variables();
     auto [dq, dk, dv] = cpu_attention_backward(grads[0], saved[0], saved[1], saved[2], saved[3],
                                                saved[4], ctx->saved_data["causal"].toBool(),
-                                               ctx->saved_data["scale"].toDouble(), best_cpu_isa());
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+                                               ctx->saved_data["scale"].toDouble(), best_cpu_isa(),
+                                               FirstKey::from(ctx->saved_data["first_key"]));
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -283,7 +307,8 @@ Bias packed_bias(const at::Tensor& bias, int64_t heads, int64_t d) {
 // GEMM left it out: it is added as the kernel packs q, k, v, and its gradient summed there.
 struct PackedAttention {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv_in,
-                            const at::Tensor& bias_in, bool causal, double scale) {
+                            const at::Tensor& bias_in, bool causal, double scale,
+                            const FirstKey& first_key) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto qkv = qkv_in.stride(4) == 1 ? qkv_in : qkv_in.contiguous();
     const auto bias = bias_in.defined() ? bias_in.contiguous() : bias_in;
@@ -291,8 +316,9 @@ struct PackedAttention {
     auto o = empty_bthd(q);
     auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
     forward_into(q, k, v, causal, scale, best_cpu_isa(), o, lse,
-                 packed_bias(bias, q.size(1), q.size(3)));
+                 packed_bias(bias, q.size(1), q.size(3)), first_key.value);
     ctx->save_for_backward({qkv, bias, o, lse});
+    ctx->saved_data["first_key"] = first_key.to_ivalue();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     return o;
@@ -313,7 +339,7 @@ struct PackedAttention {
     }
     backward_into(unit_stride(grads[0]), q, k, v, saved[2], saved[3],
                   ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble(),
-                  best_cpu_isa(), dq, dk, dv, b);
+                  best_cpu_isa(), dq, dk, dv, b, FirstKey::from(ctx->saved_data["first_key"]));
     if (b.defined()) {
       // Over the batch in order: the same bits at any thread count.
       grad_bias = partial[0].clone();
@@ -326,23 +352,25 @@ struct PackedAttention {
 // The autograd functions, without and with the bias (autograd takes no undefined input).
 struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
-                            bool causal, double scale) {
-    return PackedAttention::forward(ctx, qkv, at::Tensor(), causal, scale);
+                            bool causal, double scale, const FirstKey& first_key) {
+    return PackedAttention::forward(ctx, qkv, at::Tensor(), causal, scale, first_key);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {PackedAttention::backward(ctx, std::move(grads))[0], at::Tensor(), at::Tensor()};
+    return {PackedAttention::backward(ctx, std::move(grads))[0], at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 struct PackedBiasedAttentionFunction : torch::autograd::Function<PackedBiasedAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
-                            const at::Tensor& bias, bool causal, double scale) {
-    return PackedAttention::forward(ctx, qkv, bias, causal, scale);
+                            const at::Tensor& bias, bool causal, double scale,
+                            const FirstKey& first_key) {
+    return PackedAttention::forward(ctx, qkv, bias, causal, scale, first_key);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto g = PackedAttention::backward(ctx, std::move(grads));
-    return {g[0], g[1], at::Tensor(), at::Tensor()};
+    return {g[0], g[1], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -413,9 +441,10 @@ std::optional<std::string> cpu_attention_unsupported(const at::Tensor& q, const 
 }
 
 at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                         double scale) {
+                         double scale, const at::Tensor& first_key) {
   check_supported(q, k, v);
-  return AttentionFunction::apply(q, k, v, causal, scale);
+  return AttentionFunction::apply(q, k, v, causal, scale,
+                                  FirstKey{checked_first_keys(first_key, q, causal)});
 }
 
 std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout,
@@ -432,17 +461,19 @@ std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qk
 }
 
 at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale,
-                                const at::Tensor& bias) {
+                                const at::Tensor& bias, const at::Tensor& first_key) {
   const auto why = cpu_attention_packed_unsupported(qkv, 0.0, bias);
   LOOM_CHECK(!why, "CPU attention kernel cannot take these inputs: {}", *why);
-  return bias.defined() ? PackedBiasedAttentionFunction::apply(qkv, bias, causal, scale)
-                        : PackedAttentionFunction::apply(qkv, causal, scale);
+  const FirstKey fk{checked_first_keys(first_key, unpack(qkv)[0], causal)};
+  return bias.defined() ? PackedBiasedAttentionFunction::apply(qkv, bias, causal, scale, fk)
+                        : PackedAttentionFunction::apply(qkv, causal, scale, fk);
 }
 
 std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q_in,
                                                         const at::Tensor& k_in,
                                                         const at::Tensor& v_in, bool causal,
-                                                        double scale, CpuIsa isa) {
+                                                        double scale, CpuIsa isa,
+                                                        const at::Tensor& first_key) {
   check_supported(q_in, k_in, v_in);
   LOOM_CHECK(!causal || q_in.size(2) == k_in.size(2),
              "causal attention needs as many keys as queries; got {} and {}", q_in.size(2),
@@ -451,14 +482,14 @@ std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q_in,
   const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
   auto o = empty_bthd(q);
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  forward_into(q, k, v, causal, scale, isa, o, lse);
+  forward_into(q, k, v, causal, scale, isa, o, lse, {}, checked_first_keys(first_key, q, causal));
   return {o, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale,
-    CpuIsa isa) {
+    CpuIsa isa, const at::Tensor& first_key) {
   check_supported(q_in, k_in, v_in);
   check_isa(isa);
   LOOM_CHECK(grad_out.sizes() == q_in.sizes() && out.sizes() == q_in.sizes() &&
@@ -472,7 +503,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
   const auto q = unit_stride(q_in), k = unit_stride(k_in), v = unit_stride(v_in);
   auto dq = empty_bthd(q), dk = empty_bthd(k), dv = empty_bthd(v);
   backward_into(unit_stride(grad_out), q, k, v, unit_stride(out), lse, causal, scale, isa, dq, dk,
-                dv);
+                dv, {}, checked_first_keys(first_key, q, causal));
   return {dq, dk, dv};
 }
 

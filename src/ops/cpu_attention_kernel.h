@@ -126,10 +126,19 @@ struct Head {
   int64_t t, s, d, tp, sp;
   bool causal;
   float scale;
-  // Keys query row i attends to: [0, valid(i)); none for the padding rows.
+  // A document mask (causal only): this batch row's first key of each query, non-decreasing
+  // (ops::attention's first_key). Null: none.
+  const int32_t* first_key = nullptr;
+  // Keys query row i attends to: [begin(i), valid(i)); none for the padding rows.
+  int64_t begin(int64_t i) const { return first_key != nullptr && i < t ? first_key[i] : 0; }
   int64_t valid(int64_t i) const { return i >= t ? 0 : (causal ? std::min(s, i + 1) : s); }
-  // Columns of the score tile of rows [r0, r1): the keys any of them attends to, padded.
+  // Columns of the score tile of rows [r0, r1): the keys any of them attends to, padded;
+  // from first_column(r0) (row r0 has the smallest first key), rounded down to a vector. A tile
+  // of padding rows only takes the last row's, so that columns never move back.
   int64_t columns(int64_t r1) const { return causal ? std::min(sp, round_up(r1, kLanes)) : sp; }
+  int64_t first_column(int64_t r0) const {
+    return first_key == nullptr || t == 0 ? 0 : first_key[std::min(r0, t - 1)] / kLanes * kLanes;
+  }
 };
 
 // One row of d floats (a multiple of 16): inline vector moves, where a memcpy call per row of
@@ -182,24 +191,31 @@ LOOM_FORCE_INLINE void add_column_sums(const float* src, int64_t rows, int64_t d
   }
 }
 
+// Lanes j..j+15 inside the columns [lo, hi).
+LOOM_FORCE_INLINE I16 in_columns(int64_t j, int64_t lo, int64_t hi) {
+  const I16 lane = lanes_from(j);
+  return (lane >= static_cast<int32_t>(lo)) & (lane < static_cast<int32_t>(hi));
+}
+
 // Row i of the scores (n columns, scaled by `scale` here) -> its softmax probabilities in
-// place, zeros past valid; returns the log-sum-exp (natural log) of the scaled scores.
-LOOM_FORCE_INLINE float softmax_row(float* row, int64_t n, int64_t valid, float scale) {
+// place, zeros outside the keys [lo, hi) it attends to; returns the log-sum-exp (natural log) of
+// the scaled scores.
+LOOM_FORCE_INLINE float softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float scale) {
   constexpr float kLog2e = 1.44269504088896340736f;
-  if (valid == 0) {
+  if (hi <= lo) {
     std::fill(row, row + n, 0.0f);
     return 0.0f;
   }
   V16 max = splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const V16 x = lanes_from(j) < static_cast<int32_t>(valid) ? load(row + j) : splat(-INFINITY);
+    const V16 x = in_columns(j, lo, hi) ? load(row + j) : splat(-INFINITY);
     max = x > max ? x : max;
   }
   const float m = max_lanes(max), c = scale * kLog2e, mc = m * c;
   V16 sum{};
   for (int64_t j = 0; j < n; j += kLanes) {
     V16 e = exp2_nonpositive(load(row + j) * c - mc);
-    e = lanes_from(j) < static_cast<int32_t>(valid) ? e : V16{};
+    e = in_columns(j, lo, hi) ? e : V16{};
     store(row + j, e);
     sum += e;
   }
@@ -221,13 +237,17 @@ LOOM_FORCE_INLINE void forward_head(const Head& h, Rows q, Rows k, Rows v, float
   pack_transposed(k, h.s, h.sp, d, w.kt);
   pack_rows(v, h.s, h.sp, d, w.vp);
   for (int64_t r0 = 0; r0 < h.tp && r0 < h.t; r0 += R) {
-    const int64_t n = h.columns(r0 + R);
-    row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt, h.sp, w.scores, h.sp, n, 0, d);
+    // Columns [j0, n): the keys before j0 are masked for every row of the tile.
+    const int64_t n = h.columns(r0 + R), j0 = std::min(h.first_column(r0), n);
+    row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt + j0, h.sp, w.scores + j0, h.sp, n - j0, 0,
+                              d);
     for (int r = 0; r < R; ++r) {
-      const float row_lse = softmax_row(w.scores + r * h.sp, n, h.valid(r0 + r), h.scale);
-      if (r0 + r < h.t) lse[r0 + r] = row_lse;
+      const int64_t i = r0 + r;
+      const float row_lse =
+          softmax_row(w.scores + r * h.sp + j0, n - j0, h.begin(i) - j0, h.valid(i) - j0, h.scale);
+      if (i < h.t) lse[i] = row_lse;
     }
-    row_tile<R, NVMax, false>({w.scores, h.sp}, w.vp, d, w.out, d, d, 0, n);
+    row_tile<R, NVMax, false>({w.scores, h.sp}, w.vp, d, w.out, d, d, j0, n);
     copy_rows(o + r0 * o_stride, o_stride, w.out, d, std::min<int64_t>(R, h.t - r0), d);
   }
 }
@@ -270,32 +290,36 @@ LOOM_FORCE_INLINE void backward_query_head(const Head& h, Rows q, const float* o
     w.delta[i] = sum_lanes(acc);
   }
   for (int64_t i0 = 0; i0 < h.t; i0 += kBlock) {
+    // The block's columns [j_block, n_block); each row tile's [j0, n) within them.
     const int64_t rows = std::min(kBlock, h.tp - i0), n_block = h.columns(i0 + rows);
+    const int64_t j_block = std::min(h.first_column(i0), n_block);
     for (int64_t r0 = i0; r0 < i0 + rows; r0 += R) {
-      const int64_t n = h.columns(r0 + R);
+      const int64_t n = h.columns(r0 + R), j0 = std::min(h.first_column(r0), n);
       float* p = w.p + (r0 - i0) * sp;
       float* ds = w.ds + (r0 - i0) * sp;
-      row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt, sp, p, sp, n, 0, d);
-      row_tile<R, NVMax, false>({w.dop + r0 * d, d}, w.vt, sp, ds, sp, n, 0, d);
+      row_tile<R, NVMax, false>({w.qp + r0 * d, d}, w.kt + j0, sp, p + j0, sp, n - j0, 0, d);
+      row_tile<R, NVMax, false>({w.dop + r0 * d, d}, w.vt + j0, sp, ds + j0, sp, n - j0, 0, d);
       for (int r = 0; r < R; ++r) {
-        const int64_t i = r0 + r, valid = h.valid(i);
+        const int64_t i = r0 + r, lo = h.begin(i), valid = h.valid(i);
         const float shift = i < h.t ? lse[i] * kLog2e : 0.0f, delta = w.delta[i];
         float *p_row = p + r * sp, *ds_row = ds + r * sp;
-        for (int64_t j = 0; j < n; j += kLanes) {
+        for (int64_t j = j0; j < n; j += kLanes) {
           V16 prob = exp2_nonpositive(load(p_row + j) * c - shift);
-          prob = lanes_from(j) < static_cast<int32_t>(valid) ? prob : V16{};
+          prob = in_columns(j, lo, valid) ? prob : V16{};
           store(p_row + j, prob);
           store(ds_row + j, prob * (load(ds_row + j) - delta) * h.scale);
         }
+        std::fill(p_row + j_block, p_row + j0, 0.0f);
+        std::fill(ds_row + j_block, ds_row + j0, 0.0f);
         std::fill(p_row + n, p_row + n_block, 0.0f);
         std::fill(ds_row + n, ds_row + n_block, 0.0f);
       }
-      row_tile<R, NVMax, false>({ds, sp}, w.kp, d, w.dq, d, d, 0, n);
+      row_tile<R, NVMax, false>({ds, sp}, w.kp, d, w.dq, d, d, j0, n);
       const int64_t valid_rows = std::min<int64_t>(R, h.t - r0);
       copy_rows(dq + r0 * dq_stride, dq_stride, w.dq, d, valid_rows, d);
       if (dq_sum != nullptr) add_column_sums(w.dq, valid_rows, d, dq_sum);
     }
-    for (int64_t j0 = 0; j0 < n_block; j0 += R) {
+    for (int64_t j0 = j_block; j0 < n_block; j0 += R) {
       // Causal: key j has weight only from queries i >= j.
       const int64_t k0 = h.causal ? std::clamp(j0 - i0, int64_t{0}, rows) : 0;
       // P^T and dS^T: row r of the tile is column j0 + r of the block.

@@ -6,9 +6,11 @@
 #include <map>
 #include <mutex>
 
+#include "autograd_args.h"
 #include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
+#include "loom/ops/attention.h"
 #include "loom/ops/cuda.h"
 
 #ifdef LOOM_WITH_CUDA
@@ -80,7 +82,8 @@ void check_status(const kernels::Status& status, const char* what) {
 }
 
 kernels::FlashAttentionParams params_of(const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& v, bool causal, double scale) {
+                                        const at::Tensor& v, bool causal, double scale,
+                                        const at::Tensor& first_key) {
   kernels::FlashAttentionParams p;
   p.batch = static_cast<int>(q.size(0));
   p.q_heads = static_cast<int>(q.size(1));
@@ -90,6 +93,7 @@ kernels::FlashAttentionParams params_of(const at::Tensor& q, const at::Tensor& k
   p.head_dim = static_cast<int>(q.size(3));
   p.scale = static_cast<float>(scale);
   p.causal = causal;
+  p.first_key = first_key.defined() ? first_key.data_ptr<int32_t>() : nullptr;
   p.dtype = q.scalar_type() == at::kBFloat16 ? kernels::AttentionDtype::kBFloat16
                                              : kernels::AttentionDtype::kFloat16;
   p.q = q.data_ptr();
@@ -107,7 +111,7 @@ struct ForwardResult {
 };
 
 ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                           bool causal, double scale) {
+                           bool causal, double scale, const at::Tensor& first_key) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   ForwardResult r{
       last_dim_contiguous(q_in), last_dim_contiguous(k_in), last_dim_contiguous(v_in), {}, {}};
@@ -116,7 +120,7 @@ ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
   r.o = at::empty({r.q.size(0), r.q.size(2), r.q.size(1), r.q.size(3)}, r.q.options())
             .transpose(1, 2);
   r.lse = at::empty({r.q.size(0), r.q.size(1), r.q.size(2)}, r.q.options().dtype(at::kFloat));
-  auto p = params_of(r.q, r.k, r.v, causal, scale);
+  auto p = params_of(r.q, r.k, r.v, causal, scale, first_key);
   p.o = r.o.data_ptr();
   p.o_strides = strides_of(r.o);
   p.lse = r.lse.data_ptr<float>();
@@ -130,13 +134,14 @@ ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
 // get one block pair's share of the gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, const at::Tensor& grad, bool causal, double scale) {
+    const at::Tensor& lse, const at::Tensor& grad, bool causal, double scale,
+    const at::Tensor& first_key) {
   const c10::cuda::CUDAGuard guard(q.device());
   const auto d_o = last_dim_contiguous(grad);
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
-  auto p = params_of(q, k, v, causal, scale);
+  auto p = params_of(q, k, v, causal, scale, first_key);
   p.o = o.data_ptr();
   p.o_strides = strides_of(o);
   p.lse = lse.data_ptr<float>();
@@ -160,9 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
 // Saves q, k, v, the output and the logsumexp; the backward recomputes the rest tile by tile.
 struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
-    auto r = forward_impl(q, k, v, causal, scale);
+                            const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                            const detail::NoGradTensor& first_key) {
+    auto r = forward_impl(q, k, v, causal, scale, first_key.value);
     ctx->save_for_backward({r.q, r.k, r.v, r.o, r.lse});
+    ctx->saved_data["first_key"] = first_key.to_ivalue();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     return r.o;
@@ -173,8 +180,9 @@ struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction
     const auto saved = ctx->get_saved_variables();
     auto [dq, dk, dv] =
         backward_impl(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0],
-                      ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+                      ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble(),
+                      detail::NoGradTensor::from(ctx->saved_data["first_key"]));
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -191,22 +199,25 @@ void check_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }  // namespace
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           bool causal, double scale) {
+                           bool causal, double scale, const at::Tensor& first_key) {
   check_supported(q, k, v);
-  return FlashAttentionFunction::apply(q, k, v, causal, scale);
+  return FlashAttentionFunction::apply(
+      q, k, v, causal, scale, detail::NoGradTensor{checked_first_keys(first_key, q, causal)});
 }
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
-                                                          double scale) {
+                                                          double scale,
+                                                          const at::Tensor& first_key) {
   check_supported(q, k, v);
-  auto r = forward_impl(q, k, v, causal, scale);
+  auto r = forward_impl(q, k, v, causal, scale, checked_first_keys(first_key, q, causal));
   return {r.o, r.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale) {
+    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale,
+    const at::Tensor& first_key) {
   check_supported(q, k, v);
   LOOM_CHECK(o.sizes() == q.sizes() && d_o.sizes() == q.sizes() &&
                  o.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat &&
@@ -216,24 +227,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
              "[B, Hq, T] fp32",
              o.sizes(), d_o.sizes(), q.sizes(), lse.sizes());
   return backward_impl(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v),
-                       last_dim_contiguous(o), lse.contiguous(), d_o, causal, scale);
+                       last_dim_contiguous(o), lse.contiguous(), d_o, causal, scale,
+                       checked_first_keys(first_key, q, causal));
 }
 
 #else  // no CUDA in this build: the reason is all there is
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool,
-                           double) {
+                           double, const at::Tensor&) {
   fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
 }
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, bool, double) {
+                                                          const at::Tensor& v, bool, double,
+                                                          const at::Tensor&) {
   fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, bool, double) {
+    const at::Tensor&, const at::Tensor&, bool, double, const at::Tensor&) {
   fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
 }
 

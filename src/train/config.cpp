@@ -338,6 +338,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["async_save"] = async_save;
   j["loss"] = loss;
   j["z_loss"] = z_loss;
+  j["doc_mask"] = doc_mask;
   j["norm"] = norm;
   j["sampling"] = sampling;
   j["adamw"] = adamw;
@@ -376,6 +377,7 @@ void TrainConfig::check_resumable_from(const TrainConfig& saved) const {
   same("--precision", saved.precision, precision);
   same("--dropout", saved.dropout, dropout);
   same("--z-loss", saved.z_loss, z_loss);
+  same("--doc-mask", saved.doc_mask, doc_mask);
   same("--ffn-blocks", saved.ffn_blocks, ffn_blocks);
   same("--ffn-rank", saved.ffn_rank, ffn_rank);
   same("--mtp", saved.mtp, mtp);
@@ -414,6 +416,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.async_save = j.value("async_save", false);
     c.loss = j.value("loss", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
+    c.doc_mask = j.value("doc_mask", false);
     c.norm = j.value("norm", std::string("auto"));
     // Checkpoints written before --sampling existed drew windows with replacement.
     c.sampling = j.value("sampling", std::string("random"));

@@ -118,6 +118,16 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   // choices beside the checkpoints: a resumed run reads them and makes the same ones; a new run
   // in the same directory measures again.
   std::shared_ptr<ops::AttentionChooser> chooser;
+  // --doc-mask: each document begins at the tokenizer's document-start token.
+  std::optional<int64_t> document_start;
+  if (config_.doc_mask) {
+    const auto start = tokenizer_->document_start();
+    LOOM_CHECK(start,
+               "--doc-mask needs a tokenizer that puts a document-start token (BOS, "
+               "<|endoftext|>) before each document; the {} tokenizer of {} has none",
+               tokenizer_->kind(), tokenizer_dir_.string());
+    document_start = *start;
+  }
   if (device_.is_cuda() && config_.attention == "auto")
     chooser = std::make_shared<ops::AttentionChooser>(
         config_.save_dir.empty() ? std::string()
@@ -133,6 +143,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
     chunk->set_norm_backend(ops::parse_norm_backend(config_.norm));
     chunk->set_activation_backend(ops::parse_activation_backend(config_.swiglu));
     chunk->set_z_loss(config_.z_loss);
+    if (config_.doc_mask) chunk->set_document_mask(document_start);
     if (!config_.mtp_weights.empty()) chunk->set_mtp_loss_weights(config_.mtp_weights);
     chunk->train();  // bf16 runs too keep fp32 parameters: autocast lowers the compute only
   }

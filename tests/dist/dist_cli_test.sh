@@ -14,7 +14,8 @@
 #  7. a data mixture (a glob of two shards weighted 0.7, one shard 0.3; validation per source):
 #     1 rank to step 2, resumed on 2 ranks (dp 2) to step 4, equals 1 rank to step 4 (and resumed
 #     on 1 rank, bit for bit), and the
-#     records say each source's samples, epochs and validation loss.
+#     records say each source's samples, epochs and validation loss;
+#  8. --doc-mask over an interleaved pipeline (pp 2, 2 virtual stages) equals 1 rank.
 # The tp 2, ZeRO-3 and pp 2 runs also save checkpoints: loom-export-hf of each (one process,
 # whatever the layout it was saved under) writes the same bytes as the run's own --export-hf.
 set -uo pipefail
@@ -329,4 +330,40 @@ status=$?
 if [ $status -ne 2 ] || ! grep -qF "the weight 'zero' of 'code=" <<< "$out"; then
   say "FAIL: a bad mixture weight -> status $status: $out"; fail=1
 else say "ok: a bad mixture weight rejected with status 2"; fi
+
+# 8. Document masks through an interleaved pipeline (stages that are neither first nor last read
+# their micro-batch's tokens for the mask): --pp 2 equals 1 rank, and the mask changes the run.
+mkdir -p "$work/tok"
+python3 - "$work/tok/tokenizer.json" << 'PY'
+import json, sys
+vocab = {"<unk>": 0, "<s>": 1, "\u2581": 2}
+vocab.update({"<0x%02X>" % b: 3 + b for b in range(256)})
+json.dump({"added_tokens": [{"id": 1, "content": "<s>", "special": True}],
+           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
+           "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
+           "model": {"type": "BPE", "vocab": vocab, "merges": [], "byte_fallback": True}},
+          open(sys.argv[1], "w"))
+PY
+for i in $(seq 1 80); do printf '{"text": "doc %d %s"}\n' "$i" "$(printf 'ab%.0s' $(seq 1 $((i % 9 + 1))))"; done \
+  > "$work/docs.jsonl"
+"$TOOLS/loom-prepare" --tokenizer "$work/tok" --input "$work/docs.jsonl" --out-dir "$work/docs" \
+  > /dev/null 2>&1 || { say "FAIL: preparing the documents"; fail=1; }
+doc=("$TOOLS/loom-pretrain" --data "$work/docs/train.bin" --vocab-size 259 --model llama
+     --preset llama-tiny --steps 3 --seq-len 32 --batch-size 4 --log-level warn --lr 3e-3
+     --warmup-steps 1 --precision fp64)
+"${doc[@]}" --doc-mask --metrics-out "$work/doc1.jsonl" || { say "FAIL: --doc-mask run"; fail=1; }
+"$MPIEXEC" -np 2 "${doc[@]}" --doc-mask --pp 2 --schedule interleaved --virtual-stages 2 \
+  --micro-batches 2 --metrics-out "$work/doc2.jsonl" || { say "FAIL: --doc-mask --pp 2 run"; fail=1; }
+"${doc[@]}" --metrics-out "$work/doc0.jsonl" || { say "FAIL: run without --doc-mask"; fail=1; }
+if python3 - "$work/doc1.jsonl" "$work/doc2.jsonl" "$work/doc0.jsonl" <<'PY'
+import json, sys
+a, b, c = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:4])
+assert len(a) == len(b) == len(c) == 3, (a, b, c)
+for x, y in zip(a, b):
+    assert abs(x - y) <= 1e-9 * abs(x), (x, y)
+assert all(abs(x - z) > 1e-6 * abs(x) for x, z in zip(a, c)), (a, c)
+print("ok: --doc-mask over an interleaved --pp 2 agrees with 1 rank:", [round(x, 6) for x in b],
+      "and differs from no mask:", [round(z, 6) for z in c])
+PY
+then :; else say "FAIL: --doc-mask losses differ between 1 rank and --pp 2, or equal no mask"; fail=1; fi
 exit $fail

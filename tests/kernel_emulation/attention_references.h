@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace attention_reference {
@@ -33,7 +34,26 @@ struct Config {
   Layout layout;
   bool misaligned;
   float amplitude;  // of q and k: larger scores exercise the online softmax's rescaling
+  // Document mask (causal only): 0 none, else documents of lengths spread around this one, cut
+  // differently in each batch row (document_first_keys).
+  int doc_len;
 };
+
+// The first key of every query (AttentionProblem::first_key), [batch * q_len], for c.doc_len > 0:
+// documents of lengths in [doc_len / 2 + 1, doc_len * 3 / 2], their boundaries falling anywhere
+// in a tile; empty without a document mask.
+inline std::vector<int32_t> document_first_keys(const Config& c) {
+  if (c.doc_len <= 0) return {};
+  std::vector<int32_t> first(size_t(c.batch) * c.q_len);
+  for (int b = 0; b < c.batch; ++b)
+    for (int start = 0; start < c.q_len;) {
+      const int len = c.doc_len / 2 + 1 + (start * 7 + b * 13) % c.doc_len;
+      for (int i = start; i < std::min(c.q_len, start + len); ++i)
+        first[size_t(b) * c.q_len + i] = start;
+      start += len;
+    }
+  return first;
+}
 
 struct Gradients {
   std::vector<float> dq, dk, dv;
@@ -51,8 +71,7 @@ struct AttentionValues {
 // the o that Delta is computed from instead (the kernel's, as the kernel's backward does).
 template <typename Round>
 AttentionValues minimal_rounding_attention(const Config& c, const std::vector<float>& q,
-                                           const std::vector<float>& k,
-                                           const std::vector<float>& v,
+                                           const std::vector<float>& k, const std::vector<float>& v,
                                            const std::vector<float>& d_o, Round round,
                                            const std::vector<float>* delta_o = nullptr) {
   const int D = c.head_dim, group = c.q_heads / c.kv_heads;
@@ -63,6 +82,7 @@ AttentionValues minimal_rounding_attention(const Config& c, const std::vector<fl
                     std::vector<double>(v.size(), 0.0)};
   std::vector<double> p(static_cast<size_t>(c.kv_len)), o(static_cast<size_t>(D)),
       dq(static_cast<size_t>(D));
+  const std::vector<int32_t> first_key = document_first_keys(c);
   for (int b = 0; b < c.batch; ++b)
     for (int h = 0; h < c.q_heads; ++h)
       for (int i = 0; i < c.q_len; ++i) {
@@ -72,20 +92,22 @@ AttentionValues minimal_rounding_attention(const Config& c, const std::vector<fl
         const float* doi = &d_o[row * D];
         const int keys = c.causal ? std::min(i + 1, c.kv_len) : c.kv_len;
         if (keys == 0) continue;  // o = 0, lse = -inf and no gradient
+        // Keys [first, keys): a document mask drops the keys of earlier documents.
+        const int first = first_key.empty() ? 0 : first_key[size_t(b) * c.q_len + i];
         double max = -INFINITY, sum = 0;
-        for (int j = 0; j < keys; ++j) {
+        for (int j = first; j < keys; ++j) {
           double s = 0;
           for (int x = 0; x < D; ++x) s += double(qi[x]) * k[(kv0 + j) * D + x];
           p[j] = s * scale;
           max = std::max(max, p[j]);
         }
-        for (int j = 0; j < keys; ++j) {
+        for (int j = first; j < keys; ++j) {
           p[j] = std::exp(p[j] - max);
           sum += p[j];  // the normalizer sums unrounded P, as the kernel's fp32 row sum does
         }
         r.lse[row] = max + std::log(sum);
         std::fill(o.begin(), o.end(), 0.0);
-        for (int j = 0; j < keys; ++j) {
+        for (int j = first; j < keys; ++j) {
           const double pj = round(p[j]);
           for (int x = 0; x < D; ++x) o[x] += pj * v[(kv0 + j) * D + x];
         }
@@ -96,7 +118,7 @@ AttentionValues minimal_rounding_attention(const Config& c, const std::vector<fl
           delta += double(doi[x]) * (delta_o ? double((*delta_o)[row * D + x]) : o[x]);
         }
         std::fill(dq.begin(), dq.end(), 0.0);
-        for (int j = 0; j < keys; ++j) {
+        for (int j = first; j < keys; ++j) {
           const size_t kj = (kv0 + j) * D;
           const double pj = p[j] / sum;
           double dp = 0;
@@ -132,8 +154,8 @@ inline NaiveAttention naive_attention(const Config& c, const std::vector<float>&
   const auto floats = [](const std::vector<double>& x) {
     return std::vector<float>(x.begin(), x.end());
   };
-  return {floats(exact.o), floats(exact.lse),
-          {floats(exact.dq), floats(exact.dk), floats(exact.dv)}};
+  return {
+      floats(exact.o), floats(exact.lse), {floats(exact.dq), floats(exact.dk), floats(exact.dv)}};
 }
 
 // ||got - want|| / ||want|| over all elements (0 when want is all zeros).

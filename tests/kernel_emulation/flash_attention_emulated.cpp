@@ -17,9 +17,9 @@
 // when o, lse, dq, dk and dv are finite and within tolerance of the host reference (same
 // algorithm, fp32) and of naive attention in double precision (full softmax), the padding
 // between strided rows is untouched, the emulation reported no error, and the kernel's error is
-// no more than that of the roundings its design needs (attention_references.h). Inputs are bf16/fp16
-// values; both references get the same rounded values. Every buffer sits between PROT_NONE guard
-// pages; outputs and padding start as NaN, the backward's workspace as NaN bytes.
+// no more than that of the roundings its design needs (attention_references.h). Inputs are
+// bf16/fp16 values; both references get the same rounded values. Every buffer sits between
+// PROT_NONE guard pages; outputs and padding start as NaN, the backward's workspace as NaN bytes.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -188,7 +188,9 @@ std::string describe(const Config& c) {
                 c.q_heads, c.kv_heads, c.q_len, c.kv_len, c.head_dim, c.causal ? "causal" : "full",
                 c.bf16 ? "bf16" : "fp16", kLayouts[int(c.layout)],
                 c.misaligned ? " misaligned" : "", double(c.amplitude));
-  return text;
+  std::string out = text;
+  if (c.doc_len > 0) out += " docs~" + std::to_string(c.doc_len);
+  return out;
 }
 
 // ---- One configuration --------------------------------------------------------------------------
@@ -278,6 +280,13 @@ Outcome run(const Config& c) {
   p.head_dim = c.head_dim;
   p.scale = 1.f / std::sqrt(float(c.head_dim));
   p.causal = c.causal;
+  // The document mask's first keys, between guard pages like the tensors.
+  const std::vector<int32_t> first_keys = document_first_keys(c);
+  GuardedBuffer first_key_buffer(std::max<size_t>(1, first_keys.size()) * sizeof(int32_t));
+  if (!first_keys.empty()) {
+    std::copy(first_keys.begin(), first_keys.end(), static_cast<int32_t*>(first_key_buffer.data()));
+    p.first_key = static_cast<const int32_t*>(first_key_buffer.data());
+  }
   p.dtype = kBf16 ? AttentionDtype::kBFloat16 : AttentionDtype::kFloat16;
   p.q = q.data();
   p.k = k.data();
@@ -320,6 +329,7 @@ Outcome run(const Config& c) {
   // Host reference: forward on the same rounded inputs; backward on the kernel's o and lse.
   FlashAttentionHostParams hp;
   static_cast<loom::kernels::AttentionProblem&>(hp) = p;
+  hp.first_key = first_keys.empty() ? nullptr : first_keys.data();
   hp.q_strides = hp.o_strides = hp.d_o_strides = hp.dq_strides =
       loom::kernels::contiguous_attention_strides(c.q_heads, c.q_len, c.head_dim);
   hp.k_strides = hp.v_strides = hp.dk_strides = hp.dv_strides =
@@ -410,7 +420,7 @@ bool run_partial(const PartialConfig& pc) {
   const double lse_tolerance = 1e-3;
   const int B = pc.batch, Hq = pc.q_heads, Hkv = pc.kv_heads, C = pc.chunk, D = pc.head_dim;
   const int T = C * pc.chunks;
-  const Config c{B, Hq, Hkv, T, T, D, true, kBf16, Layout::kContiguous, false, 1.f};
+  const Config c{B, Hq, Hkv, T, T, D, true, kBf16, Layout::kContiguous, false, 1.f, 0};
   const std::string name = "partial " + std::to_string(pc.chunks) + " chunks of " +
                            std::to_string(C) + ": " + describe(c);
   std::printf("RUN  %s\n", name.c_str());
@@ -557,24 +567,29 @@ std::vector<Config> ci_configs() {
   const Layout kC = Layout::kContiguous, kT = Layout::kSeqMajor, kP = Layout::kPadded;
   return {
       // B Hq Hkv Sq  Skv   D  causal  bf16  layout misaligned amplitude
-      {1, 2, 1, 150, 83, 64, false, true, kP, false, 1.f},
-      {1, 4, 2, 131, 131, 64, true, false, kT, false, 2.f},
-      {1, 3, 1, 97, 97, 64, true, true, kP, true, 3.f},
-      {1, 1, 1, 37, 70, 64, false, false, kC, true, 1.f},
-      {2, 2, 2, 200, 200, 64, true, true, kT, false, 1.f},
-      {1, 8, 1, 64, 64, 64, true, false, kP, false, 1.f},
-      {1, 2, 2, 256, 256, 64, true, true, kC, false, 4.f},
-      {1, 1, 1, 300, 5, 64, false, false, kP, false, 1.f},
-      {1, 4, 2, 257, 190, 64, false, false, kT, false, 1.f},
-      {2, 2, 2, 129, 129, 128, true, true, kT, false, 1.f},
-      {1, 2, 1, 150, 83, 128, false, false, kP, false, 1.f},
-      {1, 3, 1, 65, 65, 128, true, false, kP, true, 2.f},
-      {1, 4, 2, 131, 131, 128, true, true, kP, false, 2.f},
-      {3, 1, 1, 33, 33, 128, true, false, kC, false, 1.f},
-      {1, 1, 1, 5, 300, 128, false, true, kP, false, 1.f},
-      {1, 2, 1, 70, 0, 64, false, true, kC, false, 1.f},   // no keys: o = 0, lse = -inf
-      {1, 2, 1, 0, 70, 128, false, true, kC, false, 1.f},  // no queries: dk = dv = 0
-      {1, 1, 1, 1, 1, 128, true, false, kC, false, 1.f},
+      {1, 2, 1, 150, 83, 64, false, true, kP, false, 1.f, 0},
+      {1, 4, 2, 131, 131, 64, true, false, kT, false, 2.f, 0},
+      {1, 3, 1, 97, 97, 64, true, true, kP, true, 3.f, 0},
+      {1, 1, 1, 37, 70, 64, false, false, kC, true, 1.f, 0},
+      {2, 2, 2, 200, 200, 64, true, true, kT, false, 1.f, 0},
+      {1, 8, 1, 64, 64, 64, true, false, kP, false, 1.f, 0},
+      {1, 2, 2, 256, 256, 64, true, true, kC, false, 4.f, 0},
+      {1, 1, 1, 300, 5, 64, false, false, kP, false, 1.f, 0},
+      {1, 4, 2, 257, 190, 64, false, false, kT, false, 1.f, 0},
+      {2, 2, 2, 129, 129, 128, true, true, kT, false, 1.f, 0},
+      {1, 2, 1, 150, 83, 128, false, false, kP, false, 1.f, 0},
+      {1, 3, 1, 65, 65, 128, true, false, kP, true, 2.f, 0},
+      {1, 4, 2, 131, 131, 128, true, true, kP, false, 2.f, 0},
+      {3, 1, 1, 33, 33, 128, true, false, kC, false, 1.f, 0},
+      {1, 1, 1, 5, 300, 128, false, true, kP, false, 1.f, 0},
+      {1, 2, 1, 70, 0, 64, false, true, kC, false, 1.f, 0},   // no keys: o = 0, lse = -inf
+      {1, 2, 1, 0, 70, 128, false, true, kC, false, 1.f, 0},  // no queries: dk = dv = 0
+      {1, 1, 1, 1, 1, 128, true, false, kC, false, 1.f, 0},
+      // Document masks (the last column: mean document length); boundaries fall anywhere in a
+      // tile, so whole tiles are skipped on both sides of some and masked element-wise in others.
+      {1, 2, 1, 300, 300, 64, true, true, kC, false, 1.f, 50},
+      {1, 2, 2, 200, 200, 128, true, false, kT, false, 2.f, 70},
+      {2, 4, 2, 131, 131, 64, true, true, kP, true, 1.f, 20},
   };
 }
 
@@ -584,11 +599,13 @@ std::vector<Config> all_configs() {
   std::vector<Config> configs = ci_configs();
   for (int d : {64, 128})
     for (bool bf16 : {true, false}) {
-      configs.push_back({2, 2, 2, 200, 200, d, true, bf16, kT, false, 1.f});
-      configs.push_back({1, 3, 1, 129, 129, d, true, bf16, kP, true, 1.f});
-      configs.push_back({2, 6, 3, 257, 190, d, false, bf16, kT, false, 1.f});
+      configs.push_back({2, 2, 2, 200, 200, d, true, bf16, kT, false, 1.f, 0});
+      configs.push_back({1, 3, 1, 129, 129, d, true, bf16, kP, true, 1.f, 0});
+      configs.push_back({2, 6, 3, 257, 190, d, false, bf16, kT, false, 1.f, 0});
     }
-  configs.push_back({2, 6, 2, 300, 300, 64, true, true, kP, false, 1.f});
+  configs.push_back({2, 6, 2, 300, 300, 64, true, true, kP, false, 1.f, 0});
+  configs.push_back({2, 4, 2, 520, 520, 128, true, true, kT, false, 1.f, 150});
+  configs.push_back({1, 2, 1, 400, 400, 64, true, false, Layout::kContiguous, false, 1.f, 3});
   return configs;
 }
 
@@ -613,8 +630,8 @@ int main(int argc, char** argv) {
     int n[10];
     for (int i = 0; i < 10; ++i) n[i] = std::atoi(argv[2 + i]);
     if (n[8] < 0 || n[8] > 2) return usage();
-    configs.push_back(
-        {n[0], n[1], n[2], n[3], n[4], n[5], n[6] != 0, n[7] != 0, Layout(n[8]), n[9] != 0, 1.f});
+    configs.push_back({n[0], n[1], n[2], n[3], n[4], n[5], n[6] != 0, n[7] != 0, Layout(n[8]),
+                       n[9] != 0, 1.f, 0});
   } else {
     return usage();
   }

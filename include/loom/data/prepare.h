@@ -15,8 +15,9 @@ namespace loom::data {
 
 struct PrepareOptions {
   // Files, directories (every file below, in name order) and globs (`*`, `?` and `[...]` in the
-  // last path component: the matching files in name order). Each text file is one document;
-  // each line of a JSON-lines file is one.
+  // last path component: the matching files in name order), named pipes, and "-" for standard
+  // input (streams are read once, as they come). Each text file is one document; each line of a
+  // JSON-lines file is one.
   std::vector<std::string> inputs;
   std::filesystem::path out_dir;
   double val_fraction = 0.1;  // the share of tokens, from the end, written to val.bin

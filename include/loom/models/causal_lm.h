@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,7 +109,9 @@ class CausalLM : public torch::nn::Module {
   // This part's forward: its input is token ids when part().first, else the hidden states
   // [batch, seq, d_model] the previous part returned (with sequence parallelism, this rank's
   // chunk of the sequence); it returns the logits shard when part().last, else hidden states.
-  at::Tensor forward_part(const at::Tensor& input);
+  // `tokens`: the micro-batch's token ids, which a part that is not the first needs under a
+  // document mask (set_document_mask) to know where its documents begin.
+  at::Tensor forward_part(const at::Tensor& input, const at::Tensor& tokens = {});
   // Mean next-token loss from this rank's logits shard (what a last part returns) against
   // targets [batch, seq], in fp32.
   virtual at::Tensor loss_from_logits(const at::Tensor& logits_shard, const at::Tensor& targets);
@@ -180,6 +183,18 @@ class CausalLM : public torch::nn::Module {
     execution_->attention_chooser = chooser;
     mtp_execution_->attention_chooser = std::move(chooser);
   }
+  // Document masking: with a start token, attention does not cross document boundaries inside a
+  // sequence — a document begins at every position holding `start_token` (the tokenizer's
+  // document start, which loom-prepare writes before each document) and at position 0, and each
+  // position attends only to earlier positions of its own document (ops::document_first_keys;
+  // every attention backend and loom's kernels take it). Positions (GPT-2's learned embeddings,
+  // RoPE's angles) still count from the start of the sequence, as in Llama 3's training: under
+  // RoPE only differences of positions reach attention, so a document attends exactly as it
+  // would alone. nullopt (the default): attention spans the whole sequence. loom::Error for a
+  // negative or out-of-vocabulary token, under context parallelism (ring attention takes no
+  // mask yet), and for a custom model (its attention is its own).
+  void set_document_mask(std::optional<int64_t> start_token);
+  std::optional<int64_t> document_mask() const { return document_start_; }
   // Which implementation computes the norms, and the residual add before each block's second
   // norm (ops/norm.h; default kAuto: the fused kernels on CUDA, ATen's operations on the CPU).
   void set_norm_backend(ops::NormBackend backend) {
@@ -255,7 +270,9 @@ class CausalLM : public torch::nn::Module {
   // Multi-token heads (last part, ModelConfig::mtp_heads > 0). mtp_hidden: head `index`
   // (0-based) on the trunk, its block and final norm; unembed: the shared unembedding of such
   // normalized hidden states (this rank's vocabulary shard of the logits); its weight's name.
-  virtual at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk);
+  // `first_key`: the document mask's first keys of the trunk's forward (undefined: none).
+  virtual at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk,
+                                const at::Tensor& first_key);
   virtual at::Tensor unembed(const at::Tensor& normed);
   virtual std::string unembedding_weight_name() const;
   // The models' constructors register their heads here, under the container at `prefix`,
@@ -282,6 +299,12 @@ class CausalLM : public torch::nn::Module {
   // `slice_len` tokens (arange without context parallelism), int64 on `device`.
   at::Tensor token_positions(int64_t first, int64_t len, int64_t slice_len,
                              at::Device device) const;
+  // During forward_part under a document mask: the first keys of its tokens ([batch, seq] int32,
+  // ops::document_first_keys), for run_layers to hand its blocks by value (they may run again in
+  // backward, after another micro-batch's forward). Undefined otherwise.
+  const at::Tensor& first_key() const { return first_key_; }
+  // Whether set_document_mask may apply (false: the model's attention is not loom's).
+  virtual bool takes_document_mask() const { return true; }
   // Blocks receive this at construction and read the checkpointing mode from it.
   BlockExecutionPtr execution() const { return execution_; }
   // Runs this part's layer `layer` (0-based within the part) as fn(x), with kFull checkpointing
@@ -315,6 +338,9 @@ class CausalLM : public torch::nn::Module {
   at::Tensor whole_logits(const at::Tensor& shard);
   ops::LossBackend loss_backend_ = ops::LossBackend::kAuto;
   double z_loss_ = 0;
+  std::optional<int64_t> document_start_;
+  at::Tensor first_key_;        // of the forward_part running now
+  at::Tensor trunk_first_key_;  // of the forward whose trunk the multi-token heads read
   // The logits loss() made and hands to loss_from_logits: nothing else holds them, so the
   // fused backward may overwrite them with their gradient. Null outside loss().
   const c10::TensorImpl* own_logits_ = nullptr;
@@ -331,22 +357,26 @@ class CausalLM : public torch::nn::Module {
   using TensorImplWeak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   TensorImplWeak trunk_logits_{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
   // The heads' weighted losses, recomputed one head at a time in backward.
-  at::Tensor mtp_loss(const at::Tensor& trunk, const at::Tensor& targets);
+  at::Tensor mtp_loss(const at::Tensor& trunk, const at::Tensor& targets,
+                      const at::Tensor& first_key);
 };
 
 // The attention core of the models' blocks: causal ops::attention of q [B, h, T, hd] with k, v
 // [B, h_kv, T, hd], with attention dropout p (0 outside training) on the probabilities, its
 // mask keyed by block `layer` and this rank's heads' place among all heads (tp-invariant masks,
 // parallel/tensor/random.h). Recomputed in backward, dropout mask included, when `execution`
-// asks for kSelective.
+// asks for kSelective. `first_key`: a document mask (ops::AttentionOptions::first_key), or
+// undefined.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p,
                             const parallel::tensor::TpGroupPtr& tp,
-                            const BlockExecutionPtr& execution, int64_t layer);
+                            const BlockExecutionPtr& execution, int64_t layer,
+                            const at::Tensor& first_key = {});
 // The same for one projection's packed output qkv [B, T, 3, h, hd] (ops::attention_packed), with
 // the projection's bias [3 h hd] when its GEMM left it out (undefined otherwise).
 at::Tensor causal_attention_packed(const at::Tensor& qkv, const at::Tensor& bias, double p,
                                    const parallel::tensor::TpGroupPtr& tp,
-                                   const BlockExecutionPtr& execution, int64_t layer);
+                                   const BlockExecutionPtr& execution, int64_t layer,
+                                   const at::Tensor& first_key = {});
 // Whether causal_attention_packed takes the projection's bias itself for a block whose
 // projection input is `input` (ops::attention_packed_takes_bias with the block's settings).
 bool attention_takes_projection_bias(const at::Tensor& input, int64_t head_dim, double p,

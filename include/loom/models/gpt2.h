@@ -23,8 +23,8 @@ class Gpt2Block : public torch::nn::Module {
   // x: [batch, seq, d_model] (with sequence parallelism, this rank's chunk of the sequence).
   at::Tensor forward(const at::Tensor& x);
   // The same, with dropout masks keyed as layer `layer` (a block shared across layers runs at
-  // each of them).
-  at::Tensor forward(const at::Tensor& x, int64_t layer);
+  // each of them), and a document mask's first keys (CausalLM::set_document_mask) or none.
+  at::Tensor forward(const at::Tensor& x, int64_t layer, const at::Tensor& first_key = {});
 
  private:
   const ModelConfig config_;
@@ -52,7 +52,8 @@ class Gpt2 : public CausalLM {
   at::Tensor embed(const at::Tensor& tokens) override;
   at::Tensor run_layers(const at::Tensor& x) override;
   at::Tensor head(const at::Tensor& x) override;
-  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk) override;
+  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk,
+                        const at::Tensor& first_key) override;
   at::Tensor unembed(const at::Tensor& normed) override;
 
  private:

@@ -34,9 +34,9 @@ class LlamaBlock : public torch::nn::Module {
   // cos, sin: [seq, head_dim] rotary tables for the whole sequence.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
   // The same, with dropout masks keyed as layer `layer` (a block shared across layers runs at
-  // each of them).
+  // each of them), and a document mask's first keys (CausalLM::set_document_mask) or none.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     int64_t layer);
+                     int64_t layer, const at::Tensor& first_key = {});
 
  private:
   const ModelConfig config_;
@@ -65,7 +65,8 @@ class Llama : public CausalLM {
   at::Tensor embed(const at::Tensor& tokens) override;
   at::Tensor run_layers(const at::Tensor& x) override;
   at::Tensor head(const at::Tensor& x) override;
-  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk) override;
+  at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk,
+                        const at::Tensor& first_key) override;
   at::Tensor unembed(const at::Tensor& normed) override;
   std::string unembedding_weight_name() const override {
     return lm_head_ ? "lm_head.weight" : embedding_weight_name();

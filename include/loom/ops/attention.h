@@ -34,6 +34,13 @@ struct AttentionOptions {
   // one drawn for all heads and sliced, so dropout does not depend on tp. Runs the math path.
   at::Tensor dropout_mask;
   AttentionBackend backend = AttentionBackend::kAuto;
+  // A document mask (causal attention only; undefined: none): first_key [B, T] int32 on q's
+  // device, the first key each query may attend, so query i of batch row b attends keys
+  // [first_key[b, i], i]. Rows non-decreasing with 0 <= first_key[b, i] <= i (documents follow
+  // one another in a window): what document_first_keys makes. Every backend takes it; with kAuto
+  // it goes to loom's kernel wherever that takes the inputs, without asking the chooser (which
+  // times unmasked attention), else to SDPA with a boolean mask.
+  at::Tensor first_key;
   // With kAuto, where loom's kernel (CUDA's fused one, the CPU's) and SDPA both take the inputs:
   // the one this chooser measured faster for their shape (null: loom's kernel).
   AttentionChooser* chooser = nullptr;
@@ -62,8 +69,23 @@ at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& optio
 bool attention_packed_takes_bias(const at::Tensor& input, int64_t head_dim,
                                  const AttentionOptions& options);
 
-// The plain math (scores = q k^T * scale, causal mask, softmax in fp32, times v), kept as the
-// reference the fast paths are tested against.
+// The first keys of a document mask (AttentionOptions::first_key) for token ids [B, T]: a
+// document begins at every position holding `start_token` (the tokenizer's document-start token,
+// which loom-prepare writes before each document) and at position 0, and each query attends
+// from its document's beginning. int32 [B, T] on the tokens' device, computed there (no host
+// synchronisation). Position 0 of a window may be the middle of a document: its earlier part is
+// in the window before, which this one does not see.
+at::Tensor document_first_keys(const at::Tensor& tokens, int64_t start_token);
+
+// first_key as the kernels take it (contiguous int32; undefined stays undefined), checked against
+// q [B, H, T, D]: shape [B, T], int32, q's device, causal attention; for CPU tensors also the
+// values (0 <= first_key[b, i] <= i, non-decreasing along each row). loom::Error naming what
+// is wrong. CUDA values are not read (that would wait for the device): document_first_keys
+// makes valid ones.
+at::Tensor checked_first_keys(const at::Tensor& first_key, const at::Tensor& q, bool causal);
+
+// The plain math (scores = q k^T * scale, causal and document masks, softmax in fp32, times v),
+// kept as the reference the fast paths are tested against.
 at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionOptions& options = {});
 

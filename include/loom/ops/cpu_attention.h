@@ -39,9 +39,11 @@ std::optional<std::string> cpu_attention_unsupported(const at::Tensor& q, const 
 // softmax(scale q k^T (+ causal mask)) v, differentiable in q, k, v. Any strides (rows are
 // copied into the kernel's buffers). Returns [B, H, T, D]: a transposed view of [B, T, H, D]
 // storage, as the models reshape it next. Throws loom::Error with cpu_attention_unsupported's
-// reason when it cannot take the inputs.
+// reason when it cannot take the inputs. `first_key` (optional, causal only): a document mask,
+// as AttentionOptions::first_key (ops/attention.h); each row tile starts at the key vector of
+// its first row's first key, so keys of earlier documents cost nothing.
 at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                         double scale);
+                         double scale, const at::Tensor& first_key = {});
 
 // The same for q, k, v packed as one projection's output, qkv [B, T, 3, H, D] (GPT-2's c_attn
 // viewed so): differentiable in qkv, its gradient written straight into one [B, T, 3, H, D]
@@ -52,16 +54,18 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 std::optional<std::string> cpu_attention_packed_unsupported(const at::Tensor& qkv, double dropout,
                                                             const at::Tensor& bias = {});
 at::Tensor cpu_attention_packed(const at::Tensor& qkv, bool causal, double scale,
-                                const at::Tensor& bias = {});
+                                const at::Tensor& bias = {}, const at::Tensor& first_key = {});
 
 // The two passes, for tests and benchmarks, at a chosen level (an error if unavailable).
 // Forward: the output and the log-sum-exp [B, H, T] (fp32, natural log) of the scaled scores.
 std::pair<at::Tensor, at::Tensor> cpu_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, bool causal,
-                                                        double scale, CpuIsa isa);
+                                                        double scale, CpuIsa isa,
+                                                        const at::Tensor& first_key = {});
 // Backward: dq, dk, dv from the forward's output and log-sum-exp.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, CpuIsa isa);
+    const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, CpuIsa isa,
+    const at::Tensor& first_key = {});
 
 }  // namespace loom::ops

@@ -22,14 +22,17 @@ std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, cons
 // are copied). Returns [B, Hq, T, D] in q's dtype (a transposed view of [B, T, Hq, D] storage,
 // which is what the models reshape it to next); differentiable in q, k and v. Throws
 // loom::Error with flash_attention_unsupported's reason when the kernel cannot take them.
+// `first_key` (optional, causal only): a document mask, as AttentionOptions::first_key
+// (ops/attention.h); tiles wholly outside a query's document are skipped.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           bool causal, double scale);
+                           bool causal, double scale, const at::Tensor& first_key = {});
 
 // The forward alone, for tests and benchmarks: the output and the logsumexp [B, Hq, T] (fp32,
 // natural log) the backward uses.
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
-                                                          double scale);
+                                                          double scale,
+                                                          const at::Tensor& first_key = {});
 
 // The backward alone: dq, dk, dv (q's dtype) given o [B, Hq, T, D] (q's dtype), its logsumexp
 // lse [B, Hq, T] (fp32) and d_o. o and lse need not be what the forward of these q, k, v
@@ -37,6 +40,7 @@ std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, c
 // whole gradients (ring attention, ops/attention_partial.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale);
+    const at::Tensor& lse, const at::Tensor& d_o, bool causal, double scale,
+    const at::Tensor& first_key = {});
 
 }  // namespace loom::ops

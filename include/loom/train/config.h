@@ -137,7 +137,10 @@ struct TrainConfig {
   // strategy), its trace and kernel table written into --profile-out. Empty: no profile.
   std::string profile_steps;
   std::string profile_out = "loom-profile";
-  double z_loss = 0;       // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
+  double z_loss = 0;  // weight of PaLM's z-loss, mean(lse^2), in the loss (0: none)
+  // --doc-mask: attention does not cross the document boundaries inside a window (the data's
+  // tokenizer's document-start token begins each document; CausalLM::set_document_mask).
+  bool doc_mask = false;
   double peak_tflops = 0;  // the device's dense bf16 peak for MFU; 0: from its name (mfu.h)
 
   // Registered strategies (train/strategy.h), each "NAME[:key=value,...]" (--strategy,

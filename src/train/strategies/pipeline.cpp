@@ -78,9 +78,11 @@ class PipelineRunner final : public StepRunner {
           auto& part = *run.chunks[static_cast<size_t>(chunk)];
           phases.before_forward({chunk, k, k == accum - 1});
           core::Bf16Autocast autocast(run.config.precision == "bf16", run.device.type());
-          const bool needs_batch = part.part().first || part.part().last;
+          // A document mask needs the micro-batch's tokens on every stage.
+          const bool needs_batch =
+              part.part().first || part.part().last || part.document_mask().has_value();
           const auto batch = needs_batch ? batch_of(k) : data::Batch{};
-          auto out = part.forward_part(part.part().first ? batch.inputs : input);
+          auto out = part.forward_part(part.part().first ? batch.inputs : input, batch.inputs);
           if (!part.part().last) return out;
           // Each micro-batch is an equal share of the global batch: scale so gradients are the
           // mean.
@@ -116,11 +118,13 @@ class PipelineRunner final : public StepRunner {
           phases.before_forward({chunk, i, i == forwards - 1, /*training=*/false});
           const int64_t first = begin + i * micro;
           const int64_t count = std::max<int64_t>(0, std::min(micro, end - first));
-          const bool needs_batch = part.part().first || part.part().last;
+          const bool needs_batch =
+              part.part().first || part.part().last || part.document_mask().has_value();
           const auto batch = needs_batch ? run.val_sampler->sequential_batch(
                                                count > 0 ? first : 0, std::max<int64_t>(count, 1))
                                          : data::Batch{};
-          auto out = part.forward_part(part.part().first ? batch.inputs.to(run.device) : input);
+          auto out = part.forward_part(part.part().first ? batch.inputs.to(run.device) : input,
+                                       batch.inputs);
           if (!part.part().last) return out;
           return part.loss_from_logits(out, batch.targets.to(run.device)) *
                  static_cast<double>(count);
