@@ -191,10 +191,12 @@ LOOM_FORCE_INLINE void add_column_sums(const float* src, int64_t rows, int64_t d
   }
 }
 
-// Lanes j..j+15 inside the columns [lo, hi).
-LOOM_FORCE_INLINE I16 in_columns(int64_t j, int64_t lo, int64_t hi) {
+// x where lanes j..j+15 lie inside the columns [lo, hi), `fill` elsewhere. Two selects, not
+// one on `(a) & (b)`, which GCC compiles to a branch per lane.
+LOOM_FORCE_INLINE V16 keep_columns(V16 x, int64_t j, int64_t lo, int64_t hi, V16 fill) {
   const I16 lane = lanes_from(j);
-  return (lane >= static_cast<int32_t>(lo)) & (lane < static_cast<int32_t>(hi));
+  x = lane < static_cast<int32_t>(hi) ? x : fill;
+  return lane >= static_cast<int32_t>(lo) ? x : fill;
 }
 
 // Row i of the scores (n columns, scaled by `scale` here) -> its softmax probabilities in
@@ -208,14 +210,14 @@ LOOM_FORCE_INLINE float softmax_row(float* row, int64_t n, int64_t lo, int64_t h
   }
   V16 max = splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const V16 x = in_columns(j, lo, hi) ? load(row + j) : splat(-INFINITY);
+    const V16 x = keep_columns(load(row + j), j, lo, hi, splat(-INFINITY));
     max = x > max ? x : max;
   }
   const float m = max_lanes(max), c = scale * kLog2e, mc = m * c;
   V16 sum{};
   for (int64_t j = 0; j < n; j += kLanes) {
     V16 e = exp2_nonpositive(load(row + j) * c - mc);
-    e = in_columns(j, lo, hi) ? e : V16{};
+    e = keep_columns(e, j, lo, hi, V16{});
     store(row + j, e);
     sum += e;
   }
@@ -305,7 +307,7 @@ LOOM_FORCE_INLINE void backward_query_head(const Head& h, Rows q, const float* o
         float *p_row = p + r * sp, *ds_row = ds + r * sp;
         for (int64_t j = j0; j < n; j += kLanes) {
           V16 prob = exp2_nonpositive(load(p_row + j) * c - shift);
-          prob = in_columns(j, lo, valid) ? prob : V16{};
+          prob = keep_columns(prob, j, lo, valid, V16{});
           store(p_row + j, prob);
           store(ds_row + j, prob * (load(ds_row + j) - delta) * h.scale);
         }
