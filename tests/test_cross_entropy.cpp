@@ -17,6 +17,7 @@
 #include "loom/models/causal_lm.h"
 #include "loom/ops/cross_entropy.h"
 #include "loom/ops/cuda.h"
+#include "loom/parallel/tensor/cross_entropy.h"
 #include "loom/parallel/tensor/tp_group.h"
 #include "model_test_util.h"
 #include "test_util.h"
@@ -337,11 +338,60 @@ TEST_P(FusedLossModel, LossAndEveryGradientEqualTheMathPathInFp64) {
     model->train();
   }
 
+  // Per-row losses for per-source metrics: a training loss records each row's summed
+  // cross-entropy (the z-loss left out), taken once; an evaluation loss records nothing.
+  {
+    model->set_record_row_losses(true);
+    model->loss(tokens, targets);
+    auto recorded = model->take_row_losses();
+    ASSERT_EQ(recorded.size(), 1u);
+    EXPECT_EQ(recorded[0].tokens_per_row, 16);
+    EXPECT_TRUE(model->take_row_losses().empty());
+    torch::NoGradGuard no_grad;
+    const auto logits = model->forward(tokens);
+    const auto rows = at::cross_entropy_loss(logits.reshape({-1, config.vocab_size}),
+                                             targets.reshape({-1}), {}, at::Reduction::None)
+                          .view({3, 16})
+                          .sum(1);
+    EXPECT_LT(max_rel_diff(recorded[0].sums, rows), 1e-12);
+    model->eval();
+    model->loss(tokens, targets);
+    EXPECT_TRUE(model->take_row_losses().empty());
+    model->train();
+    model->set_record_row_losses(false);
+  }
+
   // loss_from_logits leaves the caller's logits alone; loss() may overwrite its own.
   auto logits = model->logits_shard(tokens);
   const auto before = logits.detach().clone();
   model->loss_from_logits(logits, targets).backward();
   EXPECT_TRUE(at::equal(logits.detach(), before));
+}
+
+// The per-token losses per-source metrics are measured with: chunks of rows (here three: 2^24 /
+// 262147 columns = 64 rows a chunk, 150 rows) and padding columns left out give each token's
+// cross-entropy of the unpadded columns, from bf16 logits as from their fp32 values.
+TEST(VocabParallelTokenLosses, ChunksAndPaddingGiveEachTokensCrossEntropy) {
+  constexpr int64_t kVocab = 262140, kPadded = 262147;
+  auto tp = std::make_shared<loom::parallel::tensor::TpGroup>(nullptr);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+  const auto logits = (at::randn({3, 50, kPadded}, g) * 3).to(at::kBFloat16);
+  const auto targets = at::randint(0, kVocab, {3, 50}, g, at::kLong);
+  const auto got =
+      loom::parallel::tensor::vocab_parallel_token_losses(logits, targets, kVocab, *tp);
+  ASSERT_EQ(got.sizes(), targets.sizes());
+  EXPECT_EQ(got.scalar_type(), at::kFloat);
+  const auto want =
+      at::cross_entropy_loss(logits.narrow(-1, 0, kVocab).to(at::kFloat).reshape({-1, kVocab}),
+                             targets.reshape({-1}), {}, at::Reduction::None);
+  // Both sum 2.6e5 fp32 exponentials pairwise (ATen's reductions): each sum errs by about
+  // (log2 V + 4) eps ~ 1.3e-6 relative; 1e-4 leaves room for any order a CPU's kernels take.
+  EXPECT_LT(max_rel_diff(got.reshape({-1}), want), 1e-4);
+  const auto msg = loom::testing::error_of([&] {
+    loom::parallel::tensor::vocab_parallel_token_losses(logits, targets.narrow(1, 0, 7), kVocab,
+                                                        *tp);
+  });
+  EXPECT_TRUE(loom::testing::contains(msg, "do not match")) << msg;
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FusedLossModel,

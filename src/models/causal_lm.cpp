@@ -222,8 +222,22 @@ void CausalLM::set_z_loss(double weight) {
   z_loss_ = weight;
 }
 
+void CausalLM::record_row_losses(const at::Tensor& logits, const at::Tensor& local_targets) {
+  if (!record_row_losses_ || !is_training()) return;
+  LOOM_CHECK(local_targets.dim() == 2 && local_targets.sizes() == logits.sizes().slice(0, 2),
+             "loss: targets {} must be [batch, seq] of the logits {}", local_targets.sizes(),
+             logits.sizes());
+  const auto losses =
+      pt::vocab_parallel_token_losses(logits, local_targets, config_.vocab_size, *tp_);
+  if (tp_->rank() == 0)
+    row_losses_.push_back({losses.to(at::kDouble).sum(1), local_targets.size(1)});
+}
+
 at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
   check_ids(targets, "target");
+  record_row_losses(logits, context_parallel_size() > 1
+                                ? execution_->context->slice_sequence(targets, 1)
+                                : targets);
   if (!mtp_heads_.empty() && is_training()) {
     LOOM_CHECK(trunk_.defined() && trunk_logits_.lock().get() == logits.unsafeGetTensorImpl(),
                "multi-token prediction: these logits did not come from this model's last "

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
@@ -226,6 +227,12 @@ StepResult Trainer::train_step() {
   const double sent_before = mesh_->bytes_sent();
   // What a failed step may have left in the heads' loss means is not this step's.
   for (auto& chunk : run().chunks) chunk->take_mtp_losses();
+  // A mixture's per-source losses: the models record their rows' losses for this step.
+  const bool by_source = train_sampler_->sources().size() > 1;
+  for (auto& chunk : run().chunks) {
+    chunk->take_row_losses();
+    chunk->set_record_row_losses(by_source);
+  }
   runtime_->begin_step();
   at::Tensor loss;
   try {
@@ -264,6 +271,7 @@ StepResult Trainer::train_step() {
   r.loss = both[0].item<double>();
   r.grad_norm = both[1].item<double>();
   r.mtp_losses = mtp_losses();  // the stream is in sync now: reading them waits for nothing
+  if (by_source) r.source_losses = source_losses(step);
   // A non-finite gradient would poison the weights and moments: stop before the update. (On a
   // GPU the clip already scaled the gradients; they are not applied either.)
   LOOM_CHECK(std::isfinite(r.grad_norm),
@@ -331,12 +339,18 @@ void Trainer::add_source_metrics(json& record) const {
 }
 
 void Trainer::log_progress(const StepResult& r, double tokens_per_s, double eta_s) const {
+  std::string by_source;
+  for (size_t i = 0; i < r.source_losses.size(); ++i)
+    if (std::isfinite(r.source_losses[i]))
+      by_source += fmt::format("{}{} {:.4f}", by_source.empty() ? " (" : ", ",
+                               train_sampler_->sources()[i].name, r.source_losses[i]);
+  if (!by_source.empty()) by_source += ")";
   spdlog::info(
-      "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
+      "step {:>5}/{} | loss {:.4f}{}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
       r.step, config_.steps, r.loss,
       r.mtp_losses.empty() ? std::string()
                            : fmt::format(" (heads {:.4f})", fmt::join(r.mtp_losses, " ")),
-      r.lr, r.grad_norm, tokens_per_s, format_duration(eta_s));
+      by_source, r.lr, r.grad_norm, tokens_per_s, format_duration(eta_s));
 }
 
 data::Batch Trainer::on_device(data::Batch batch) const {
@@ -428,6 +442,12 @@ StepResult Trainer::fit() {
                    {"elapsed_s", elapsed_s()}};
     if (last.mfu) record["mfu"] = *last.mfu;
     if (!last.mtp_losses.empty()) record["mtp_losses"] = last.mtp_losses;
+    if (!last.source_losses.empty()) {
+      record["loss_by_source"] = json::object();
+      for (size_t i = 0; i < last.source_losses.size(); ++i)
+        if (std::isfinite(last.source_losses[i]))
+          record["loss_by_source"][train_sampler_->sources()[i].name] = last.source_losses[i];
+    }
     // Once per process, in its first record: what was run (scripts/plot labels curves by it).
     if (step() == first_step + 1)
       record["run"] = {
@@ -503,6 +523,45 @@ std::vector<double> Trainer::mtp_losses() {
       share += means.cpu() / static_cast<double>(data_ranks() * model().tp().size());
   if (mesh_->world_size() > 1) mesh_->world().all_reduce(share, dist::ReduceOp::Sum);
   return {share.data_ptr<double>(), share.data_ptr<double>() + heads};
+}
+
+std::vector<double> Trainer::source_losses(int64_t step) {
+  // Rows of micro-batch k are samples first_sample(k) + [0, micro) of the step's batch; the
+  // part holding the head recorded one entry per micro-batch, in order. Every rank adds its
+  // loss sums and token counts per source over the world (parts without the head, and tp ranks
+  // other than 0, add nothing; context-parallel ranks their part of each row).
+  const auto& sources = train_sampler_->sources();
+  const auto n = static_cast<int64_t>(sources.size());
+  const int64_t micro = config_.micro_batch_size(data_ranks());
+  auto sums = at::zeros({2 * n}, at::kDouble);  // loss sums, then token counts
+  auto* s = sums.data_ptr<double>();
+  for (auto& chunk : run().chunks) {
+    const auto records = chunk->take_row_losses();
+    chunk->set_record_row_losses(false);
+    if (records.empty()) continue;
+    LOOM_CHECK(static_cast<int64_t>(records.size()) == config_.grad_accum,
+               "per-source losses: {} micro-batch losses were recorded for {} micro-batches",
+               records.size(), config_.grad_accum);
+    for (int64_t k = 0; k < config_.grad_accum; ++k) {
+      const auto& rec = records[static_cast<size_t>(k)];
+      const auto rows = rec.sums.cpu().contiguous();
+      LOOM_CHECK(rows.numel() == micro, "per-source losses: {} rows recorded, {} expected",
+                 rows.numel(), micro);
+      const double* row_sum = rows.data_ptr<double>();
+      const int64_t first = config_.first_sample(data_rank(), data_ranks(), k);
+      for (int64_t r = 0; r < micro; ++r) {
+        const int64_t source = train_sampler_->window(step, first + r).source;
+        s[source] += row_sum[r];
+        s[n + source] += static_cast<double>(rec.tokens_per_row);
+      }
+    }
+  }
+  if (mesh_->world_size() > 1) mesh_->world().all_reduce(sums, dist::ReduceOp::Sum);
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    out[static_cast<size_t>(i)] =
+        s[n + i] > 0 ? s[i] / s[n + i] : std::numeric_limits<double>::quiet_NaN();
+  return out;
 }
 
 int Trainer::reduce_over_world(int value, dist::ReduceOp op) {

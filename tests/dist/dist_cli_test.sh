@@ -14,7 +14,8 @@
 #  7. a data mixture (a glob of two shards weighted 0.7, one shard 0.3; validation per source):
 #     1 rank to step 2, resumed on 2 ranks (dp 2) to step 4, equals 1 rank to step 4 (and resumed
 #     on 1 rank, bit for bit), and the
-#     records say each source's samples, epochs and validation loss;
+#     records say each source's samples, epochs, training and validation losses (the training
+#     ones also under --tp 2, --pp 2 and --cp 2);
 #  8. --doc-mask over an interleaved pipeline (pp 2, 2 virtual stages) equals 1 rank.
 # The tp 2, ZeRO-3 and pp 2 runs also save checkpoints: loom-export-hf of each (one process,
 # whatever the layout it was saved under) writes the same bytes as the run's own --export-hf.
@@ -319,12 +320,38 @@ for r in a:
     s = r["sources"]
     assert s["web"]["samples"] + s["code"]["samples"] == 4, s
     assert s["web"]["tokens"] == 16 * s["web"]["samples"], s
+    # Per-source training losses: their token-weighted mean is the step's loss (fp64).
+    by = r["loss_by_source"]
+    assert set(by) == {k for k in s if s[k]["samples"] > 0}, (by, s)
+    mean = sum(by[k] * s[k]["tokens"] for k in by) / sum(s[k]["tokens"] for k in by)
+    assert abs(mean - r["loss"]) <= 1e-9 * r["loss"], (mean, r["loss"], by)
+for x, y in zip(a[2:], b):
+    for k in x["loss_by_source"]:
+        assert abs(x["loss_by_source"][k] - y["loss_by_source"][k]) <= 1e-9 * x["loss"], (x, y)
 web = a[-1]["val_loss_by_source"]["web"]; code = a[-1]["val_loss_by_source"]["code"]
 assert web != code and min(web, code) <= a[-1]["val_loss"] <= max(web, code), a[-1]
 print("ok: a mixture resumed on 2 ranks continues the 1-rank run:",
       [round(y["loss"], 6) for y in b], a[-1]["sources"], a[-1]["val_loss_by_source"])
 PY
 then :; else say "FAIL: the mixture run differs when resumed on 2 ranks, or its records are wrong"; fail=1; fi
+# Per-source losses under tensor and pipeline parallelism: the 1-rank run's, step by step.
+for layout in "--tp 2" "--pp 2 --micro-batches 2" "--cp 2"; do
+  # shellcheck disable=SC2086
+  "$MPIEXEC" -np 2 "${mix[@]}" $layout --metrics-out "$work/mixl.jsonl" \
+    || { say "FAIL: mixture run with $layout"; fail=1; }
+  if python3 - "$work/mix1.jsonl" "$work/mixl.jsonl" "$layout" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert [r["step"] for r in b] == [1, 2, 3, 4], b
+for x, y in zip(a, b):
+    assert x["loss_by_source"].keys() == y["loss_by_source"].keys(), (x, y)
+    for k, v in x["loss_by_source"].items():
+        assert abs(v - y["loss_by_source"][k]) <= 1e-9 * x["loss"], (k, v, y["loss_by_source"])
+print("ok: per-source losses with", sys.argv[3], "equal 1 rank's:", [r["loss_by_source"] for r in b])
+PY
+  then :; else say "FAIL: per-source losses with $layout differ from 1 rank"; fail=1; fi
+done
 out=$("${mix_flags[@]}" --data "web=$work/web/train*.bin:0.7,code=$work/code/train.bin:zero" 2>&1)
 status=$?
 if [ $status -ne 2 ] || ! grep -qF "the weight 'zero' of 'code=" <<< "$out"; then

@@ -139,6 +139,21 @@ class CausalLM : public torch::nn::Module {
   // multi-token heads (ModelConfig::mtp_heads), plus each head's weighted loss (below).
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
 
+  // Per-row losses, for per-source training metrics: while on, each loss_from_logits() of a
+  // training forward (and so each loss()) also records, without gradient, each row's next-token
+  // cross-entropy summed over its tokens — the z-loss and the multi-token heads left out; under
+  // context parallelism over this rank's part of the sequence — computed again from the logits
+  // (parallel/tensor's vocab_parallel_token_losses, an extra pass over them). Recorded on tp
+  // rank 0 of the group only (its other ranks compute the same values). Off by default.
+  void set_record_row_losses(bool on) { record_row_losses_ = on; }
+  struct RowLosses {
+    at::Tensor sums;         // [batch] fp64, on the logits' device
+    int64_t tokens_per_row;  // the tokens each row's sum is over
+  };
+  // The rows' losses recorded since the last call, one entry per loss_from_logits() in call
+  // order; clears them.
+  std::vector<RowLosses> take_row_losses() { return std::exchange(row_losses_, {}); }
+
   // Multi-token prediction. While training, loss() and loss_from_logits() add, for each extra
   // head k = 1..mtp_heads, weight_k x the mean cross-entropy of its logits at position t against
   // the token k + 1 places ahead (targets[t + k]; the last k positions have none). The heads'
@@ -339,6 +354,9 @@ class CausalLM : public torch::nn::Module {
   ops::LossBackend loss_backend_ = ops::LossBackend::kAuto;
   double z_loss_ = 0;
   std::optional<int64_t> document_start_;
+  bool record_row_losses_ = false;
+  std::vector<RowLosses> row_losses_;
+  void record_row_losses(const at::Tensor& logits, const at::Tensor& local_targets);
   at::Tensor first_key_;        // of the forward_part running now
   at::Tensor trunk_first_key_;  // of the forward whose trunk the multi-token heads read
   // The logits loss() made and hands to loss_from_logits: nothing else holds them, so the

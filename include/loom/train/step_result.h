@@ -12,6 +12,10 @@ struct StepResult {
   // With multi-token heads (--mtp): each extra head's own loss, the batch's mean (loss above is
   // the next-token loss plus these, weighted).
   std::vector<double> mtp_losses;
+  // With a mixture of data sources: each source's training loss in the step, in the sampler's
+  // source order — the cross-entropy (z-loss and heads left out) over the step's tokens drawn
+  // from it; NaN for a source the step drew nothing from.
+  std::vector<double> source_losses;
   double grad_norm = 0;
   double lr = 0;
   double seconds = 0;

@@ -151,6 +151,10 @@ class Trainer {
   // The multi-token heads' own losses of the step's batch, the same on every rank (empty without
   // heads). Reads the device; collective over the world when there are heads.
   std::vector<double> mtp_losses();
+  // With a mixture: each source's training loss in step `step` (StepResult::source_losses) from
+  // the rows' losses the models recorded, the same on every rank. Reads the device; collective
+  // over the world.
+  std::vector<double> source_losses(int64_t step);
   void log_progress(const StepResult& r, double tokens_per_s, double eta_s) const;
   // A mixture's step record: each source's samples in the step and epochs drawn so far.
   void add_source_metrics(nlohmann::json& record) const;

@@ -28,4 +28,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                         int64_t vocab, TpGroup& tp,
                                         const VocabLossOptions& options = {});
 
+// Each token's cross-entropy (the z-loss left out) of logits [..., V_local] (as above) against
+// targets [...], without gradient: [...] in the accumulation dtype (fp32; fp64 for fp64 logits),
+// the same on every rank. The math path's arithmetic, run over rows in chunks so that at most
+// ~2^24 exponentials exist at once, with the group's reductions per chunk. What per-source
+// training losses are measured with (CausalLM::set_record_row_losses).
+at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& targets,
+                                       int64_t vocab, TpGroup& tp);
+
 }  // namespace loom::parallel::tensor
