@@ -86,6 +86,9 @@ then
   done
   expect "no column 'body' (--text-field); it has id, text" "$LOOM_SOURCE_DIR/scripts/prepare-hf" \
     --parquet "$work/p1.parquet" --text-field body --out-dir "$work/p2" --prepare "$TOOLS/loom-prepare"
+  expect "column 'id' holds int64, not text" "$LOOM_SOURCE_DIR/scripts/prepare-hf" \
+    --parquet "$work/p1.parquet" --text-field id --out-dir "$work/p2" --prepare "$TOOLS/loom-prepare"
+  [ ! -e "$work/p2" ] || { echo "FAIL: prepare-hf wrote into --out-dir before refusing"; fail=1; }
   expect "does not exist" "$LOOM_SOURCE_DIR/scripts/prepare-hf" --parquet "$work/nope.parquet" \
     --out-dir "$work/p2" --prepare "$TOOLS/loom-prepare"
 else

@@ -118,7 +118,9 @@ LOOM_HOST_DEVICE constexpr bool bwd_tile_needs_mask(int m_block, int block_m, in
 // Forward: the first key tile query tile m_block visits: the one holding its first row's first
 // key (earlier tiles are masked for every row of it).
 LOOM_HOST_DEVICE inline int fwd_first_kv_tile(const int32_t* fk, int m_block) {
-  return fk == nullptr ? 0 : fk[m_block * kFwdBlockM] / kFwdBlockN;
+  // Clamped at 0: a negative first key (first keys on the device are not checked) must not send
+  // the loads before the keys.
+  return fk == nullptr || fk[m_block * kFwdBlockM] < 0 ? 0 : fk[m_block * kFwdBlockM] / kFwdBlockN;
 }
 // Whether some key of tile n_block lies before the first key of some row of query tile
 // m_block (its last row's): the tile needs the element-wise document mask.

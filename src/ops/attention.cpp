@@ -114,8 +114,10 @@ at::Tensor checked_first_keys(const at::Tensor& first_key, const at::Tensor& q, 
         const int32_t x = data[b * t + i];
         LOOM_CHECK(x >= 0 && x <= i && (i == 0 || x >= data[b * t + i - 1]),
                    "attention: document mask first_key[{}, {}] = {} is invalid: each must lie in "
-                   "[0, {}] and not below the one before ({}) — documents follow one another",
-                   b, i, x, i, i == 0 ? 0 : data[b * t + i - 1]);
+                   "[0, {}]{} — documents follow one another",
+                   b, i, x, i,
+                   i == 0 ? std::string()
+                          : fmt::format(" and not below the one before ({})", data[b * t + i - 1]));
       }
   }
   return fk;

@@ -533,20 +533,30 @@ std::vector<double> Trainer::source_losses(int64_t step) {
   const auto& sources = train_sampler_->sources();
   const auto n = static_cast<int64_t>(sources.size());
   const int64_t micro = config_.micro_batch_size(data_ranks());
+  // The built-in schedules run each stage's forwards in micro-batch order, so record k is
+  // micro-batch k's (a registered schedule must too: docs/pipeline.md).
   auto sums = at::zeros({2 * n}, at::kDouble);  // loss sums, then token counts
   auto* s = sums.data_ptr<double>();
+  std::string problem;  // shared before the all-reduce: no rank waits in it for one that failed
   for (auto& chunk : run().chunks) {
     const auto records = chunk->take_row_losses();
     chunk->set_record_row_losses(false);
-    if (records.empty()) continue;
-    LOOM_CHECK(static_cast<int64_t>(records.size()) == config_.grad_accum,
-               "per-source losses: {} micro-batch losses were recorded for {} micro-batches",
-               records.size(), config_.grad_accum);
-    for (int64_t k = 0; k < config_.grad_accum; ++k) {
+    if (records.empty() || !problem.empty()) continue;
+    if (static_cast<int64_t>(records.size()) != config_.grad_accum) {
+      problem = fmt::format(
+          "per-source losses: {} micro-batch losses were recorded for {} "
+          "micro-batches",
+          records.size(), config_.grad_accum);
+      continue;
+    }
+    for (int64_t k = 0; k < config_.grad_accum && problem.empty(); ++k) {
       const auto& rec = records[static_cast<size_t>(k)];
       const auto rows = rec.sums.cpu().contiguous();
-      LOOM_CHECK(rows.numel() == micro, "per-source losses: {} rows recorded, {} expected",
-                 rows.numel(), micro);
+      if (rows.numel() != micro) {
+        problem =
+            fmt::format("per-source losses: {} rows recorded, {} expected", rows.numel(), micro);
+        break;
+      }
       const double* row_sum = rows.data_ptr<double>();
       const int64_t first = config_.first_sample(data_rank(), data_ranks(), k);
       for (int64_t r = 0; r < micro; ++r) {
@@ -556,6 +566,7 @@ std::vector<double> Trainer::source_losses(int64_t step) {
       }
     }
   }
+  share_outcome(problem, "measure the per-source losses");
   if (mesh_->world_size() > 1) mesh_->world().all_reduce(sums, dist::ReduceOp::Sum);
   std::vector<double> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)

@@ -41,7 +41,8 @@ std::optional<std::string> cpu_attention_unsupported(const at::Tensor& q, const 
 // storage, as the models reshape it next. Throws loom::Error with cpu_attention_unsupported's
 // reason when it cannot take the inputs. `first_key` (optional, causal only): a document mask,
 // as AttentionOptions::first_key (ops/attention.h); each row tile starts at the key vector of
-// its first row's first key, so keys of earlier documents cost nothing.
+// its first row's first key, so keys of earlier documents cost little (their packing does not
+// shrink).
 at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                          double scale, const at::Tensor& first_key = {});
 

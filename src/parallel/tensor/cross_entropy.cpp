@@ -25,48 +25,76 @@ void count_loss_op(TpGroup& tp, const at::Tensor& t) {
   s.bytes += t.numel() * static_cast<int64_t>(t.element_size());
 }
 
-// What the math loss and the per-token losses share, for rows of logits2d ([N, V_local], this
-// rank's columns of the padded vocabulary) and targets [N]: the row maximum and the sum of
-// exponentials across the group, the target's logit less the maximum (summed across the group:
-// one rank holds it), and this rank's exponentials.
+// What the math loss and the per-token losses share. For rows of logits2d ([N, V_local], this
+// rank's columns of the padded vocabulary): the unpadded columns in the accumulation dtype, the
+// local row maximum, and the local sums — of exp(x - row max), and of the target's logit less the
+// maximum (one rank holds it) — which the group then reduces (max, then sum).
+struct Columns {
+  at::Tensor x;  // [N, valid]
+  int64_t start = 0, valid = 0;
+};
+
+Columns columns_of(const at::Tensor& logits2d, int64_t vocab, const TpGroup& tp) {
+  Columns c;
+  c.start = tp.rank() * logits2d.size(1);
+  c.valid = std::clamp<int64_t>(vocab - c.start, 0, logits2d.size(1));  // unpadded columns
+  c.x = ops::to_accumulation_dtype(logits2d.narrow(1, 0, c.valid));
+  return c;
+}
+
+// This rank's row maximum (-inf on a rank holding only padding).
+at::Tensor local_row_max(const Columns& c) {
+  return c.valid > 0
+             ? std::get<0>(c.x.max(1)).contiguous()
+             : at::full({c.x.size(0)}, -std::numeric_limits<float>::infinity(), c.x.options());
+}
+
+struct LocalSums {
+  at::Tensor exp;  // [N, valid] exp(x - row max)
+  at::Tensor local_target, in_range;
+};
+
+// Writes this rank's two sums into sums [2, N] (given the group's row maximum).
+LocalSums local_sums(const Columns& c, const at::Tensor& targets, const at::Tensor& row_max,
+                     at::Tensor sums) {
+  LocalSums l;
+  l.exp = (c.x - row_max.unsqueeze(1)).exp_();
+  l.in_range = (targets >= c.start).logical_and(targets < c.start + c.valid);
+  l.local_target = (targets - c.start).masked_fill(l.in_range.logical_not(), 0);
+  sums[0].copy_(l.exp.sum(1));
+  sums[1].copy_(c.valid > 0 ? (c.x.gather(1, l.local_target.unsqueeze(1)).squeeze(1) - row_max)
+                                  .masked_fill(l.in_range.logical_not(), 0.0)
+                            : at::zeros({c.x.size(0)}, c.x.options()));
+  return l;
+}
+
+void reduce_over_group(TpGroup& tp, at::Tensor& t, dist::ReduceOp op) {
+  if (tp.size() == 1) return;
+  count_loss_op(tp, t);
+  tp.comm()->all_reduce(t, op);
+}
+
 struct RowTerms {
   at::Tensor exp;             // [N, valid] exp(x - row max), this rank's unpadded columns
   at::Tensor row_max;         // [N]
   at::Tensor sum_exp;         // [N]
   at::Tensor target_shifted;  // [N] target logit - row max
   at::Tensor local_target, in_range;
-  int64_t valid = 0;
 };
 
 RowTerms row_terms(const at::Tensor& logits2d, const at::Tensor& targets, int64_t vocab,
                    TpGroup& tp) {
-  const int64_t n = logits2d.size(0), v_local = logits2d.size(1);
-  const int64_t start = tp.rank() * v_local;
+  const auto c = columns_of(logits2d, vocab, tp);
   RowTerms t;
-  t.valid = std::clamp<int64_t>(vocab - start, 0, v_local);  // unpadded columns
-  auto x = ops::to_accumulation_dtype(logits2d.narrow(1, 0, t.valid));
-
-  // Row maximum across the group (a rank holding only padding contributes -inf).
-  t.row_max = t.valid > 0 ? std::get<0>(x.max(1)).contiguous()
-                          : at::full({n}, -std::numeric_limits<float>::infinity(), x.options());
-  if (tp.size() > 1) {
-    count_loss_op(tp, t.row_max);
-    tp.comm()->all_reduce(t.row_max, dist::ReduceOp::Max);
-  }
-  t.exp = (x - t.row_max.unsqueeze(1)).exp_();
-
-  // Sum of exponentials and the target's shifted logit, summed across the group in one op.
-  t.in_range = (targets >= start).logical_and(targets < start + t.valid);
-  t.local_target = (targets - start).masked_fill(t.in_range.logical_not(), 0);
-  auto sums = at::empty({2, n}, x.options());
-  sums[0].copy_(t.exp.sum(1));
-  sums[1].copy_(t.valid > 0 ? (x.gather(1, t.local_target.unsqueeze(1)).squeeze(1) - t.row_max)
-                                  .masked_fill(t.in_range.logical_not(), 0.0)
-                            : at::zeros({n}, x.options()));
-  if (tp.size() > 1) {
-    count_loss_op(tp, sums);
-    tp.comm()->all_reduce(sums, dist::ReduceOp::Sum);
-  }
+  t.row_max = local_row_max(c);
+  reduce_over_group(tp, t.row_max, dist::ReduceOp::Max);
+  // The sum of exponentials and the target's shifted logit, summed across the group in one op.
+  auto sums = at::empty({2, logits2d.size(0)}, c.x.options());
+  auto l = local_sums(c, targets, t.row_max, sums);
+  reduce_over_group(tp, sums, dist::ReduceOp::Sum);
+  t.exp = std::move(l.exp);
+  t.local_target = std::move(l.local_target);
+  t.in_range = std::move(l.in_range);
   t.sum_exp = sums[0];
   t.target_shifted = sums[1];
   return t;
@@ -130,16 +158,20 @@ at::Tensor fused_vocab_parallel(const at::Tensor& logits, const at::Tensor& targ
   o.z_loss = options.z_loss;
   o.overwrite_logits = options.overwrite_logits;
   if (tp.size() > 1) {
-    o.reduce.max = [&tp](at::Tensor& t) {
-      count_loss_op(tp, t);
-      tp.comm()->all_reduce(t, dist::ReduceOp::Max);
-    };
-    o.reduce.sum = [&tp](at::Tensor& t) {
-      count_loss_op(tp, t);
-      tp.comm()->all_reduce(t, dist::ReduceOp::Sum);
-    };
+    o.reduce.max = [&tp](at::Tensor& t) { reduce_over_group(tp, t, dist::ReduceOp::Max); };
+    o.reduce.sum = [&tp](at::Tensor& t) { reduce_over_group(tp, t, dist::ReduceOp::Sum); };
   }
   return ops::fused_cross_entropy(logits, targets, o);
+}
+
+void check_logits(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                  const TpGroup& tp) {
+  LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+             "cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
+             logits.sizes(), targets.sizes());
+  LOOM_CHECK(logits.size(-1) * tp.size() >= vocab,
+             "cross-entropy: {} columns on each of {} ranks cannot hold a vocabulary of {}",
+             logits.size(-1), tp.size(), vocab);
 }
 
 }  // namespace
@@ -147,12 +179,7 @@ at::Tensor fused_vocab_parallel(const at::Tensor& logits, const at::Tensor& targ
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         int64_t vocab, TpGroup& tp,
                                         const VocabLossOptions& options) {
-  LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-             "cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
-             logits.sizes(), targets.sizes());
-  LOOM_CHECK(logits.size(-1) * tp.size() >= vocab,
-             "cross-entropy: {} columns on each of {} ranks cannot hold a vocabulary of {}",
-             logits.size(-1), tp.size(), vocab);
+  check_logits(logits, targets, vocab, tp);
   LOOM_CHECK(std::isfinite(options.z_loss) && options.z_loss >= 0,
              "cross-entropy: z-loss {} must be a finite value >= 0", options.z_loss);
   if (ops::uses_fused_loss(options.backend, logits))
@@ -164,27 +191,34 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 
 at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& targets,
                                        int64_t vocab, TpGroup& tp) {
-  LOOM_CHECK(logits.dim() >= 1 && targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-             "cross-entropy: logits {} and targets {} do not match ([..., V] and [...])",
-             logits.sizes(), targets.sizes());
-  LOOM_CHECK(logits.size(-1) * tp.size() >= vocab,
-             "cross-entropy: {} columns on each of {} ranks cannot hold a vocabulary of {}",
-             logits.size(-1), tp.size(), vocab);
+  check_logits(logits, targets, vocab, tp);
   at::NoGradGuard no_grad;
   const auto logits2d = logits.detach().reshape({-1, logits.size(-1)});
   const auto flat_targets = targets.reshape({-1});
   const int64_t n = logits2d.size(0);
-  // Rows at a time: the exponentials of at most ~2^24 elements exist at once.
+  // Rows at a time: the exponentials of at most ~2^24 elements exist at once. Two passes (the
+  // row maxima, then the sums), each reduced over the group once for all rows.
   const int64_t chunk =
       std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, logits2d.size(1)));
-  auto out =
+  const auto rows_of = [&](int64_t first) {
+    return columns_of(logits2d.narrow(0, first, std::min(chunk, n - first)), vocab, tp);
+  };
+  auto row_max =
       at::empty({n}, logits2d.options().dtype(ops::accumulation_dtype(logits.scalar_type())));
   for (int64_t first = 0; first < n; first += chunk) {
-    const int64_t rows = std::min(chunk, n - first);
-    const auto t =
-        row_terms(logits2d.narrow(0, first, rows), flat_targets.narrow(0, first, rows), vocab, tp);
-    out.narrow(0, first, rows).copy_(t.sum_exp.log() - t.target_shifted);
+    const auto c = rows_of(first);
+    row_max.narrow(0, first, c.x.size(0)).copy_(local_row_max(c));
   }
+  reduce_over_group(tp, row_max, dist::ReduceOp::Max);
+  auto sums = at::empty({2, n}, row_max.options());
+  for (int64_t first = 0; first < n; first += chunk) {
+    const auto c = rows_of(first);
+    const int64_t rows = c.x.size(0);
+    local_sums(c, flat_targets.narrow(0, first, rows), row_max.narrow(0, first, rows),
+               sums.narrow(1, first, rows));
+  }
+  reduce_over_group(tp, sums, dist::ReduceOp::Sum);
+  const auto out = sums[0].log() - sums[1];
   return out.view(targets.sizes());
 }
 
