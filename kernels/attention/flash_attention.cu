@@ -125,7 +125,7 @@ WorkspaceLayout workspace_layout(const AttentionProblem& p) {
   return w;
 }
 
-template <typename E, int kHeadDim>
+template <typename E, int kHeadDim, bool kDocMask>
 Status run_forward(const FlashAttentionParams& p, cudaStream_t stream) {
   FwdArgs<E> a{};
   a.q = static_cast<const E*>(p.q);
@@ -149,7 +149,7 @@ Status run_forward(const FlashAttentionParams& p, cudaStream_t stream) {
           strides_aligned(p.q_strides) && strides_aligned(p.k_strides) &&
           strides_aligned(p.v_strides) && strides_aligned(p.o_strides);
   constexpr size_t smem = FwdSmem<kHeadDim>::kBytes;
-  auto kernel = flash_fwd_kernel<E, kHeadDim>;
+  auto kernel = flash_fwd_kernel<E, kHeadDim, kDocMask>;
   Status s = allow_smem(kernel, smem, "forward");
   if (!s.ok()) return s;
   const dim3 grid(attention_ceil_div(p.q_len, kFwdBlockM), p.q_heads, p.batch);
@@ -245,11 +245,19 @@ Status run_backward(const FlashAttentionParams& p, char* workspace, cudaStream_t
   return Status::success();
 }
 
-Status forward_for_dtype(const FlashAttentionParams& p, cudaStream_t stream) {
+template <bool kDocMask>
+Status forward_for_mask(const FlashAttentionParams& p, cudaStream_t stream) {
   const bool bf16 = p.dtype == AttentionDtype::kBFloat16;
   if (p.head_dim == 64)
-    return bf16 ? run_forward<__nv_bfloat16, 64>(p, stream) : run_forward<__half, 64>(p, stream);
-  return bf16 ? run_forward<__nv_bfloat16, 128>(p, stream) : run_forward<__half, 128>(p, stream);
+    return bf16 ? run_forward<__nv_bfloat16, 64, kDocMask>(p, stream)
+                : run_forward<__half, 64, kDocMask>(p, stream);
+  return bf16 ? run_forward<__nv_bfloat16, 128, kDocMask>(p, stream)
+              : run_forward<__half, 128, kDocMask>(p, stream);
+}
+
+Status forward_for_dtype(const FlashAttentionParams& p, cudaStream_t stream) {
+  return p.first_key != nullptr ? forward_for_mask<true>(p, stream)
+                                : forward_for_mask<false>(p, stream);
 }
 
 Status backward_for_dtype(const FlashAttentionParams& p, char* ws, cudaStream_t stream) {
@@ -277,7 +285,7 @@ Status flash_attention_forward(const FlashAttentionParams& p, cudaStream_t strea
 }
 
 Status flash_attention_device_check(int device) {
-  return kernel_image_check(flash_fwd_kernel<__nv_bfloat16, 64>, device, "flash_attention");
+  return kernel_image_check(flash_fwd_kernel<__nv_bfloat16, 64, false>, device, "flash_attention");
 }
 
 size_t flash_attention_backward_workspace_bytes(const AttentionProblem& problem) {

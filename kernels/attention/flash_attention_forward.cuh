@@ -32,7 +32,10 @@ constexpr int fwd_min_blocks(int head_dim) {
   return head_dim <= 64 ? 2 : 1;
 }
 
-template <typename E, int kHeadDim>
+// kDocMask: the instantiation that reads a.first_key (a document mask). A separate one, so that
+// attention without a mask keeps the registers it had: at head_dim 64 the budget of two blocks
+// per SM (128 registers) has no room for the mask's.
+template <typename E, int kHeadDim, bool kDocMask>
 __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
     flash_fwd_kernel(const FwdArgs<E> a) {
   constexpr int kStride = FwdSmem<kHeadDim>::kStride;
@@ -54,17 +57,8 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
   const E* v = a.v + b * a.vs.batch + kvh * a.vs.head;
   const int n_tiles = fwd_num_kv_tiles(m_block, a.q_len, a.kv_len, a.causal);
   // Document mask: this batch row's first keys; the tiles before the first row's are skipped.
-  const int32_t* fk = a.first_key == nullptr ? nullptr : a.first_key + int64_t(b) * a.q_len;
+  const int32_t* fk = kDocMask ? a.first_key + int64_t(b) * a.q_len : nullptr;
   const int n_first = fwd_first_kv_tile(fk, m_block);
-  // The first key of this thread's rows g and g + 8 (acc_row(lane, 0) and acc_row(lane, 2)).
-  int row_first_key[2] = {0, 0};
-  if (fk != nullptr) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp_row0 + acc_row(lane, 2 * r);
-      row_first_key[r] = row < a.q_len ? fk[row] : 0;
-    }
-  }
 
   if (n_tiles > n_first) {
     const int first0 = n_first * kFwdBlockN;
@@ -129,7 +123,8 @@ __global__ void __launch_bounds__(kFwdThreads, fwd_min_blocks(kHeadDim))
         for (int i = 0; i < 4; ++i) {
           const int key = n0 + acc_col(lane, j, i);
           const int row = warp_row0 + acc_row(lane, i);
-          if (key >= a.kv_len || (a.causal && key > row) || key < row_first_key[i / 2])
+          if (key >= a.kv_len || (a.causal && key > row) ||
+              (kDocMask && row < a.q_len && key < fk[row]))
             s[j][i] = -INFINITY;
         }
       }
