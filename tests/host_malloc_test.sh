@@ -4,12 +4,15 @@
 # cut the page faults per step at least fourfold and leave the peak RSS no more than 5% higher.
 # The heap still grows over the first steps by an amount that depends on the library's layout
 # (with 2 warm-up steps, 85 to 274 faults per step with the tuning across builds that differed
-# only in code the run never calls), so 8 warm-up steps are left out of the count. Measured
-# (2026-12-04, 2-core dev machine): 814 -> 35 per step (23x); the previous commit 1294 -> 128.
+# only in code the run never calls), so 8 warm-up steps are left out of the count, and 24 steps
+# are counted: over 8, one build measured 322 -> 90 (3.6x) when started from some directories
+# and 1176 -> 48 from others (the environment's size moves the heap), over 24 the same build
+# gives 1513 -> 28 (54x) from every directory tried (2026-12-07, 2-core dev machine). Earlier:
+# 814 -> 35 per step (23x, 2026-12-04, over 8 steps).
 # Usage: host_malloc_test.sh BENCH_BINARY
 set -euo pipefail
 bin=$1
-flags=(--layers 2 --heads 4 --d-model 128 --seq-len 128 --batch-size 8 --steps 16 --warmup 8 --threads 1)
+flags=(--layers 2 --heads 4 --d-model 128 --seq-len 128 --batch-size 8 --steps 32 --warmup 8 --threads 1)
 off=$(LOOM_HOST_MALLOC_TUNING=0 "$bin" "${flags[@]}")
 on=$("$bin" "${flags[@]}")
 printf '%s\n%s\n' "$off" "$on" | python3 -c '
