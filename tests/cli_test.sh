@@ -32,16 +32,7 @@ printf 'hello world, this is a small corpus for the loom tools. %.0s' {1..50} > 
 # A tokenizer.json (Metaspace, byte fallback: 259 ids): loom-prepare and loom-tokenize read it,
 # loom-pretrain refuses a model vocabulary smaller than it, bad paths are named.
 mkdir -p "$work/tok"
-python3 - "$work/tok/tokenizer.json" << 'PY'
-import json, sys
-vocab = {"<unk>": 0, "<s>": 1, "\u2581": 2}
-vocab.update({"<0x%02X>" % b: 3 + b for b in range(256)})
-json.dump({"added_tokens": [{"id": 1, "content": "<s>", "special": True}],
-           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
-           "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
-           "model": {"type": "BPE", "vocab": vocab, "merges": [], "byte_fallback": True}},
-          open(sys.argv[1], "w"))
-PY
+python3 "$(dirname "$0")/tiny_tokenizer.py" "$work/tok/tokenizer.json"
 "$TOOLS/loom-prepare" --tokenizer "$work/tok" --input "$work/a.txt" --out-dir "$work/data_hf" > /dev/null 2>&1 ||
   { echo "FAIL: loom-prepare --tokenizer"; fail=1; }
 grep -q '"hf-json"' "$work/data_hf/meta.json" || { echo "FAIL: meta.json of data_hf"; fail=1; }

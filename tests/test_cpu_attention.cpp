@@ -135,23 +135,33 @@ std::string name(const Shape& s) {
                      s.causal ? " causal" : "", s.packed ? " packed" : "");
 }
 
+// The kernel's forward and backward at every x86 level this machine has, each result within
+// its bound of the fp64 reference (max |err| / bound <= 1), printed per level. `first_key`: a
+// document mask, or none.
+void check_every_level(const Shape& shape, const Inputs& in, const Reference& ref,
+                       const at::Tensor& first_key = {}) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(shape.d));
+  const std::string label = name(shape) + (first_key.defined() ? " docs" : "");
+  for (auto isa : ops::available_cpu_isas()) {
+    SCOPED_TRACE(label + " " + ops::to_string(isa));
+    auto [o, lse] =
+        ops::cpu_attention_forward(in.q, in.k, in.v, shape.causal, scale, isa, first_key);
+    auto [dq, dk, dv] = ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, shape.causal,
+                                                    scale, isa, first_key);
+    const double w[] = {worst(o, ref.o, ref.bound_o), worst(lse, ref.lse, ref.bound_lse),
+                        worst(dq, ref.dq, ref.bound_dq), worst(dk, ref.dk, ref.bound_dk),
+                        worst(dv, ref.dv, ref.bound_dv)};
+    std::printf("%-39s %-8s max |err| / bound: o %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
+                label.c_str(), ops::to_string(isa).c_str(), w[0], w[1], w[2], w[3], w[4]);
+    for (double x : w) EXPECT_LE(x, 1.0);
+  }
+}
+
 TEST(CpuAttention, ForwardAndBackwardTrackFp64AtEveryLevel) {
   for (const auto& shape : kShapes) {
     const auto in = make_inputs(shape, 11);
     const auto ref = reference(shape, in);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(shape.d));
-    for (auto isa : ops::available_cpu_isas()) {
-      SCOPED_TRACE(name(shape) + " " + ops::to_string(isa));
-      auto [o, lse] = ops::cpu_attention_forward(in.q, in.k, in.v, shape.causal, scale, isa);
-      auto [dq, dk, dv] =
-          ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, shape.causal, scale, isa);
-      const double w[] = {worst(o, ref.o, ref.bound_o), worst(lse, ref.lse, ref.bound_lse),
-                          worst(dq, ref.dq, ref.bound_dq), worst(dk, ref.dk, ref.bound_dk),
-                          worst(dv, ref.dv, ref.bound_dv)};
-      std::printf("%-34s %-8s max |err| / bound: o %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
-                  name(shape).c_str(), ops::to_string(isa).c_str(), w[0], w[1], w[2], w[3], w[4]);
-      for (double x : w) EXPECT_LE(x, 1.0);
-    }
+    check_every_level(shape, in, ref);
   }
 }
 
@@ -178,19 +188,7 @@ TEST(CpuAttention, DocumentMaskTracksFp64AtEveryLevel) {
     const auto in = make_inputs(shape, 17);
     const auto first_key = ops::document_first_keys(documents(shape.b, shape.t, 23), 0);
     const auto ref = reference(shape, in, first_key);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(shape.d));
-    for (auto isa : ops::available_cpu_isas()) {
-      SCOPED_TRACE(name(shape) + " docs " + ops::to_string(isa));
-      auto [o, lse] = ops::cpu_attention_forward(in.q, in.k, in.v, true, scale, isa, first_key);
-      auto [dq, dk, dv] = ops::cpu_attention_backward(in.d_o, in.q, in.k, in.v, o, lse, true, scale,
-                                                      isa, first_key);
-      const double w[] = {worst(o, ref.o, ref.bound_o), worst(lse, ref.lse, ref.bound_lse),
-                          worst(dq, ref.dq, ref.bound_dq), worst(dk, ref.dk, ref.bound_dk),
-                          worst(dv, ref.dv, ref.bound_dv)};
-      std::printf("%-34s %-8s docs max |err| / bound: o %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
-                  name(shape).c_str(), ops::to_string(isa).c_str(), w[0], w[1], w[2], w[3], w[4]);
-      for (double x : w) EXPECT_LE(x, 1.0);
-    }
+    check_every_level(shape, in, ref, first_key);
     // ops::attention: auto (this kernel, with autograd), SDPA (a boolean mask) and the math.
     for (auto backend : {ops::AttentionBackend::kAuto, ops::AttentionBackend::kSdpa,
                          ops::AttentionBackend::kMath}) {

@@ -361,16 +361,7 @@ else say "ok: a bad mixture weight rejected with status 2"; fi
 # 8. Document masks through an interleaved pipeline (stages that are neither first nor last read
 # their micro-batch's tokens for the mask): --pp 2 equals 1 rank, and the mask changes the run.
 mkdir -p "$work/tok"
-python3 - "$work/tok/tokenizer.json" << 'PY'
-import json, sys
-vocab = {"<unk>": 0, "<s>": 1, "\u2581": 2}
-vocab.update({"<0x%02X>" % b: 3 + b for b in range(256)})
-json.dump({"added_tokens": [{"id": 1, "content": "<s>", "special": True}],
-           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
-           "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
-           "model": {"type": "BPE", "vocab": vocab, "merges": [], "byte_fallback": True}},
-          open(sys.argv[1], "w"))
-PY
+python3 "$(dirname "$0")/../tiny_tokenizer.py" "$work/tok/tokenizer.json"
 for i in $(seq 1 80); do printf '{"text": "doc %d %s"}\n' "$i" "$(printf 'ab%.0s' $(seq 1 $((i % 9 + 1))))"; done \
   > "$work/docs.jsonl"
 "$TOOLS/loom-prepare" --tokenizer "$work/tok" --input "$work/docs.jsonl" --out-dir "$work/docs" \
