@@ -39,7 +39,7 @@ struct Options {
   int threads = 2;
   uint64_t seed = 1337;
   std::string device = "cpu", precision = "fp32", attention = "auto", loss = "auto", norm = "auto",
-              adamw = "auto", swiglu = "auto";
+              adamw = "auto", swiglu = "auto", loss_chunk_rows = "auto";
   double peak_tflops = 0;  // 0: from the GPU's name
 };
 
@@ -105,6 +105,7 @@ void run(const Options& o) {
     model->set_attention_chooser(chooser);
   }
   model->set_loss_backend(loom::ops::parse_loss_backend(o.loss));
+  model->set_loss_chunk_rows(loom::ops::parse_chunk_rows(o.loss_chunk_rows));
   model->set_norm_backend(loom::ops::parse_norm_backend(o.norm));
   model->set_activation_backend(loom::ops::parse_activation_backend(o.swiglu));
   model->train();
@@ -243,6 +244,12 @@ void run(const Options& o) {
     out["precision"] = o.precision;
     out["attention"] = o.attention;
     out["loss"] = o.loss;
+    out["loss_chunk_rows"] = o.loss_chunk_rows;
+    {
+      loom::core::Bf16Autocast autocast(o.precision == "bf16", device.type());
+      out["loss_chunk_rows_used"] =
+          model->resolved_loss_chunk_rows(o.batch_size * o.seq_len, device);
+    }
     out["norm"] = o.norm;
     out["adamw"] = o.adamw;
     out["swiglu"] = o.swiglu;
@@ -306,6 +313,9 @@ int main(int argc, char** argv) {
   app.add_option("--attention", o.attention, "auto | fused | sdpa | math")->capture_default_str();
   app.add_option("--loss", o.loss,
                  "auto | fused | math: the cross-entropy (auto: loom's fused kernels on CUDA)")
+      ->capture_default_str();
+  app.add_option("--loss-chunk-rows", o.loss_chunk_rows,
+                 "auto | off | ROWS: the head and the loss in chunks of rows (as loom-pretrain)")
       ->capture_default_str();
   app.add_option("--pad-vocab-multiple", o.pad_vocab_multiple,
                  "Pad the vocabulary to a multiple of this (0: 128 on CUDA, 1 on the CPU, as "

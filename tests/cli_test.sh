@@ -21,7 +21,7 @@ expect() {  # expect "<text in stderr>" command...
 help=$("$TOOLS/loom-pretrain" --help)
 for flag in --model --preset --data --val-data --steps --batch-size --seq-len --grad-accum --lr \
   --seed --metrics-out --save-dir --resume --precision --init-from-hf --export-hf --config \
-  --device --sampling --attention --loss --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
+  --device --sampling --attention --loss --loss-chunk-rows --norm --swiglu --adamw --profile-steps --profile-out --z-loss --peak-tflops --dist-backend; do
   if ! grep -qE -- "^ +$flag " <<< "$help"; then echo "FAIL: --help lacks $flag"; fail=1; fi
 done
 for tool in loom-prepare loom-eval loom-generate loom-plan loom-tokenize loom-export-hf; do
@@ -178,6 +178,7 @@ fi
 expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" --data "$work/data/train.bin" --attention flash
 expect "--loss 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --loss fast
 expect "--norm 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --norm fast
+expect "--loss-chunk-rows 'some' is not valid: auto, off (whole logits) or a number of rows > 0" "${run[@]}" --data "$work/data/train.bin" --loss-chunk-rows some
 expect "--sampling 'shuffle' is not valid: auto (epoch for a new run" "${run[@]}" --data "$work/data/train.bin" --sampling shuffle
 expect "--adamw fused: PyTorch's fused AdamW cannot hold the second moment frozen (--freeze-variance-after 5)" "${run[@]}" --data "$work/data/train.bin" --adamw fused --freeze-variance-after 5
 expect "--swiglu 'geglu' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --swiglu geglu

@@ -109,6 +109,13 @@ PretrainCommandLine::PretrainCommandLine(const std::string& name)
                  "backward, writing the gradient over them in their own dtype; math: ATen's "
                  "log-softmax in fp32; auto: fused on CUDA, math on the CPU")
       ->capture_default_str();
+  app.add_option("--loss-chunk-rows", c.loss_chunk_rows,
+                 "auto | off | ROWS: run the output head together with the loss, ROWS rows of "
+                 "logits at a time, so that a batch's whole logits never exist (the gradients "
+                 "are made in the forward; the head weight's is held in fp32 until backward). "
+                 "off: whole logits; auto: chunks only where one forward's logits would pass "
+                 "2 GiB, each chunk's at most 1 GiB")
+      ->capture_default_str();
   app.add_option("--norm", c.norm,
                  "auto | fused | math: how the norms (and the residual add before each block's "
                  "second norm) are computed. fused: loom's kernels (CUDA; on the CPU their host "

@@ -192,7 +192,7 @@ at::Tensor CausalLM::forward_part(const at::Tensor& input, const at::Tensor& tok
   }
   trunk_first_key_ = trunk_.defined() ? first_key_ : at::Tensor();
   if (!part_.last) return x;
-  auto logits = head(x);
+  auto logits = defer_head_ ? final_norm(x) : head(x);
   if (trunk_.defined()) trunk_logits_ = TensorImplWeak(logits.getIntrusivePtr());
   return logits;
 }
@@ -201,131 +201,6 @@ at::Tensor CausalLM::logits_shard(const at::Tensor& tokens) {
   LOOM_CHECK(is_whole(), "logits_shard needs the whole model; this one holds {} (use forward_part)",
              part_.describe(config_.n_layers));
   return forward_part(tokens);
-}
-
-at::Tensor CausalLM::token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const bool fused = ops::uses_fused_loss(loss_backend_, logits);
-  // The z-loss is a training term: evaluation reports the cross-entropy alone.
-  const double z_loss = is_training() ? z_loss_ : 0.0;
-  if (!fused && z_loss == 0 && tp_->size() == 1 && logits.size(-1) == config_.vocab_size)
-    return next_token_loss(logits, targets);
-  pt::VocabLossOptions options;
-  options.backend = fused ? ops::LossBackend::kFused : ops::LossBackend::kMath;
-  options.z_loss = z_loss;
-  options.overwrite_logits = own_logits_ != nullptr && logits.unsafeGetTensorImpl() == own_logits_;
-  return pt::vocab_parallel_cross_entropy(logits, targets, config_.vocab_size, *tp_, options);
-}
-
-void CausalLM::set_z_loss(double weight) {
-  LOOM_CHECK(std::isfinite(weight) && weight >= 0,
-             "z-loss weight {} is not valid: a finite value >= 0 (0: no z-loss)", weight);
-  z_loss_ = weight;
-}
-
-void CausalLM::record_row_losses(const at::Tensor& logits, const at::Tensor& local_targets) {
-  if (!record_row_losses_ || !is_training()) return;
-  LOOM_CHECK(local_targets.dim() == 2 && local_targets.sizes() == logits.sizes().slice(0, 2),
-             "loss: targets {} must be [batch, seq] of the logits {}", local_targets.sizes(),
-             logits.sizes());
-  const auto losses =
-      pt::vocab_parallel_token_losses(logits, local_targets, config_.vocab_size, *tp_);
-  if (tp_->rank() == 0)
-    row_losses_.push_back({losses.to(at::kDouble).sum(1), local_targets.size(1)});
-}
-
-at::Tensor CausalLM::loss_from_logits(const at::Tensor& logits, const at::Tensor& targets) {
-  check_ids(targets, "target");
-  record_row_losses(logits, context_parallel_size() > 1
-                                ? execution_->context->slice_sequence(targets, 1)
-                                : targets);
-  if (!mtp_heads_.empty() && is_training()) {
-    LOOM_CHECK(trunk_.defined() && trunk_logits_.lock().get() == logits.unsafeGetTensorImpl(),
-               "multi-token prediction: these logits did not come from this model's last "
-               "forward_part while training, whose trunk the {} heads read; call forward_part "
-               "and loss_from_logits in turn",
-               mtp_heads_.size());
-    const auto trunk = std::exchange(trunk_, at::Tensor());
-    const auto first_key = std::exchange(trunk_first_key_, at::Tensor());
-    trunk_logits_.reset();
-    LOOM_CHECK(targets.dim() == 2 && targets.sizes() == logits.sizes().slice(0, 2),
-               "loss: targets {} must be [batch, seq] of the logits {}", targets.sizes(),
-               logits.sizes());
-    // The heads first: their forwards run while the main head's cross-entropy holds nothing yet.
-    const auto heads = mtp_loss(trunk, targets, first_key);
-    return token_loss(logits, targets) + heads;
-  }
-  if (context_parallel_size() > 1) {
-    auto& group = *execution_->context;
-    LOOM_CHECK(targets.dim() == 2 && targets.size(1) == logits.size(1) * group.size(),
-               "under context parallelism the targets are the whole sequences [batch, {}] for "
-               "this rank's logits {}; got {}",
-               logits.size(1) * group.size(), logits.sizes(), targets.sizes());
-    // Every rank holds as many tokens: the mean of the ranks' means is the whole mean.
-    const auto local = group.slice_sequence(targets, 1);
-    return parallel::context::context_mean(token_loss(logits, local), group);
-  }
-  return token_loss(logits, targets);
-}
-
-at::Tensor CausalLM::mtp_loss(const at::Tensor& trunk, const at::Tensor& targets,
-                              const at::Tensor& first_key) {
-  const int64_t heads = static_cast<int64_t>(mtp_heads_.size()), seq = targets.size(1);
-  LOOM_CHECK(seq > heads,
-             "multi-token prediction with {} heads needs sequences of more than {} tokens (head "
-             "k predicts the token k + 1 places ahead); got {}",
-             heads, heads, seq);
-  std::vector<parallel::memory::CheckpointFn> terms;
-  for (int64_t i = 0; i < heads; ++i) {
-    const double weight = mtp_weights_[static_cast<size_t>(i)];
-    if (weight == 0) continue;
-    // Runs again in backward: holds the targets and first keys by value (the model outlives the
-    // step).
-    terms.push_back([this, i, weight, targets, first_key](const std::vector<at::Tensor>& in) {
-      const int64_t shift = i + 1;
-      const auto logits = unembed(mtp_hidden(i, in[0], first_key));
-      const int64_t t = logits.size(1);
-      const auto loss =
-          token_loss(logits.narrow(1, 0, t - shift), targets.narrow(1, shift, t - shift));
-      // Counted where forward runs it (without grad), not again in its recompute.
-      if (!at::GradMode::is_enabled())
-        mtp_loss_sums_.narrow(0, i, 1).add_(loss.detach().to(at::kDouble));
-      return loss * weight;
-    });
-  }
-  if (!mtp_loss_sums_.defined() || mtp_loss_sums_.device() != trunk.device())
-    mtp_loss_sums_ = at::zeros({heads}, trunk.options().dtype(at::kDouble));
-  ++mtp_loss_forwards_;
-  if (terms.empty()) return at::zeros({}, trunk.options().dtype(at::kFloat));
-  parallel::memory::CheckpointOptions options;
-  if (config_.dropout > 0) options.dropout_streams.push_back(tp_->dropout_stream());
-  // The heads' parameters and the shared unembedding get their gradients through the node, one
-  // accumulation per backward (the unembedding's summed with the main head's use of it).
-  for (const auto& head : mtp_heads_)
-    for (const auto& p : head->parameters()) options.parameters.push_back(p);
-  const auto params = named_parameters();
-  const auto* unembedding = params.find(unembedding_weight_name());
-  LOOM_CHECK(unembedding != nullptr, "multi-token prediction: the model has no parameter '{}'",
-             unembedding_weight_name());
-  options.parameters.push_back(*unembedding);
-  return parallel::memory::checkpoint_sum(terms, {trunk}, options);
-}
-
-at::Tensor CausalLM::take_mtp_losses() {
-  if (mtp_loss_forwards_ == 0) return at::Tensor();
-  auto means = std::exchange(mtp_loss_sums_, at::Tensor()) /
-               static_cast<double>(std::exchange(mtp_loss_forwards_, 0));
-  return means;
-}
-
-void CausalLM::set_mtp_loss_weights(std::vector<double> weights) {
-  LOOM_CHECK(static_cast<int64_t>(weights.size()) == config_.mtp_heads,
-             "multi-token prediction loss weights: {} given for {} heads (one per head)",
-             weights.size(), config_.mtp_heads);
-  for (size_t i = 0; i < weights.size(); ++i)
-    LOOM_CHECK(std::isfinite(weights[i]) && weights[i] >= 0,
-               "multi-token prediction loss weight {} of head {} must be finite and >= 0",
-               weights[i], i + 1);
-  mtp_weights_ = std::move(weights);
 }
 
 void CausalLM::register_mtp_heads(const std::shared_ptr<torch::nn::Module>& container,
@@ -345,6 +220,11 @@ at::Tensor CausalLM::mtp_hidden(int64_t /*index*/, const at::Tensor& /*trunk*/,
 
 at::Tensor CausalLM::unembed(const at::Tensor& /*normed*/) {
   fail("this {} model has no shared unembedding for multi-token heads", to_string(config_.family));
+}
+
+at::Tensor CausalLM::final_norm(const at::Tensor& /*x*/) {
+  fail("this {} model's head is its own: it has no final norm to run apart from it",
+       to_string(config_.family));
 }
 
 std::string CausalLM::unembedding_weight_name() const {
@@ -422,17 +302,6 @@ at::Tensor CausalLM::forward(const at::Tensor& tokens) {
   trunk_ = at::Tensor();  // no loss follows: the heads' trunk is not needed
   trunk_logits_.reset();
   return logits;
-}
-
-at::Tensor CausalLM::loss(const at::Tensor& tokens, const at::Tensor& targets) {
-  LOOM_CHECK(targets.sizes() == tokens.sizes(), "loss: targets {} must match tokens {}",
-             targets.sizes(), tokens.sizes());
-  const auto logits = logits_shard(tokens);
-  // GPT-2's and Llama's heads end in a product, which saves its inputs, not its output; a
-  // custom model's head may save its output (a soft cap's tanh), so its logits stay intact.
-  if (config_.family != Family::kCustom) own_logits_ = logits.unsafeGetTensorImpl();
-  const auto forget = c10::make_scope_exit([this] { own_logits_ = nullptr; });
-  return loss_from_logits(logits, targets);
 }
 
 const std::map<std::string, pt::ShardSpec>& CausalLM::shard_specs() const {
@@ -657,15 +526,6 @@ std::map<std::string, at::Tensor> gather_parameters(const CausalLM& model) {
   for (const auto& item : model.named_parameters())
     out.emplace(item.key(), gather_shard(model, item.key(), item.value().detach()));
   return out;
-}
-
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  LOOM_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
-                 logits.size(1) == targets.size(1),
-             "loss: logits {} and targets {} do not match ([B, T, V] and [B, T])", logits.sizes(),
-             targets.sizes());
-  return at::cross_entropy_loss(ops::to_accumulation_dtype(logits.reshape({-1, logits.size(2)})),
-                                targets.reshape({-1}));
 }
 
 }  // namespace loom::models

@@ -186,7 +186,15 @@ at::Tensor Gpt2::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Gpt2::head(const at::Tensor& x) {
-  return unembed(ops::add_norm(execution()->norm, x, {}, layer_norm_params(ln_f_)).normed);
+  return unembed(final_norm(x));
+}
+
+at::Tensor Gpt2::final_norm(const at::Tensor& x) {
+  return ops::add_norm(execution()->norm, x, {}, layer_norm_params(ln_f_)).normed;
+}
+
+at::Tensor Gpt2::unembedding_shard() {
+  return wte_->weight;
 }
 
 at::Tensor Gpt2::unembed(const at::Tensor& normed) {

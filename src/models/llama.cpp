@@ -233,7 +233,16 @@ at::Tensor Llama::run_layers(const at::Tensor& input) {
 }
 
 at::Tensor Llama::head(const at::Tensor& x) {
-  return unembed(ops::add_norm(execution()->norm, x, {}, norm_->params()).normed);
+  return unembed(final_norm(x));
+}
+
+at::Tensor Llama::final_norm(const at::Tensor& x) {
+  return ops::add_norm(execution()->norm, x, {}, norm_->params()).normed;
+}
+
+at::Tensor Llama::unembedding_shard() {
+  if (!lm_head_) return embed_tokens_->weight;
+  return lm_head_->bias.defined() ? at::Tensor() : lm_head_->weight;
 }
 
 at::Tensor Llama::unembed(const at::Tensor& normed) {

@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <limits>
 
+#include "cross_entropy_passes.h"
 #include "kernel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/format.h"
 #include "loom/ops/cuda.h"
 #include "loom/ops/precision.h"
-#include "loss/cross_entropy.h"
 
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -26,26 +26,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-bool kernel_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
-kernels::CrossEntropyRows describe(const at::Tensor& logits2d, const at::Tensor& targets,
-                                   int64_t col_offset, int64_t valid, int64_t ignore_index) {
-  kernels::CrossEntropyRows r;
-  r.dtype = detail::element_dtype(logits2d.scalar_type(), "fused cross-entropy: logits");
-  r.logits = logits2d.const_data_ptr();
-  r.rows = logits2d.size(0);
-  r.ld = logits2d.size(1);
-  r.valid = valid;
-  r.col_offset = col_offset;
-  r.targets = targets.const_data_ptr<int64_t>();
-  r.ignore_index = ignore_index;
-  const auto status = kernels::cross_entropy_check(r);
-  LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
-  return r;
-}
 
 // Rows per parallel task on the CPU: about 32k logits each.
 int64_t cpu_grain(int64_t columns) {
@@ -62,8 +42,30 @@ void stats_on_cpu(const kernels::CrossEntropyRows& r, at::Tensor& stats) {
   });
 }
 
-// Per row: max, sum of exp(x - max), target logit, target found: [4, rows] in the accumulation
-// dtype.
+}  // namespace
+
+namespace detail {
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+kernels::CrossEntropyRows describe_rows(const at::Tensor& logits2d, const at::Tensor& targets,
+                                        int64_t col_offset, int64_t valid, int64_t ignore_index) {
+  kernels::CrossEntropyRows r;
+  r.dtype = detail::element_dtype(logits2d.scalar_type(), "fused cross-entropy: logits");
+  r.logits = logits2d.const_data_ptr();
+  r.rows = logits2d.size(0);
+  r.ld = logits2d.size(1);
+  r.valid = valid;
+  r.col_offset = col_offset;
+  r.targets = targets.const_data_ptr<int64_t>();
+  r.ignore_index = ignore_index;
+  const auto status = kernels::cross_entropy_check(r);
+  LOOM_CHECK(status.ok(), "fused cross-entropy: {}", status.message);
+  return r;
+}
+
 at::Tensor row_stats(const kernels::CrossEntropyRows& r, const at::Tensor& logits2d) {
   auto stats =
       at::empty({4, r.rows}, logits2d.options().dtype(accumulation_dtype(logits2d.scalar_type())));
@@ -86,7 +88,6 @@ at::Tensor row_stats(const kernels::CrossEntropyRows& r, const at::Tensor& logit
   return stats;
 }
 
-// Writes d loss / d logits into grad ([rows, ld] in the logits' dtype; may be the logits).
 void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const at::Tensor& scale,
                double z_loss, at::Tensor& grad) {
   if (grad.is_cuda()) {
@@ -117,37 +118,52 @@ void row_grads(const kernels::CrossEntropyRows& r, const at::Tensor& lse, const 
     run(0.0f);
 }
 
+RowLosses row_losses(const at::Tensor& stats, const at::Tensor& targets,
+                     const RowReductions& reduce, int64_t ignore_index, double z_loss) {
+  at::Tensor row_max = stats[0], row_sum = stats[1], target_logit = stats[2], found = stats[3];
+  if (reduce.max) {
+    // Each shard's sum rescaled to the row's max over every shard, then one sum of the
+    // rescaled sums, target logits and found flags (an empty shard's sum stays 0).
+    auto global_max = row_max.clone();
+    reduce.max(global_max);
+    auto packed = at::stack(
+        {at::where(row_sum == 0, at::zeros_like(row_sum), row_sum * (row_max - global_max).exp()),
+         target_logit, found});
+    reduce.sum(packed);
+    row_max = global_max;
+    row_sum = packed[0];
+    target_logit = packed[1];
+    found = packed[2];
+  }
+  RowLosses out;
+  out.lse = (row_max + row_sum.log()).contiguous();
+  out.counted = targets != ignore_index;
+  // No shard holds the target: an id outside the vocabulary (the CPU path checks ids before;
+  // on a GPU this keeps the error visible as a NaN loss instead of a wrong number).
+  auto ce = at::where(found > 0, out.lse - target_logit, std::numeric_limits<double>::quiet_NaN());
+  out.cross_entropy = at::where(out.counted, ce, 0.0);
+  out.per_row = z_loss != 0
+                    ? at::where(out.counted, out.cross_entropy + z_loss * out.lse.square(), 0.0)
+                    : out.cross_entropy;
+  return out;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::kernel_dtype;
+
 struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
   // logits2d: [N, V_local] contiguous; targets: [N] int64 contiguous, on the logits' device.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits2d,
                             const at::Tensor& targets, const FusedCrossEntropyOptions& o) {
     const int64_t valid = o.valid < 0 ? logits2d.size(1) : o.valid;
-    const auto rows = describe(logits2d, targets, o.col_offset, valid, o.ignore_index);
-    const auto stats = row_stats(rows, logits2d);
-    at::Tensor row_max = stats[0], row_sum = stats[1], target_logit = stats[2], found = stats[3];
-    if (o.reduce.max) {
-      // Each shard's sum rescaled to the row's max over every shard, then one sum of the
-      // rescaled sums, target logits and found flags (an empty shard's sum stays 0).
-      auto global_max = row_max.clone();
-      o.reduce.max(global_max);
-      auto packed = at::stack(
-          {at::where(row_sum == 0, at::zeros_like(row_sum), row_sum * (row_max - global_max).exp()),
-           target_logit, found});
-      o.reduce.sum(packed);
-      row_max = global_max;
-      row_sum = packed[0];
-      target_logit = packed[1];
-      found = packed[2];
-    }
-    const auto lse = (row_max + row_sum.log()).contiguous();
-    const auto counted = targets != o.ignore_index;
-    auto per_row = lse - target_logit;
-    if (o.z_loss != 0) per_row = per_row + o.z_loss * lse.square();
-    // No shard holds the target: an id outside the vocabulary (the CPU path checks ids before;
-    // on a GPU this keeps the error visible as a NaN loss instead of a wrong number).
-    per_row = at::where(found > 0, per_row, std::numeric_limits<double>::quiet_NaN());
-    per_row = at::where(counted, per_row, 0.0);
-    const auto count = counted.sum().to(lse.scalar_type());
+    const auto rows = detail::describe_rows(logits2d, targets, o.col_offset, valid, o.ignore_index);
+    const auto stats = detail::row_stats(rows, logits2d);
+    const auto losses = detail::row_losses(stats, targets, o.reduce, o.ignore_index, o.z_loss);
+    const auto& lse = losses.lse;
+    const auto count = losses.counted.sum().to(lse.scalar_type());
     ctx->save_for_backward({logits2d, targets, lse, count});
     ctx->saved_data["col_offset"] = o.col_offset;
     ctx->saved_data["valid"] = valid;
@@ -155,7 +171,7 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
     ctx->saved_data["z_loss"] = o.z_loss;
     ctx->saved_data["overwrite"] = o.overwrite_logits;
     ctx->saved_data["consumed"] = false;
-    return per_row.sum() / count;
+    return losses.per_row.sum() / count;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
@@ -169,14 +185,14 @@ struct FusedCrossEntropy : torch::autograd::Function<FusedCrossEntropy> {
     const auto& targets = saved[1];
     const auto& lse = saved[2];
     const auto& count = saved[3];
-    const auto rows =
-        describe(logits2d, targets, ctx->saved_data["col_offset"].toInt(),
-                 ctx->saved_data["valid"].toInt(), ctx->saved_data["ignore_index"].toInt());
+    const auto rows = detail::describe_rows(
+        logits2d, targets, ctx->saved_data["col_offset"].toInt(), ctx->saved_data["valid"].toInt(),
+        ctx->saved_data["ignore_index"].toInt());
     const auto scale = (grad_out[0].to(lse.scalar_type()) / count).contiguous();
     // detach(): the gradient handed to autograd shares the logits' memory (and version
     // counter), not their autograd history.
     at::Tensor grad = overwrite ? logits2d.detach() : at::empty_like(logits2d);
-    row_grads(rows, lse, scale, ctx->saved_data["z_loss"].toDouble(), grad);
+    detail::row_grads(rows, lse, scale, ctx->saved_data["z_loss"].toDouble(), grad);
     if (overwrite) {
       // Anything else that saved these logits now sees them changed, as after an in-place op.
       logits2d.unsafeGetTensorImpl()->bump_version();

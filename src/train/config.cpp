@@ -17,6 +17,7 @@
 #include "loom/models/hf_config.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/linear_cross_entropy.h"
 #include "loom/ops/sparsity.h"
 #include "loom/parallel/data/comm_hook.h"
 #include "loom/parallel/pipeline/activation_codec.h"
@@ -235,6 +236,7 @@ void TrainConfig::validate() const {
   const auto choices = ops::fused_choice_names();
   LOOM_CHECK(std::find(choices.begin(), choices.end(), loss) != choices.end(),
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
+  ops::parse_chunk_rows(loss_chunk_rows);
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
   LOOM_CHECK(sampling == "auto" || sampling == "epoch" || sampling == "random",
@@ -337,6 +339,7 @@ nlohmann::json TrainConfig::to_json() const {
   j["keep_checkpoints"] = keep_checkpoints;
   j["async_save"] = async_save;
   j["loss"] = loss;
+  j["loss_chunk_rows"] = loss_chunk_rows;
   j["z_loss"] = z_loss;
   j["doc_mask"] = doc_mask;
   j["norm"] = norm;
@@ -415,6 +418,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
     c.keep_checkpoints = j.value("keep_checkpoints", int64_t{2});
     c.async_save = j.value("async_save", false);
     c.loss = j.value("loss", std::string("auto"));
+    c.loss_chunk_rows = j.value("loss_chunk_rows", std::string("auto"));
     c.z_loss = j.value("z_loss", 0.0);
     c.doc_mask = j.value("doc_mask", false);
     c.norm = j.value("norm", std::string("auto"));

@@ -17,6 +17,7 @@
 #include "loom/models/hf.h"
 #include "loom/ops/attention.h"
 #include "loom/ops/cuda.h"
+#include "loom/ops/linear_cross_entropy.h"
 #include "loom/parallel/zero/zero_optimizer.h"
 #include "loom/train/builtin_strategies.h"
 #include "loom/train/mfu.h"
@@ -141,6 +142,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
     chunk->set_attention_backend(ops::parse_attention_backend(config_.attention));
     chunk->set_attention_chooser(chooser);
     chunk->set_loss_backend(ops::parse_loss_backend(config_.loss));
+    chunk->set_loss_chunk_rows(ops::parse_chunk_rows(config_.loss_chunk_rows));
     chunk->set_norm_backend(ops::parse_norm_backend(config_.norm));
     chunk->set_activation_backend(ops::parse_activation_backend(config_.swiglu));
     chunk->set_z_loss(config_.z_loss);

@@ -297,8 +297,9 @@ TEST(TpLayers, VocabParallelEmbeddingAndCrossEntropyEqualTheirTwins) {
 }
 
 // The fused loss on each vocabulary shard of a whole model (the kernels' host reference, the
-// group's max and sum between its passes) against the math path of the same sharded model:
-// loss and every gradient, fp64, with and without vocabulary padding, with z-loss.
+// group's max and sum between its passes), over whole logits and with the head in chunks,
+// against the math path of the same sharded model: loss and every gradient, fp64, with and
+// without vocabulary padding, with z-loss.
 TEST(TpLayers, ModelsWithTheFusedLossNormsAndSwigluEqualTheMathPath) {
   for (const auto family : {models::Family::kGpt2, models::Family::kLlama})
     for (const int64_t pad_multiple : {1, 8}) {
@@ -318,21 +319,25 @@ TEST(TpLayers, ModelsWithTheFusedLossNormsAndSwigluEqualTheMathPath) {
       world().broadcast(targets, 0);
       std::map<std::string, at::Tensor> want;
       double want_loss = 0;
-      for (const auto backend : {loom::ops::LossBackend::kMath, loom::ops::LossBackend::kFused}) {
+      // Math (the reference), fused over whole logits, fused with the head in chunks of 5 rows.
+      for (const int64_t chunk_rows : {-1, 0, 5}) {
+        const auto backend =
+            chunk_rows < 0 ? loom::ops::LossBackend::kMath : loom::ops::LossBackend::kFused;
         model->zero_grad();
+        model->set_loss_chunk_rows(std::max<int64_t>(chunk_rows, 0));
         model->set_loss_backend(backend);
         model->set_norm_backend(backend);
         model->set_activation_backend(backend);
         auto loss = model->loss(tokens, targets);
-        const auto what =
-            fmt::format("{} pad {}{} {}", models::to_string(family), pad_multiple,
-                        tp->sequence_parallel() ? " sp" : "", loom::ops::to_string(backend));
-        // The backend asked for is the one that ran.
-        EXPECT_EQ(loss.grad_fn()->name().find("FusedCrossEntropy") != std::string::npos,
-                  backend == loom::ops::LossBackend::kFused)
-            << what << ": " << loss.grad_fn()->name();
+        const auto what = fmt::format("{} pad {}{} {} chunks {}", models::to_string(family),
+                                      pad_multiple, tp->sequence_parallel() ? " sp" : "",
+                                      loom::ops::to_string(backend), chunk_rows);
+        // The path asked for is the one that ran.
+        const auto node = loss.grad_fn()->name();
+        EXPECT_EQ(node.find("FusedCrossEntropy") != std::string::npos, chunk_rows == 0) << node;
+        EXPECT_EQ(node.find("LinearCrossEntropy") != std::string::npos, chunk_rows > 0) << node;
         loss.backward();
-        if (backend == loom::ops::LossBackend::kMath) {
+        if (chunk_rows < 0) {
           want_loss = loss.item<double>();
           for (const auto& item : model->named_parameters())
             want.emplace(item.key(), item.value().grad().clone());

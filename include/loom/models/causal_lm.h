@@ -16,6 +16,7 @@
 #include "loom/ops/attention.h"
 #include "loom/ops/attention_choice.h"
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/linear_cross_entropy.h"
 #include "loom/ops/norm.h"
 #include "loom/ops/swiglu.h"
 #include "loom/parallel/context/context_group.h"
@@ -115,6 +116,26 @@ class CausalLM : public torch::nn::Module {
   // Mean next-token loss from this rank's logits shard (what a last part returns) against
   // targets [batch, seq], in fp32.
   virtual at::Tensor loss_from_logits(const at::Tensor& logits_shard, const at::Tensor& targets);
+  // A last part's forward and mean loss in one call: forward_part(input, tokens), then
+  // loss_from_logits of its logits against targets, except that the head may run in chunks of
+  // rows together with the loss (set_loss_chunk_rows) so that the whole logits never exist; and
+  // the fused loss's backward may write its gradient over the logits (nothing else holds them).
+  // loss() is this on a whole model; a pipeline's last stage calls it. loom::Error on a part
+  // that is not the last.
+  at::Tensor part_loss(const at::Tensor& input, const at::Tensor& tokens,
+                       const at::Tensor& targets);
+  // How part_loss (and so loss()) holds the logits: rows > 0: the head's product and the loss
+  // run that many rows of logits at a time (ops/linear_cross_entropy.h: the gradients are made
+  // in the forward, d head weight held in fp32 until backward); 0: whole logits, as
+  // loss_from_logits takes them; kAutoLossChunks (the default): chunks only where one forward's
+  // logits shard would pass 2 GiB, each chunk's logits at most 1 GiB. GPT-2 and Llama take
+  // it; a custom model's head is its own, so it takes only 0 and kAuto (whole logits).
+  // loom::Error for another value, naming it.
+  static constexpr int64_t kAutoLossChunks = ops::kAutoChunkRows;
+  void set_loss_chunk_rows(int64_t rows);
+  int64_t loss_chunk_rows() const { return loss_chunk_rows_; }
+  // The rows per chunk part_loss uses for a forward of `rows` rows on `device` (0: whole logits).
+  int64_t resolved_loss_chunk_rows(int64_t rows, at::Device device);
   // The parameter a last part holds as its own copy of the first part's tied embedding (its
   // gradient must be summed with the first part's), or "" when there is none.
   std::string tied_embedding_copy() const;
@@ -282,6 +303,12 @@ class CausalLM : public torch::nn::Module {
   virtual at::Tensor embed(const at::Tensor& tokens) = 0;
   virtual at::Tensor run_layers(const at::Tensor& x) = 0;
   virtual at::Tensor head(const at::Tensor& x) = 0;
+  // For the chunked loss (set_loss_chunk_rows), a model whose head is unembed(final_norm(x))
+  // with unembed a plain product by unembedding_shard() (this rank's rows [padded_vocab / tp,
+  // d_model], no bias) says so by returning that weight; undefined (the default): the head is
+  // the model's own, and part_loss always makes whole logits.
+  virtual at::Tensor final_norm(const at::Tensor& x);
+  virtual at::Tensor unembedding_shard() { return at::Tensor(); }
   // Multi-token heads (last part, ModelConfig::mtp_heads > 0). mtp_hidden: head `index`
   // (0-based) on the trunk, its block and final norm; unembed: the shared unembedding of such
   // normalized hidden states (this rank's vocabulary shard of the logits); its weight's name.
@@ -357,6 +384,15 @@ class CausalLM : public torch::nn::Module {
   bool record_row_losses_ = false;
   std::vector<RowLosses> row_losses_;
   void record_row_losses(const at::Tensor& logits, const at::Tensor& local_targets);
+  // loss_from_logits of a last part's output: its logits (chunk_rows 0), or its final norm's
+  // output (chunk_rows > 0: the head runs with the loss, chunk_rows rows at a time).
+  at::Tensor loss_of_output(const at::Tensor& out, int64_t chunk_rows, const at::Tensor& targets);
+  // The head's product and the mean cross-entropy in chunks, from the final norm's output inside
+  // the tp region.
+  at::Tensor chunked_token_loss(const at::Tensor& hidden, const at::Tensor& targets,
+                                int64_t chunk_rows);
+  int64_t loss_chunk_rows_ = kAutoLossChunks;
+  bool defer_head_ = false;     // forward_part returns final_norm's output, not logits
   at::Tensor first_key_;        // of the forward_part running now
   at::Tensor trunk_first_key_;  // of the forward whose trunk the multi-token heads read
   // The logits loss() made and hands to loss_from_logits: nothing else holds them, so the

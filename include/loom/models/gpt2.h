@@ -55,6 +55,8 @@ class Gpt2 : public CausalLM {
   at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk,
                         const at::Tensor& first_key) override;
   at::Tensor unembed(const at::Tensor& normed) override;
+  at::Tensor final_norm(const at::Tensor& x) override;
+  at::Tensor unembedding_shard() override;
 
  private:
   std::shared_ptr<parallel::tensor::VocabParallelEmbedding> wte_;  // first and last parts

@@ -68,6 +68,8 @@ class Llama : public CausalLM {
   at::Tensor mtp_hidden(int64_t index, const at::Tensor& trunk,
                         const at::Tensor& first_key) override;
   at::Tensor unembed(const at::Tensor& normed) override;
+  at::Tensor final_norm(const at::Tensor& x) override;
+  at::Tensor unembedding_shard() override;
   std::string unembedding_weight_name() const override {
     return lm_head_ ? "lm_head.weight" : embedding_weight_name();
   }

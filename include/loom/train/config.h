@@ -126,6 +126,8 @@ struct TrainConfig {
   std::string device = "cpu";      // cpu | cuda | cuda:N
   std::string attention = "auto";  // auto | fused | sdpa | math (ops::AttentionBackend)
   std::string loss = "auto";       // auto | fused | math (ops::LossBackend)
+  // auto | off | ROWS: the head and the loss in chunks of rows (CausalLM::set_loss_chunk_rows).
+  std::string loss_chunk_rows = "auto";
   // How training windows are drawn: epoch (without replacement) or random (with replacement;
   // checkpoints written before 2026-12-07 drew so); auto, the default, is epoch for a new run and
   // the checkpoint's for a resume (the Trainer resolves it). data/sampler.h.

@@ -148,19 +148,24 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
-// The fused kernels on this rank's columns, the group's max and sum between their passes.
-at::Tensor fused_vocab_parallel(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
-                                TpGroup& tp, const VocabLossOptions& options) {
-  const int64_t v_local = logits.size(-1);
-  ops::FusedCrossEntropyOptions o;
+// This rank's columns of a vocabulary shard of v_local columns, and the group's reductions.
+template <typename Options>
+void set_shard(Options& o, int64_t v_local, int64_t vocab, TpGroup& tp) {
   o.col_offset = tp.rank() * v_local;
   o.valid = std::clamp<int64_t>(vocab - o.col_offset, 0, v_local);
-  o.z_loss = options.z_loss;
-  o.overwrite_logits = options.overwrite_logits;
   if (tp.size() > 1) {
     o.reduce.max = [&tp](at::Tensor& t) { reduce_over_group(tp, t, dist::ReduceOp::Max); };
     o.reduce.sum = [&tp](at::Tensor& t) { reduce_over_group(tp, t, dist::ReduceOp::Sum); };
   }
+}
+
+// The fused kernels on this rank's columns, the group's max and sum between their passes.
+at::Tensor fused_vocab_parallel(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                                TpGroup& tp, const VocabLossOptions& options) {
+  ops::FusedCrossEntropyOptions o;
+  set_shard(o, logits.size(-1), vocab, tp);
+  o.z_loss = options.z_loss;
+  o.overwrite_logits = options.overwrite_logits;
   return ops::fused_cross_entropy(logits, targets, o);
 }
 
@@ -187,6 +192,23 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   auto logits2d = logits.reshape({-1, logits.size(-1)});
   return VocabParallelCrossEntropy::apply(logits2d, targets.reshape({-1}), vocab,
                                           reinterpret_cast<int64_t>(&tp), options.z_loss);
+}
+
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& targets, int64_t vocab,
+                                               TpGroup& tp, const VocabLinearLossOptions& options) {
+  LOOM_CHECK(weight.dim() == 2 && weight.size(0) * tp.size() >= vocab,
+             "cross-entropy: a head of {} rows on each of {} ranks cannot hold a vocabulary of {}",
+             weight.dim() == 2 ? weight.size(0) : -1, tp.size(), vocab);
+  ops::LinearCrossEntropyOptions o;
+  set_shard(o, weight.size(0), vocab, tp);
+  o.chunk_rows = options.chunk_rows;
+  o.z_loss = options.z_loss;
+  o.row_losses = options.row_losses;
+  const auto loss = ops::linear_cross_entropy(hidden, weight, targets, o);
+  if (options.row_losses != nullptr)
+    *options.row_losses = options.row_losses->view(targets.sizes());
+  return loss;
 }
 
 at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& targets,

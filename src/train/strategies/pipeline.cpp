@@ -47,8 +47,8 @@ double time_part(const models::ModelConfig& config, const parallel::tensor::TpGr
   for (int rep = 0; rep < 4; ++rep) {
     const auto start = std::chrono::steady_clock::now();
     auto input = part.first ? tokens : hidden.clone().requires_grad_(true);
-    auto out = model->forward_part(input);
-    auto loss = part.last ? model->loss_from_logits(out, tokens) : out.sum();
+    auto loss =
+        part.last ? model->part_loss(input, tokens, tokens) : model->forward_part(input).sum();
     loss.backward();
     // A GPU runs ahead of the host: the copy of the loss to the host is queued behind the
     // backward's kernels on the same stream, so reading it waits for them.
@@ -82,11 +82,11 @@ class PipelineRunner final : public StepRunner {
           const bool needs_batch =
               part.part().first || part.part().last || part.document_mask().has_value();
           const auto batch = needs_batch ? batch_of(k) : data::Batch{};
-          auto out = part.forward_part(part.part().first ? batch.inputs : input, batch.inputs);
-          if (!part.part().last) return out;
+          const auto& in = part.part().first ? batch.inputs : input;
+          if (!part.part().last) return part.forward_part(in, batch.inputs);
           // Each micro-batch is an equal share of the global batch: scale so gradients are the
           // mean.
-          return part.loss_from_logits(out, batch.targets) / static_cast<double>(accum);
+          return part.part_loss(in, batch.inputs, batch.targets) / static_cast<double>(accum);
         },
         [&](int64_t chunk, int64_t k) {
           phases.before_backward({chunk, k, k == accum - 1});
@@ -123,10 +123,9 @@ class PipelineRunner final : public StepRunner {
           const auto batch = needs_batch ? run.val_sampler->sequential_batch(
                                                count > 0 ? first : 0, std::max<int64_t>(count, 1))
                                          : data::Batch{};
-          auto out = part.forward_part(part.part().first ? batch.inputs.to(run.device) : input,
-                                       batch.inputs);
-          if (!part.part().last) return out;
-          return part.loss_from_logits(out, batch.targets.to(run.device)) *
+          const auto in = part.part().first ? batch.inputs.to(run.device) : input;
+          if (!part.part().last) return part.forward_part(in, batch.inputs);
+          return part.part_loss(in, batch.inputs, batch.targets.to(run.device)) *
                  static_cast<double>(count);
         },
         forwards);

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/linear_cross_entropy.h"
 #include "loom/parallel/tensor/tp_group.h"
 
 namespace loom::parallel::tensor {
@@ -35,5 +36,25 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // training losses are measured with (CausalLM::set_record_row_losses).
 at::Tensor vocab_parallel_token_losses(const at::Tensor& logits, const at::Tensor& targets,
                                        int64_t vocab, TpGroup& tp);
+
+struct VocabLinearLossOptions {
+  int64_t chunk_rows = 4096;  // rows of logits at a time (ops/linear_cross_entropy.h)
+  double z_loss = 0;          // adds z_loss * mean(lse^2)
+  // When set: each row's cross-entropy (z-loss left out), [...] like targets, without gradient.
+  at::Tensor* row_losses = nullptr;
+};
+
+// The head's product and the loss in one, in chunks of rows, so that the logits are never
+// whole (ops::linear_cross_entropy on this rank's vocabulary rows, the group's max and sum
+// between its passes, per chunk). hidden: [..., d] inside the tp region (every rank the same
+// rows); weight: this rank's rows [V_local, d] of the padded vocabulary's head; targets [...]
+// ids < vocab. Returns the mean loss, the same on every rank, equal to
+// vocab_parallel_cross_entropy(hidden · weightᵀ, ...) with the fused backend up to the order of
+// the weight gradient's sums. Collectives: two all-reduces per chunk (max of its rows; sum of 3 x
+// its rows).
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& targets, int64_t vocab,
+                                               TpGroup& tp,
+                                               const VocabLinearLossOptions& options = {});
 
 }  // namespace loom::parallel::tensor
