@@ -207,6 +207,58 @@ TEST(FusedAttentionGpu, DocumentMaskMatchesTheHostReference) {
     }
 }
 
+// One projection's packed qkv [B, T, 3, H, D] through ops::attention_packed (GPT-2's path on
+// CUDA: the kernel reads the thirds in place and writes dq, dk, dv into one packed gradient)
+// against the host reference on the same values, with and without a document mask and a bias.
+TEST(FusedAttentionGpu, PackedProjectionMatchesTheHostReference) {
+  SKIP_WITHOUT_GPU();
+  const auto cuda = at::Device(at::kCUDA, 0);
+  auto tokens = at::randint(1, 100, {2, 200}, at::kLong);
+  tokens[0][77] = 0;
+  const auto first_key = ops::document_first_keys(tokens, 0);
+  for (auto dtype : {at::kBFloat16, at::kHalf})
+    for (int d : {64, 128})
+      for (bool masked : {false, true}) {
+        SCOPED_TRACE(fmt::format("d{} {}{}", d, dtype == at::kBFloat16 ? "bf16" : "fp16",
+                                 masked ? " docs" : ""));
+        auto opts = at::TensorOptions(dtype).device(cuda);
+        const auto qkv = at::randn({2, 200, 3, 3, d}, opts);
+        const auto bias = at::randn({3 * 3 * d}, opts.dtype(at::kFloat)) * 0.1;
+        const auto d_o = at::randn({2, 3, 200, d}, opts);
+        const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+        auto cpu = [](const at::Tensor& t) { return t.to(at::kFloat).cpu().contiguous(); };
+        // The reference sees the biased thirds, rounded to the dtype as the op rounds them.
+        const auto biased = (qkv + bias.view({3, 3, d}).to(dtype)).permute({2, 0, 3, 1, 4});
+        const auto ref = loom::testing::run_flash_attention_host(
+            cpu(biased[0]), cpu(biased[1]), cpu(biased[2]), cpu(d_o), true,
+            static_cast<float>(scale), {}, masked ? first_key : at::Tensor());
+        auto x = qkv.clone().requires_grad_();
+        auto b = bias.clone().requires_grad_();
+        auto o = ops::attention_packed(
+            x, {.causal = true, .first_key = masked ? first_key.to(cuda) : at::Tensor()}, b);
+        o.backward(d_o);
+        const double tolerance = dtype == at::kBFloat16 ? 1.5e-2 : 2e-3;
+        auto bound = [&](const at::Tensor& want) {
+          return tolerance * std::max(1.0, want.abs().max().item<double>());
+        };
+        EXPECT_LE(max_abs(o, ref.o), bound(ref.o)) << "o";
+        const auto dx = x.grad().permute({2, 0, 3, 1, 4});
+        EXPECT_LE(max_abs(dx[0], ref.dq), bound(ref.dq)) << "dq";
+        EXPECT_LE(max_abs(dx[1], ref.dk), bound(ref.dk)) << "dk";
+        EXPECT_LE(max_abs(dx[2], ref.dv), bound(ref.dv)) << "dv";
+        // The bias's gradient is the packed gradient summed over batch and sequence: 400 terms,
+        // each within its element's bound, the sum rounded once to the dtype (at most 2^-8).
+        const auto over_rows = [&](const at::Tensor& g) {
+          return cpu(g).sum(at::IntArrayRef{0, 2});
+        };
+        const auto want_bias =
+            at::cat({over_rows(ref.dq), over_rows(ref.dk), over_rows(ref.dv)}).reshape({-1});
+        const double bias_bound = 400 * std::max({bound(ref.dq), bound(ref.dk), bound(ref.dv)}) +
+                                  std::ldexp(want_bias.abs().max().item<double>(), -8);
+        EXPECT_LE(max_abs(b.grad(), want_bias), bias_bound) << "bias";
+      }
+}
+
 // The kernel against the host reference of the same algorithm (fp32 on the same rounded inputs)
 // and against at::scaled_dot_product_attention in the same dtype. Bounds: every output and
 // gradient within max(2 x SDPA's own error against the fp32 reference, 2e-3) + 1e-3 of it: the

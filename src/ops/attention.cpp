@@ -123,6 +123,22 @@ at::Tensor checked_first_keys(const at::Tensor& first_key, const at::Tensor& q, 
   return fk;
 }
 
+namespace {
+
+// Whether attention() with backend kAuto runs loom's CUDA kernel on these inputs: it takes them,
+// and no chooser measured SDPA faster here (its timings are of unmasked attention: a document
+// mask goes to loom's kernel).
+bool auto_picks_cuda_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionOptions& options, const at::Tensor& first_key,
+                            double scale) {
+  return !options.dropout_mask.defined() && q.is_cuda() &&
+         !flash_attention_unsupported(q, k, v, options.dropout) &&
+         (!options.chooser || first_key.defined() ||
+          options.chooser->choose(q, k, v, options.causal, scale) == AttentionBackend::kFused);
+}
+
+}  // namespace
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionOptions& options) {
   check_shapes(q, k, v, options.causal);
@@ -144,8 +160,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         return !options.chooser || first_key.defined() ||
                options.chooser->choose(q, k, v, options.causal, scale) == AttentionBackend::kFused;
       };
-      if (!options.dropout_mask.defined() && q.is_cuda() &&
-          !flash_attention_unsupported(q, k, v, options.dropout) && loom_kernel_wins())
+      if (auto_picks_cuda_kernel(q, k, v, options, first_key, scale))
         return flash_attention(q, k, v, options.causal, scale, first_key);
       if (cpu_kernel_allowed(q.device(), options) &&
           !cpu_attention_unsupported(q, k, v, options.dropout) && loom_kernel_wins())
@@ -196,6 +211,17 @@ at::Tensor attention_packed(const at::Tensor& qkv, const AttentionOptions& optio
   // unbind, not [0..2]: the backward of three selects zero-fills and adds three full-size
   // buffers, unbind's stacks the three gradients once.
   const auto heads = biased.permute({2, 0, 3, 1, 4}).unbind(0);
+  // Loom's CUDA kernel reads the thirds in place and writes their gradients into one packed
+  // tensor: not even the stack.
+  if (biased.is_cuda()) {
+    const auto first_key = checked_first_keys(options.first_key, heads[0], options.causal);
+    const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(qkv.size(4))));
+    const bool fused = options.backend == AttentionBackend::kFused && options.dropout == 0 &&
+                       !options.dropout_mask.defined();
+    if (fused || (options.backend == AttentionBackend::kAuto &&
+                  auto_picks_cuda_kernel(heads[0], heads[1], heads[2], options, first_key, scale)))
+      return flash_attention_packed(biased, options.causal, scale, first_key);
+  }
   return attention(heads[0], heads[1], heads[2], options);
 }
 

@@ -132,15 +132,14 @@ ForwardResult forward_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
 // dq, dk, dv of q, k, v given an output o and its logsumexp, which need not be what the kernel's
 // forward of these q, k, v wrote: ring attention passes the whole attention's o and lse rows to
 // get one block pair's share of the gradients.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, const at::Tensor& grad, bool causal, double scale,
-    const at::Tensor& first_key) {
+// Writes them into dq, dk, dv (q's, k's, v's shapes; any strides with a contiguous last
+// dimension: views of one packed gradient, say).
+void backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& o, const at::Tensor& lse, const at::Tensor& grad, bool causal,
+                   double scale, const at::Tensor& first_key, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv) {
   const c10::cuda::CUDAGuard guard(q.device());
   const auto d_o = last_dim_contiguous(grad);
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
   auto p = params_of(q, k, v, causal, scale, first_key);
   p.o = o.data_ptr();
   p.o_strides = strides_of(o);
@@ -159,8 +158,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
   check_status(kernels::flash_attention_backward(p, workspace.data_ptr(), bytes,
                                                  c10::cuda::getCurrentCUDAStream().stream()),
                "backward");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& grad, bool causal, double scale,
+    const at::Tensor& first_key) {
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  backward_into(q, k, v, o, lse, grad, causal, scale, first_key, dq, dk, dv);
   return {dq, dk, dv};
 }
+
+// [B, T, 3, H, D] -> its thirds as [B, H, T, D] views.
+std::vector<at::Tensor> packed_heads(const at::Tensor& qkv) {
+  return qkv.permute({2, 0, 3, 1, 4}).unbind(0);
+}
+
+// Saves the packed input (not three views of it), the output and the logsumexp; the backward
+// writes the three gradients into one tensor of the input's layout.
+struct FlashAttentionPackedFunction : torch::autograd::Function<FlashAttentionPackedFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
+                            bool causal, double scale, const detail::NoGradTensor& first_key) {
+    const auto packed = last_dim_contiguous(qkv);
+    const auto heads = packed_heads(packed);
+    auto r = forward_impl(heads[0], heads[1], heads[2], causal, scale, first_key.value);
+    ctx->save_for_backward({packed, r.o, r.lse});
+    ctx->saved_data["first_key"] = first_key.to_ivalue();
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return r.o;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto heads = packed_heads(saved[0]);
+    auto d_qkv = at::empty(saved[0].sizes(), saved[0].options());
+    auto d = packed_heads(d_qkv);
+    backward_into(heads[0], heads[1], heads[2], saved[1], saved[2], grads[0],
+                  ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble(),
+                  detail::NoGradTensor::from(ctx->saved_data["first_key"]), d[0], d[1], d[2]);
+    return {d_qkv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
 
 // Saves q, k, v, the output and the logsumexp; the backward recomputes the rest tile by tile.
 struct FlashAttentionFunction : torch::autograd::Function<FlashAttentionFunction> {
@@ -205,6 +247,17 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       q, k, v, causal, scale, detail::NoGradTensor{checked_first_keys(first_key, q, causal)});
 }
 
+at::Tensor flash_attention_packed(const at::Tensor& qkv, bool causal, double scale,
+                                  const at::Tensor& first_key) {
+  LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
+             "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
+             qkv.sizes());
+  const auto heads = packed_heads(qkv);
+  check_supported(heads[0], heads[1], heads[2]);
+  return FlashAttentionPackedFunction::apply(
+      qkv, causal, scale, detail::NoGradTensor{checked_first_keys(first_key, heads[0], causal)});
+}
+
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
                                                           double scale,
@@ -236,6 +289,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool,
                            double, const at::Tensor&) {
   fail("fused attention cannot take these inputs: {}", *flash_attention_unsupported(q, k, v, 0));
+}
+
+at::Tensor flash_attention_packed(const at::Tensor& qkv, bool, double, const at::Tensor&) {
+  LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
+             "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
+             qkv.sizes());
+  const auto heads = qkv.permute({2, 0, 3, 1, 4}).unbind(0);
+  fail("fused attention cannot take these inputs: {}",
+       *flash_attention_unsupported(heads[0], heads[1], heads[2], 0));
 }
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,

@@ -26,6 +26,8 @@ enum class Layout {
   kContiguous,  // [B, H, S, D]
   kSeqMajor,    // [B, S, H, D] viewed as [B, H, S, D], as after a transpose
   kPadded,      // [B, H, S, D] with gaps (multiples of 8 elements) after rows, heads, batches
+  kPacked,      // one third of a projection's packed [B, S, 3, H, D] (q, k, v; dq, dk, dv as
+                // loom's packed attention gradient writes them): the other thirds are padding
 };
 
 struct Config {

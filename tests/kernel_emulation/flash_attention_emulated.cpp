@@ -7,7 +7,8 @@
 // Usage: flash_attention_emulated [ci | all | custom B HQ HKV SQ SKV D CAUSAL BF16 LAYOUT MISALIGN]
 //   ci:     the configurations ctest runs (the default);
 //   all:    those and larger ones (about 90 s);
-//   custom: one configuration; LAYOUT 0 contiguous, 1 [B, S, H, D], 2 padded strides.
+//   custom: one configuration; LAYOUT 0 contiguous, 1 [B, S, H, D], 2 padded strides, 3 a third
+//   of a packed [B, S, 3, H, D] projection.
 //
 // Then the partial-results configurations (run_partial): a causal attention computed block pair
 // by block pair as ring attention does, merged on the host.
@@ -103,6 +104,9 @@ class Tensor {
       case Layout::kSeqMajor:
         strides_ = {int64_t(seq) * heads * row + 5 * m, row, int64_t(heads) * row + 3 * m};
         break;
+      case Layout::kPacked:  // this tensor's third (by salt) of [B, S, 3, H, D]
+        strides_ = {int64_t(seq) * 3 * heads * row + 5 * m, row, 3 * int64_t(heads) * row};
+        break;
       case Layout::kPadded: {  // gaps that differ between tensors (salt)
         const int64_t seq_stride = head_dim + 8 * (1 + salt % 3) + m;
         const int64_t head_stride = seq * seq_stride + 8 * (1 + salt % 5);
@@ -110,7 +114,7 @@ class Tensor {
         break;
       }
     }
-    offset_ = m;
+    offset_ = m + (layout == Layout::kPacked ? (salt % 3) * int64_t(heads) * row : 0);
     if (batch > 0 && heads > 0 && seq > 0)
       elements_ = offset_ + (batch - 1) * strides_.batch + (heads - 1) * strides_.head +
                   (seq - 1) * strides_.seq + head_dim;
@@ -182,7 +186,7 @@ class Tensor {
 };
 
 std::string describe(const Config& c) {
-  static const char* const kLayouts[] = {"contiguous", "BSHD", "padded"};
+  static const char* const kLayouts[] = {"contiguous", "BSHD", "padded", "packed"};
   char text[160];
   std::snprintf(text, sizeof text, "B%d Hq%d Hkv%d Sq%d Skv%d D%d %s %s %s%s amp%.0f", c.batch,
                 c.q_heads, c.kv_heads, c.q_len, c.kv_len, c.head_dim, c.causal ? "causal" : "full",
@@ -564,7 +568,8 @@ std::vector<PartialConfig> partial_configs() {
 // multiples, q_len != kv_len both ways, every layout, misaligned data and strides (the kernels'
 // element-wise path), large scores, and the edge shapes (no keys, no queries, one of each).
 std::vector<Config> ci_configs() {
-  const Layout kC = Layout::kContiguous, kT = Layout::kSeqMajor, kP = Layout::kPadded;
+  const Layout kC = Layout::kContiguous, kT = Layout::kSeqMajor, kP = Layout::kPadded,
+               kK = Layout::kPacked;
   return {
       // B Hq Hkv Sq  Skv   D  causal  bf16  layout misaligned amplitude
       {1, 2, 1, 150, 83, 64, false, true, kP, false, 1.f, 0},
@@ -590,6 +595,10 @@ std::vector<Config> ci_configs() {
       {1, 2, 1, 300, 300, 64, true, true, kC, false, 1.f, 50},
       {1, 2, 2, 200, 200, 128, true, false, kT, false, 2.f, 70},
       {2, 4, 2, 131, 131, 64, true, true, kP, true, 1.f, 20},
+      // Thirds of one packed projection (q, k, v read and dq, dk, dv written there, the other
+      // thirds of each buffer left untouched), as loom's packed attention runs GPT-2's heads.
+      {2, 3, 3, 150, 150, 64, true, true, kK, false, 1.f, 0},
+      {1, 2, 2, 97, 97, 128, true, false, kK, true, 2.f, 0},
   };
 }
 
@@ -629,7 +638,7 @@ int main(int argc, char** argv) {
   } else if (set == "custom" && argc == 12) {
     int n[10];
     for (int i = 0; i < 10; ++i) n[i] = std::atoi(argv[2 + i]);
-    if (n[8] < 0 || n[8] > 2) return usage();
+    if (n[8] < 0 || n[8] > 3) return usage();
     configs.push_back({n[0], n[1], n[2], n[3], n[4], n[5], n[6] != 0, n[7] != 0, Layout(n[8]),
                        n[9] != 0, 1.f, 0});
   } else {

@@ -27,6 +27,13 @@ std::optional<std::string> flash_attention_unsupported(const at::Tensor& q, cons
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool causal, double scale, const at::Tensor& first_key = {});
 
+// The same for one projection's packed output qkv [B, T, 3, H, D] (q, k, v its three thirds, as
+// GPT-2's c_attn writes them): the kernel reads the thirds in place and its backward writes dq,
+// dk and dv into one gradient of qkv's layout, so that no stack of three gradients follows.
+// Differentiable in qkv; the same refusals as flash_attention.
+at::Tensor flash_attention_packed(const at::Tensor& qkv, bool causal, double scale,
+                                  const at::Tensor& first_key = {});
+
 // The forward alone, for tests and benchmarks: the output and the logsumexp [B, Hq, T] (fp32,
 // natural log) the backward uses.
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
