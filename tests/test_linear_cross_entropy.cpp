@@ -20,6 +20,7 @@
 #include "loom/core/error.h"
 #include "loom/models/causal_lm.h"
 #include "loom/ops/cross_entropy.h"
+#include "loom/ops/cuda.h"
 #include "loom/ops/linear_cross_entropy.h"
 #include "loom/parallel/tensor/tp_group.h"
 #include "model_test_util.h"
@@ -145,13 +146,14 @@ TEST(LinearCrossEntropy, RowLossesFrozenWeightsAndForwardsWithoutGradient) {
   EXPECT_LE(max_rel_diff(h.grad(), both.d_hidden), kFp64Bound);
 }
 
-TEST(LinearCrossEntropy, Bf16ProductsUnderAutocastAreWithinTheirRoundingOfFp64) {
-  // bf16 products: inputs rounded to bf16 (2^-9 each), fp32 accumulation, the logits rounded to
-  // bf16 (2^-9), so each logit errs by at most e = 3 * 2^-9 * sum_k |h_k| |w_k| (+ fp32 sums,
-  // 1%). The loss of a row moves by at most 2 max e (its log-sum-exp and its target's logit).
-  // The logits' gradient: its probabilities move by a factor exp(+-2e), then one bf16 rounding;
-  // d hidden = G W and d weight = Gᵀ H (each chunk's product rounded to bf16 before its fp32 sum)
-  // add three more roundings: |error| <= (|G| |W|) (2 (exp(2e) - 1) + 5 * 2^-9), likewise Gᵀ.
+// bf16 products: inputs rounded to bf16 (2^-9 each), fp32 accumulation, the logits rounded to
+// bf16 (2^-9), so each logit errs by at most e = 3 * 2^-9 * sum_k |h_k| |w_k| (+ fp32 sums,
+// 1%). The loss of a row moves by at most 2 max e (its log-sum-exp and its target's logit).
+// The logits' gradient: its probabilities move by a factor exp(+-2e), then one bf16 rounding;
+// d hidden = G W and d weight = Gᵀ H (each chunk's product rounded to bf16 before its fp32 sum)
+// add three more roundings: |error| <= (|G| |W|) (2 (exp(2e) - 1) + 5 * 2^-9), likewise Gᵀ.
+// Checked on `device` (the CPU's host reference, or CUDA's kernels) under bf16 autocast.
+void check_bf16_within_rounding_of_fp64(at::Device device) {
   const auto hidden = randn({40, 32}, 7);
   const auto weight = randn({300, 32}, 8, 0.3);
   const auto targets = make_targets({40}, 300, 9);
@@ -160,14 +162,14 @@ TEST(LinearCrossEntropy, Bf16ProductsUnderAutocastAreWithinTheirRoundingOfFp64) 
   const auto exact = run(hidden, weight, targets, 0, o);
   LossAndGrads got;
   {
-    loom::core::Bf16Autocast autocast(true, at::kCPU);
-    auto h = hidden.to(at::kFloat).requires_grad_();
-    auto w = weight.to(at::kFloat).requires_grad_();
+    loom::core::Bf16Autocast autocast(true, device.type());
+    auto h = hidden.to(device, at::kFloat).requires_grad_();
+    auto w = weight.to(device, at::kFloat).requires_grad_();
     EXPECT_EQ(ops::linear_cross_entropy_dtype(h, w), at::kBFloat16);
-    got.loss = ops::linear_cross_entropy(h, w, targets, o);
+    got.loss = ops::linear_cross_entropy(h, w, targets.to(device), o);
     got.loss.backward();
-    got.d_hidden = h.grad();
-    got.d_weight = w.grad();
+    got.d_hidden = h.grad().cpu();
+    got.d_weight = w.grad().cpu();
   }
   EXPECT_EQ(got.loss.scalar_type(), at::kFloat);
   EXPECT_EQ(got.d_hidden.scalar_type(), at::kFloat);
@@ -188,9 +190,21 @@ TEST(LinearCrossEntropy, Bf16ProductsUnderAutocastAreWithinTheirRoundingOfFp64) 
   EXPECT_TRUE((err_h <= bound_h).all().item<bool>());
   EXPECT_TRUE((err_w <= bound_w).all().item<bool>());
   if (std::getenv("LOOM_TEST_VERBOSE"))
-    std::printf("bf16 chunked: loss error %.3g (bound %.3g), gradients / bound %.3g, %.3g\n",
-                loss_error, 2 * e, (err_h / bound_h.clamp_min(1e-300)).max().item<double>(),
+    std::printf("bf16 chunked on %s: loss error %.3g (bound %.3g), gradients / bound %.3g, %.3g\n",
+                device.str().c_str(), loss_error, 2 * e,
+                (err_h / bound_h.clamp_min(1e-300)).max().item<double>(),
                 (err_w / bound_w.clamp_min(1e-300)).max().item<double>());
+}
+
+TEST(LinearCrossEntropy, Bf16ProductsUnderAutocastAreWithinTheirRoundingOfFp64) {
+  check_bf16_within_rounding_of_fp64(at::kCPU);
+}
+
+// The same on a GPU: cuBLAS's products and loom's cross-entropy kernels per chunk.
+TEST(LinearCrossEntropyGpu, Bf16ProductsUnderAutocastAreWithinTheirRoundingOfFp64) {
+  if (!ops::built_with_cuda() || ops::cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA device on this machine";
+  check_bf16_within_rounding_of_fp64(at::Device(at::kCUDA, 0));
 }
 
 TEST(LinearCrossEntropy, BadInputIsNamed) {

@@ -249,9 +249,10 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 at::Tensor flash_attention_packed(const at::Tensor& qkv, bool causal, double scale,
                                   const at::Tensor& first_key) {
-  LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
-             "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
-             qkv.sizes());
+  LOOM_CHECK(
+      qkv.dim() == 5 && qkv.size(2) == 3,
+      "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
+      qkv.sizes());
   const auto heads = packed_heads(qkv);
   check_supported(heads[0], heads[1], heads[2]);
   return FlashAttentionPackedFunction::apply(
@@ -292,9 +293,10 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 at::Tensor flash_attention_packed(const at::Tensor& qkv, bool, double, const at::Tensor&) {
-  LOOM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
-             "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
-             qkv.sizes());
+  LOOM_CHECK(
+      qkv.dim() == 5 && qkv.size(2) == 3,
+      "fused attention: a packed projection must be [batch, seq, 3, heads, head_dim]; got {}",
+      qkv.sizes());
   const auto heads = qkv.permute({2, 0, 3, 1, 4}).unbind(0);
   fail("fused attention cannot take these inputs: {}",
        *flash_attention_unsupported(heads[0], heads[1], heads[2], 0));
