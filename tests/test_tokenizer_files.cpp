@@ -265,6 +265,42 @@ TEST(SentencePieceTokenizer, MergesByScoreWithUserPiecesBytesAndUnknowns) {
             (std::vector<int32_t>{6, 0}));
 }
 
+// A darts-clone double array holding one rule, "A" -> "a": the root's children start at 1, so
+// 'A' (0x41) lands on unit 1 ^ 0x41 = 64, whose leaf flag points (offset 2) at unit 66 holding
+// the rule's value, the replacement's offset 0 in the strings that follow.
+std::string one_rule_charsmap() {
+  std::vector<uint32_t> units(67, 0);
+  units[0] = 1u << 10;
+  units[64] = (2u << 10) | (1u << 8) | 0x41u;
+  units[66] = (1u << 31) | 0u;
+  const auto trie_bytes = static_cast<uint32_t>(units.size() * 4);
+  std::string blob(4 + trie_bytes + 2, '\0');  // + the replacement "a" and its NUL
+  std::memcpy(blob.data(), &trie_bytes, 4);
+  std::memcpy(blob.data() + 4, units.data(), trie_bytes);
+  blob[4 + trie_bytes] = 'a';
+  return blob;
+}
+
+// Unigram models by hand: the best-scoring segmentation ("▁ab": ▁ + ab scores -1.1, beating
+// ▁a + b at -3.5 and ▁ + a + b at -6), user-defined pieces (score ~ -0.1) kept whole, unknown
+// characters as their bytes under byte fallback or one <unk> a run, and a precompiled
+// character map applied before (A -> a), not to user-defined pieces.
+TEST(SentencePieceTokenizer, UnigramModelsTakeTheBestSegmentationAfterTheCharacterMap) {
+  TempDir dir;
+  write_file(dir.path() / "bytes.model", sp_model(1, true));
+  write_file(dir.path() / "unk.model", sp_model(1, false, one_rule_charsmap()));
+  const SentencePieceTokenizer bytes(dir.path() / "bytes.model");
+  const SentencePieceTokenizer unk(dir.path() / "unk.model");
+  EXPECT_EQ(bytes.encode("ab"), (std::vector<int32_t>{3, 7}));
+  EXPECT_EQ(bytes.encode("a[X]"), (std::vector<int32_t>{6, 8}));
+  EXPECT_EQ(bytes.encode("aC"), (std::vector<int32_t>{6, 9}));
+  EXPECT_EQ(unk.encode("aC"), (std::vector<int32_t>{6, 0}));
+  EXPECT_EQ(unk.encode("DD b"), (std::vector<int32_t>{3, 0, 3, 5}));  // one <unk> for "DD"
+  EXPECT_EQ(unk.encode("Ab"), (std::vector<int32_t>{3, 7}));          // A -> a, then "▁ab"
+  EXPECT_EQ(bytes.encode("Ab"), (std::vector<int32_t>{3, 0, 5}));     // no map: A is unknown
+  EXPECT_EQ(unk.decode(unk.encode("Ab ab")), "ab ab");
+}
+
 TEST(SentencePieceTokenizer, RefusesWhatItCannotReadNamingTheFile) {
   TempDir dir;
   const auto refused = [&](const std::string& bytes, const std::string& part) {
@@ -274,8 +310,9 @@ TEST(SentencePieceTokenizer, RefusesWhatItCannotReadNamingTheFile) {
     EXPECT_TRUE(contains(message, "bad.model")) << message;
     EXPECT_TRUE(contains(message, part)) << message;
   };
-  refused(sp_model(1, true), "unigram");
-  refused(sp_model(2, true, "charsmap-bytes"), "precompiled");
+  refused(sp_model(3, true), "model type 3 is not supported");
+  refused(sp_model(2, true, "charsmap-bytes"), "precompiled character map: a trie of");
+  refused(sp_model(1, true, std::string("\x04\0\0\0\0\x04\0\0x", 9)), "do not end in a NUL");
   const std::string model = sp_model(2, true);
   refused(model.substr(0, model.size() / 2), "truncated");
   refused("", "no pieces");

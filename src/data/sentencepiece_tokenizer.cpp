@@ -2,12 +2,15 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <limits>
 #include <unordered_map>
 
 #include "bpe.h"
 #include "loom/core/error.h"
 #include "loom/core/files.h"
+#include "sentencepiece_charsmap.h"
 #include "utf8.h"
 
 namespace loom::data {
@@ -109,9 +112,22 @@ struct SentencePieceTokenizer::State {
   int32_t unk_id = 0, bos_id = 1;
   std::string unk_surface = " \xE2\x81\x87 ";
   bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+  SentencePieceCharsMap charsmap;  // empty: the identity normalizer
+  // Unigram: the normal pieces' lowest and highest scores (as the library takes them), and the
+  // longest piece in bytes.
+  float min_score = 0, max_score = 0;
+  size_t longest_piece = 0;
 
   void parse(std::string_view bytes);
+  // The library's normalizer (normalizer.cc): each prefix mapped by the character map (the
+  // longest rule; user-defined pieces pass as they are; malformed UTF-8 bytes become U+FFFD one
+  // at a time), leading, trailing and repeated spaces dropped, the dummy-prefix space, spaces
+  // escaped as U+2581.
   std::string normalize(std::string_view text) const;
+  // One normalized prefix of `text`: what it becomes and how many bytes it consumes.
+  std::pair<std::string_view, size_t> normalize_prefix(std::string_view text) const;
+  std::vector<int32_t> encode_bpe(std::string_view norm) const;
+  std::vector<int32_t> encode_unigram(std::string_view norm) const;
 };
 
 void SentencePieceTokenizer::State::parse(std::string_view bytes) {
@@ -178,14 +194,15 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
     }
   }
   LOOM_CHECK(!pieces.empty(), "{}: not a SentencePiece model (no pieces)", where);
-  LOOM_CHECK(model_type == 2,
-             "{}: SentencePiece model type {} is not supported: loom reads BPE models (type 2; "
-             "1 is unigram)",
+  LOOM_CHECK(model_type == 1 || model_type == 2,
+             "{}: SentencePiece model type {} is not supported: loom reads unigram (1) and BPE "
+             "(2) models (3 word and 4 char are not)",
              where, model_type);
-  LOOM_CHECK(charsmap.empty() && denormalizer_charsmap.empty(),
-             "{}: the model's normalizer '{}' carries a precompiled character map (e.g. NFKC), "
-             "which loom does not apply; only the identity normalizer is supported",
-             where, normalizer_name);
+  // A denormalizer (decode-time map) changes what decode gives; none of the library's presets
+  // has one.
+  LOOM_CHECK(denormalizer_charsmap.empty(),
+             "{}: the model has a denormalizer character map, which loom does not apply", where);
+  this->charsmap = SentencePieceCharsMap(charsmap, where);
   LOOM_CHECK(!treat_whitespace_as_suffix, "{}: treat_whitespace_as_suffix is not supported", where);
   const auto n = static_cast<int32_t>(pieces.size());
   LOOM_CHECK(unk_id >= 0 && unk_id < n, "{}: unk_id {} is outside the {} pieces", where, unk_id, n);
@@ -206,30 +223,62 @@ void SentencePieceTokenizer::State::parse(std::string_view bytes) {
   }
   std::stable_sort(user_defined.begin(), user_defined.end(),
                    [&](int32_t a, int32_t b) { return pieces[a].size() > pieces[b].size(); });
+  // The library's initial values (FLT_MAX, and FLT_MIN: the smallest positive float, so a
+  // user-defined piece scores about -0.1 whatever its length).
+  min_score = std::numeric_limits<float>::max();
+  max_score = std::numeric_limits<float>::min();
+  for (int32_t id = 0; id < n; ++id) {
+    if (types[id] == kNormal) {
+      min_score = std::min(min_score, scores[id]);
+      max_score = std::max(max_score, scores[id]);
+    }
+    longest_piece = std::max(longest_piece, pieces[id].size());
+  }
 }
 
-// The identity normalizer: optional removal of leading, trailing and repeated spaces, the dummy
-// prefix, and spaces escaped as U+2581.
+std::pair<std::string_view, size_t> SentencePieceTokenizer::State::normalize_prefix(
+    std::string_view text) const {
+  for (int32_t id : user_defined)
+    if (text.starts_with(pieces[id])) return {text.substr(0, pieces[id].size()), pieces[id].size()};
+  const auto match = charsmap.longest_prefix(text);
+  if (match.length > 0) return {match.replacement, match.length};
+  const auto c = utf8::at(text, 0);
+  if (c.cp < 0) return {"\xEF\xBF\xBD", 1};  // U+FFFD for one malformed byte
+  return {text.substr(0, c.size), c.size};
+}
+
 std::string SentencePieceTokenizer::State::normalize(std::string_view text) const {
   if (remove_extra_whitespaces) {
-    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
-    while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
+    while (!text.empty()) {
+      const auto [out, consumed] = normalize_prefix(text);
+      if (out != " ") break;
+      text.remove_prefix(consumed);
+    }
   }
   if (text.empty()) return {};
   const std::string_view space = escape_whitespaces ? kSpaceSymbol : std::string_view(" ");
   std::string out;
   out.reserve(text.size() + 8);
   if (add_dummy_prefix) out += space;
-  bool previous_space = false;
-  for (char c : text) {
-    if (c == ' ') {
-      if (!(remove_extra_whitespaces && previous_space)) out += space;
-      previous_space = true;
-    } else {
-      out.push_back(c);
-      previous_space = false;
+  bool previous_space = remove_extra_whitespaces;
+  while (!text.empty()) {
+    auto [piece, consumed] = normalize_prefix(text);
+    if (previous_space)
+      while (piece.starts_with(' ')) piece.remove_prefix(1);
+    if (!piece.empty()) {
+      for (char c : piece) {
+        if (c == ' ')
+          out += space;
+        else
+          out.push_back(c);
+      }
+      previous_space = piece.ends_with(' ');
     }
+    text.remove_prefix(consumed);
+    if (!remove_extra_whitespaces) previous_space = false;
   }
+  if (remove_extra_whitespaces)
+    while (std::string_view(out).ends_with(space)) out.erase(out.size() - space.size());
   return out;
 }
 
@@ -259,9 +308,76 @@ std::vector<Tokenizer::File> SentencePieceTokenizer::files() const {
 }
 
 std::vector<int32_t> SentencePieceTokenizer::encode(std::string_view text) const {
-  const State& s = *state_;
-  const std::string normalized = s.normalize(text);
-  const std::string_view norm = normalized;
+  const std::string normalized = state_->normalize(text);
+  return state_->model_type == 1 ? state_->encode_unigram(normalized)
+                                 : state_->encode_bpe(normalized);
+}
+
+// The library's optimized Viterbi (unigram_model.cc): the best-scoring segmentation into normal
+// and user-defined pieces (a user-defined piece scores length x max_score - 0.1), a character no
+// piece starts with as one unknown node of score min_score - 10 (a run of them one <unk>, or
+// their bytes under byte fallback); scores summed along each path in float, ties to the
+// segmentation found first. In long documents (path scores past ~1e5, where float's spacing is
+// ~0.01) the library was seen to keep the other of two equal-scoring segmentations (docs/data.md).
+std::vector<int32_t> SentencePieceTokenizer::State::encode_unigram(std::string_view norm) const {
+  struct Best {
+    int32_t id = -1;
+    float score = 0;
+    int64_t starts_at = -1;
+  };
+  const size_t size = norm.size();
+  std::vector<Best> ends_at(size + 1);
+  const float unk_score = min_score - 10.0f;
+  for (size_t start = 0; start < size;) {
+    const float till_here = ends_at[start].score;
+    // The library's character length: from the lead byte alone.
+    const size_t char_len = std::min<size_t>(
+        "\1\1\1\1\1\1\1\1\1\1\1\1\2\2\3\4"[static_cast<unsigned char>(norm[start]) >> 4],
+        size - start);
+    bool single = false;
+    for (size_t len = 1; len <= std::min(longest_piece, size - start); ++len) {
+      const auto it = by_text.find(norm.substr(start, len));
+      if (it == by_text.end()) continue;
+      const int32_t id = it->second;
+      if (types[id] != kNormal && types[id] != kUserDefined) continue;
+      Best& target = ends_at[start + len];
+      const float score = types[id] == kUserDefined
+                              ? static_cast<float>(static_cast<float>(len) * max_score - 0.1)
+                              : scores[id];
+      const float candidate = score + till_here;
+      if (target.starts_at < 0 || candidate > target.score)
+        target = {id, candidate, static_cast<int64_t>(start)};
+      single = single || len == char_len;
+    }
+    if (!single) {
+      Best& target = ends_at[start + char_len];
+      const float score = unk_score + till_here;
+      if (target.starts_at < 0 || score > target.score)
+        target = {unk_id, score, static_cast<int64_t>(start)};
+    }
+    start += char_len;
+  }
+  std::vector<int32_t> ids;
+  for (size_t end = size; end > 0;) {
+    const Best& node = ends_at[end];
+    const auto start = static_cast<size_t>(node.starts_at);
+    if (node.id == unk_id && byte_fallback) {
+      // Byte fallback: the unknown piece as its UTF-8 bytes, backwards like the path.
+      for (size_t b = end; b > start; --b) {
+        const int32_t byte_id = byte_ids[static_cast<unsigned char>(norm[b - 1])];
+        ids.push_back(byte_id >= 0 ? byte_id : unk_id);  // a byte the model lacks: <unk>
+      }
+    } else if (node.id != unk_id || ids.empty() || ids.back() != unk_id) {
+      ids.push_back(node.id);  // a run of unknown characters is one <unk>, as the library gives
+    }
+    end = start;
+  }
+  std::reverse(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<int32_t> SentencePieceTokenizer::State::encode_bpe(std::string_view norm) const {
+  const State& s = *this;
   // Characters, with user-defined pieces taken whole (longest first) and frozen.
   std::vector<BpeSymbol> symbols;
   for (size_t pos = 0; pos < norm.size();) {

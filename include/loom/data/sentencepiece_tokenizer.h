@@ -1,13 +1,17 @@
 #pragma once
 // A SentencePiece `.model` file (the protobuf ModelProto, read without protobuf) with a BPE
-// model and the identity normalizer: Llama 2, Mistral 7B and their relatives. Ids equal the
-// `sentencepiece` library's `encode(text)`; decode equals its `decode(ids)`.
+// model (Llama 2, Mistral 7B and their relatives) or a unigram model (T5, ALBERT, XLNet and the
+// library's default), with the identity normalizer or a precompiled character map (the
+// library's nmt_nfkc, nfkc and the like). Ids equal the `sentencepiece` library's
+// `encode(text)`; decode equals its `decode(ids)`.
 //
-// Encoding as the library does: the text normalized (optional collapse of extra spaces, a
-// dummy-prefix space, spaces escaped as U+2581), user-defined pieces matched first and kept
-// whole, then pieces merged pairwise by highest score (ties to the left), unknown pieces as
-// UTF-8 byte pieces <0xXX> under byte fallback or else one <unk> per run. Unigram models and
-// models with a precompiled normalization map (NFKC) are refused with the file named.
+// Encoding as the library does: the text normalized (the character map's longest rule at each
+// position, user-defined pieces left as they are; optional collapse of extra spaces, a
+// dummy-prefix space, spaces escaped as U+2581); then BPE: user-defined pieces matched first and
+// kept whole, pieces merged pairwise by highest score (ties to the left), unknown pieces as
+// UTF-8 byte pieces <0xXX> under byte fallback or else one <unk> per run; or unigram: the
+// best-scoring segmentation (Viterbi), a character no piece covers as <unk>, or its bytes under
+// byte fallback. Word and char models and denormalizer maps are refused with the file named.
 #include <filesystem>
 #include <memory>
 
