@@ -179,6 +179,7 @@ expect "--attention 'flash' is not valid: auto, fused, sdpa, math" "${run[@]}" -
 expect "--loss 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --loss fast
 expect "--norm 'fast' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --norm fast
 expect "--loss-chunk-rows 'some' is not valid: auto, off (whole logits) or a number of rows > 0" "${run[@]}" --data "$work/data/train.bin" --loss-chunk-rows some
+expect "--loss-chunk-rows 64 runs loom's fused cross-entropy passes, which --loss math turns off" "${run[@]}" --data "$work/data/train.bin" --loss-chunk-rows 64 --loss math
 expect "--sampling 'shuffle' is not valid: auto (epoch for a new run" "${run[@]}" --data "$work/data/train.bin" --sampling shuffle
 expect "--adamw fused: PyTorch's fused AdamW cannot hold the second moment frozen (--freeze-variance-after 5)" "${run[@]}" --data "$work/data/train.bin" --adamw fused --freeze-variance-after 5
 expect "--swiglu 'geglu' is not valid: auto, fused, math" "${run[@]}" --data "$work/data/train.bin" --swiglu geglu

@@ -236,6 +236,9 @@ TEST(FusedAttentionGpu, PackedProjectionMatchesTheHostReference) {
         auto b = bias.clone().requires_grad_();
         auto o = ops::attention_packed(
             x, {.causal = true, .first_key = masked ? first_key.to(cuda) : at::Tensor()}, b);
+        // The packed kernel ran (not three heads through attention()).
+        EXPECT_NE(o.grad_fn()->name().find("FlashAttentionPacked"), std::string::npos)
+            << o.grad_fn()->name();
         o.backward(d_o);
         const double tolerance = dtype == at::kBFloat16 ? 1.5e-2 : 2e-3;
         auto bound = [&](const at::Tensor& want) {

@@ -293,6 +293,7 @@ TEST_P(ChunkedLossModel, LossEveryGradientAndRowLossesEqualTheMathPathInFp64) {
   model->set_loss_chunk_rows(0);
   const auto [want_loss, want] = model_step(*model, tokens, targets, false);
   const auto want_rows = model->take_row_losses();
+  model->set_loss_backend(ops::LossBackend::kAuto);  // chunks run the fused passes
   model->set_loss_chunk_rows(c.chunk);
   EXPECT_EQ(model->resolved_loss_chunk_rows(48, at::kCPU), c.chunk);
   const auto [loss, got] = model_step(*model, tokens, targets, true);
@@ -350,6 +351,13 @@ TEST(ChunkedLossModel, AutoChunksOnlyLargeLogitsAndCustomHeadsAreRefused) {
   EXPECT_TRUE(contains(msg, "loss chunk rows -2 is not valid")) << msg;
   model->set_loss_chunk_rows(0);
   EXPECT_EQ(model->resolved_loss_chunk_rows(int64_t{1} << 40, at::kCPU), 0);
+  // The math loss backend: auto keeps whole logits, a number of rows is refused by name.
+  model->set_loss_backend(ops::LossBackend::kMath);
+  model->set_loss_chunk_rows(models::CausalLM::kAutoLossChunks);
+  EXPECT_EQ(model->resolved_loss_chunk_rows(int64_t{1} << 40, at::kCPU), 0);
+  model->set_loss_chunk_rows(64);
+  msg = error_of([&] { model->resolved_loss_chunk_rows(100, at::kCPU); });
+  EXPECT_TRUE(contains(msg, "the loss backend is 'math'")) << msg;
   // A custom model's head is its own: auto keeps whole logits, a number of rows is refused.
   auto custom = loom::testing::plain_lm()(nullptr);
   EXPECT_EQ(custom->resolved_loss_chunk_rows(int64_t{1} << 40, at::kCPU), 0);

@@ -111,6 +111,7 @@ at::Tensor CausalLM::chunked_token_loss(const at::Tensor& hidden, const at::Tens
   if (record) options.row_losses = &rows;
   auto loss = pt::vocab_parallel_linear_cross_entropy(hidden, unembedding_shard(), targets,
                                                       config_.vocab_size, *tp_, options);
+  ++chunked_losses_;
   if (record && tp_->rank() == 0)
     row_losses_.push_back({rows.to(at::kDouble).sum(1), targets.size(1)});
   return loss;
@@ -130,15 +131,22 @@ void CausalLM::set_loss_chunk_rows(int64_t rows) {
 
 int64_t CausalLM::resolved_loss_chunk_rows(int64_t rows, at::Device device) {
   if (config_.family == Family::kCustom || !part_.last || loss_chunk_rows_ == 0) return 0;
+  // The chunks run the fused loss's passes: --loss math asks for ATen's.
+  LOOM_CHECK(loss_chunk_rows_ < 0 || loss_backend_ != ops::LossBackend::kMath,
+             "loss chunks of {} rows run loom's fused cross-entropy passes; the loss backend is "
+             "'math' (use --loss auto or fused with --loss-chunk-rows, or --loss-chunk-rows off)",
+             loss_chunk_rows_);
   if (loss_chunk_rows_ > 0) return loss_chunk_rows_;
   const auto weight = unembedding_shard();
-  if (!weight.defined()) return 0;
+  if (!weight.defined() || loss_backend_ == ops::LossBackend::kMath) return 0;
   // The products' dtype: autocast's where it is on (never for fp64 weights).
   const auto dtype = weight.scalar_type() != at::kDouble &&
                              at::autocast::is_autocast_available(device.type()) &&
                              at::autocast::is_autocast_enabled(device.type())
                          ? at::autocast::get_autocast_dtype(device.type())
                          : weight.scalar_type();
+  // The CUDA kernels take fp32, fp16 and bf16 (an fp64 run on a GPU keeps whole logits).
+  if (device.is_cuda() && dtype == at::kDouble) return 0;
   const int64_t row_bytes = weight.size(0) * static_cast<int64_t>(c10::elementSize(dtype));
   constexpr int64_t kWholeUpTo = int64_t{2} << 30, kChunkBytes = int64_t{1} << 30;
   if (rows * row_bytes <= kWholeUpTo) return 0;

@@ -75,6 +75,10 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    // The gradients were made in the forward: they have no graph to differentiate again.
+    LOOM_CHECK(!at::GradMode::is_enabled(),
+               "linear cross-entropy: a backward that builds a graph (create_graph, double "
+               "backward) is not supported: the gradients are computed in the forward");
     const auto saved = ctx->get_saved_variables();
     const auto& g = grad_out[0];
     // The upstream gradient applied in the accumulation dtype (1 / micro-batches, say, is not a

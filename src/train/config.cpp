@@ -236,7 +236,10 @@ void TrainConfig::validate() const {
   const auto choices = ops::fused_choice_names();
   LOOM_CHECK(std::find(choices.begin(), choices.end(), loss) != choices.end(),
              "--loss '{}' is not valid: {}", loss, fmt::join(choices, ", "));
-  ops::parse_chunk_rows(loss_chunk_rows);
+  LOOM_CHECK(ops::parse_chunk_rows(loss_chunk_rows) <= 0 || loss != "math",
+             "--loss-chunk-rows {} runs loom's fused cross-entropy passes, which --loss math "
+             "turns off: use --loss auto or fused, or --loss-chunk-rows off",
+             loss_chunk_rows);
   LOOM_CHECK(std::find(choices.begin(), choices.end(), norm) != choices.end(),
              "--norm '{}' is not valid: {}", norm, fmt::join(choices, ", "));
   LOOM_CHECK(sampling == "auto" || sampling == "epoch" || sampling == "random",

@@ -90,6 +90,12 @@ TEST(TrainerMtp, LayoutsTrainLikeOneProcess) {
       {
         train::Trainer t(c, loom::testing::layout_mesh(layout.shape));
         run = run_mtp(t);
+        // The last part's losses ran chunked (training and validation forwards).
+        for (const auto& chunk : t.chunks()) {
+          if (chunk->part().last) {
+            EXPECT_GT(chunk->chunked_losses(), 0);
+          }
+        }
         if (saves) t.save_checkpoint();
       }
       const auto& distributed = run.result;

@@ -135,7 +135,10 @@ class CausalLM : public torch::nn::Module {
   void set_loss_chunk_rows(int64_t rows);
   int64_t loss_chunk_rows() const { return loss_chunk_rows_; }
   // The rows per chunk part_loss uses for a forward of `rows` rows on `device` (0: whole logits).
+  // loom::Error for a number of rows with the math loss backend (chunks run the fused passes).
   int64_t resolved_loss_chunk_rows(int64_t rows, at::Device device);
+  // How many losses this model has computed with the head in chunks (for logs and tests).
+  int64_t chunked_losses() const { return chunked_losses_; }
   // The parameter a last part holds as its own copy of the first part's tied embedding (its
   // gradient must be summed with the first part's), or "" when there is none.
   std::string tied_embedding_copy() const;
@@ -392,6 +395,7 @@ class CausalLM : public torch::nn::Module {
   at::Tensor chunked_token_loss(const at::Tensor& hidden, const at::Tensor& targets,
                                 int64_t chunk_rows);
   int64_t loss_chunk_rows_ = kAutoLossChunks;
+  int64_t chunked_losses_ = 0;
   bool defer_head_ = false;     // forward_part returns final_norm's output, not logits
   at::Tensor first_key_;        // of the forward_part running now
   at::Tensor trunk_first_key_;  // of the forward whose trunk the multi-token heads read
