@@ -19,7 +19,6 @@
 #include "loom/ops/precision.h"
 #include "loom/parallel/context/ring_attention.h"
 #include "loom/parallel/memory/activation_checkpoint.h"
-#include "loom/parallel/tensor/cross_entropy.h"
 #include "loom/parallel/tensor/layers.h"
 #include "loom/parallel/tensor/mappings.h"
 #include "loom/parallel/tensor/random.h"
