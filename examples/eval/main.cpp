@@ -45,12 +45,7 @@ int main(int argc, char** argv) {
     if (doc_mask) {
       const auto dir = std::filesystem::absolute(data).parent_path();
       const auto tokenizer = loom::data::load_tokenizer(dir);
-      const auto start = tokenizer->document_start();
-      LOOM_CHECK(start,
-                 "--doc-mask needs a tokenizer that puts a document-start token (BOS, "
-                 "<|endoftext|>) before each document; the {} tokenizer of {} has none",
-                 tokenizer->kind(), dir.string());
-      model->set_document_mask(*start);
+      model->set_document_mask(loom::data::document_start_for_mask(*tokenizer, dir));
     }
     loom::data::WindowSampler windows(shard, seq_len, /*seed=*/0);
     LOOM_CHECK(batches <= windows.num_sequential_windows(),

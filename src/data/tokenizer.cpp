@@ -456,6 +456,15 @@ std::vector<std::string> tokenizer_file_names() {
           "tokenizer.model"};
 }
 
+int32_t document_start_for_mask(const Tokenizer& tok, const fs::path& dir) {
+  const auto start = tok.document_start();
+  LOOM_CHECK(start,
+             "--doc-mask needs a tokenizer that puts a document-start token (BOS, "
+             "<|endoftext|>) before each document; the {} tokenizer of {} has none",
+             tok.kind(), dir.string());
+  return *start;
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& dir) {
   LOOM_CHECK(fs::is_directory(dir), "data directory {} does not exist", dir.string());
   const fs::path meta_path = dir / "meta.json";

@@ -122,14 +122,7 @@ Trainer::Trainer(TrainConfig config, dist::MeshPtr mesh, models::CustomModelFact
   std::shared_ptr<ops::AttentionChooser> chooser;
   // --doc-mask: each document begins at the tokenizer's document-start token.
   std::optional<int64_t> document_start;
-  if (config_.doc_mask) {
-    const auto start = tokenizer_->document_start();
-    LOOM_CHECK(start,
-               "--doc-mask needs a tokenizer that puts a document-start token (BOS, "
-               "<|endoftext|>) before each document; the {} tokenizer of {} has none",
-               tokenizer_->kind(), tokenizer_dir_.string());
-    document_start = *start;
-  }
+  if (config_.doc_mask) document_start = data::document_start_for_mask(*tokenizer_, tokenizer_dir_);
   if (device_.is_cuda() && config_.attention == "auto")
     chooser = std::make_shared<ops::AttentionChooser>(
         config_.save_dir.empty() ? std::string()

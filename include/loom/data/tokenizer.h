@@ -81,6 +81,9 @@ void copy_tokenizer_files(const Tokenizer& tok, const std::filesystem::path& dir
 void export_tokenizer_for_hf(const Tokenizer& tok, const std::filesystem::path& dir);
 // Reads what save_tokenizer_meta wrote. A directory without meta.json means "byte".
 std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& dir);
+// The document-start id a document mask (--doc-mask) splits windows at: tok.document_start(),
+// or a loom::Error naming the tokenizer's kind and `dir` (where it came from) when it has none.
+int32_t document_start_for_mask(const Tokenizer& tok, const std::filesystem::path& dir);
 // The names a data directory may hold for its tokenizer (meta.json and every kind's files).
 std::vector<std::string> tokenizer_file_names();
 
